@@ -1,0 +1,115 @@
+"""Every error kvstore raises derives from :class:`KVStoreError`.
+
+Subclasses also inherit the builtin that fits, so ``except KeyError`` and
+``except ValueError`` keep working for callers that do not know kvstore.
+"""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Root of every error raised by kvstore."""
+
+
+# --- roots -------------------------------------------------------------------
+
+
+class NotAStoreError(KVStoreError, FileNotFoundError):
+    """The path is not a kvstore root (or does not exist)."""
+
+
+class RootSettingsError(KVStoreError, ValueError):
+    """A root was opened with settings (hash, block size) other than its own."""
+
+
+class UnsupportedFilesystemError(KVStoreError, OSError):
+    """The root lies on a filesystem where LMDB locking is unsafe (NFS, CIFS)."""
+
+
+class ReadOnlyStoreError(KVStoreError, PermissionError):
+    """A write was attempted on a root that cannot be written."""
+
+
+class StoreFullError(KVStoreError, OSError):
+    """The disk or the index map is full; nothing partial was made visible."""
+
+
+class IndexStoreError(KVStoreError):
+    """An LMDB operation failed (wraps :class:`lmdb.Error`)."""
+
+
+# --- input -------------------------------------------------------------------
+
+
+class NamespaceRequiredError(KVStoreError, ValueError):
+    """A call had no namespace: neither its own nor the store's default."""
+
+
+class InvalidTokensError(KVStoreError, ValueError):
+    """Tokens must be a sequence of non-negative ints below 2**32 - 1."""
+
+
+class CacheMismatchError(KVStoreError, ValueError):
+    """The cache list is empty, or disagrees with the tokens or with itself."""
+
+
+class UnknownCacheTypeError(KVStoreError, TypeError):
+    """No codec handles this cache class."""
+
+    def __init__(self, cls_name: str) -> None:
+        super().__init__(f"no codec for cache class {cls_name!r}")
+        self.cls_name = cls_name
+
+
+class UnknownKindError(KVStoreError, KeyError):
+    """A manifest names a layer kind that no codec is registered for."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown kind"
+
+
+class InvalidDigestError(KVStoreError, ValueError):
+    """A digest is not 64 lowercase hex characters (or 32 raw bytes)."""
+
+
+# --- blocks and entries ------------------------------------------------------
+
+
+class BlockNotFoundError(KVStoreError, KeyError):
+    """A block file is missing (evicted, or never written)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "block not found"
+
+
+class CorruptBlockError(KVStoreError, ValueError):
+    """A block's bytes do not match its digest or its expected size."""
+
+    def __init__(self, path: str, expected: str, actual: str) -> None:
+        super().__init__(f"{path}: expected {expected}, got {actual}")
+        self.path = path
+        self.expected = expected
+        self.actual = actual
+
+
+class EntryNotFoundError(KVStoreError, KeyError):
+    """No entry has this id (or the id prefix is ambiguous)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "entry not found"
+
+
+class ManifestError(KVStoreError, ValueError):
+    """A manifest could not be decoded or is inconsistent."""
+
+
+# --- files (mlx-bun v3/v4/v5) ------------------------------------------------
+
+
+class FileFormatError(KVStoreError, ValueError):
+    """A cache file is malformed; the message names the file and the problem."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason

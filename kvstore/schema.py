@@ -1,0 +1,166 @@
+"""The manifest schema (format 5): msgspec Structs, encoded deterministically.
+
+A manifest describes one saved entry. Its layers are a tagged union keyed by
+``kind``; each layer lists its own tensors. Tensors with a token axis are cut
+into token blocks, the others are concatenated into state blocks; both lists
+of digests live in the manifest. The manifest is named by the digest of its
+msgpack encoding.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+from .errors import ManifestError
+
+FORMAT_VERSION = 5
+
+NonNeg = Annotated[int, Meta(ge=0)]
+
+
+class Namespace(Struct, frozen=True, kw_only=True):
+    """Which model, config, tokenizer and user namespace an entry belongs to."""
+
+    model_id: str
+    config_fingerprint: str = ""
+    tokenizer_hash: str = ""
+    ns: str = "default"
+
+
+class TensorSpec(Struct, frozen=True, kw_only=True):
+    """One tensor: its shape and dtype, and where its bytes live.
+
+    ``token_axis`` is set for tensors cut into token blocks (their length on
+    that axis is the entry's token count); ``state_offset`` is the byte offset
+    in the concatenated state stream for the others.
+    """
+
+    shape: tuple[NonNeg, ...]
+    dtype: str
+    token_axis: NonNeg | None = None
+    state_offset: NonNeg | None = None
+
+
+class _Layer(Struct, frozen=True, kw_only=True, tag_field="kind"):
+    tensors: tuple[TensorSpec, ...] = ()
+    # JSON object of fields a foreign format carries that mlx-lm has no place
+    # for (e.g. mlx-bun's minimumReusableOffset); written back unchanged.
+    extra: bytes = b""
+
+
+class KVLayer(_Layer, frozen=True, kw_only=True, tag="kv"):
+    offset: NonNeg
+
+
+class RotatingLayer(_Layer, frozen=True, kw_only=True, tag="rotating"):
+    offset: NonNeg
+    max_size: NonNeg
+    keep: NonNeg = 0
+    idx: NonNeg = 0
+
+
+class QuantizedLayer(_Layer, frozen=True, kw_only=True, tag="qkv"):
+    offset: NonNeg
+    group_size: NonNeg
+    bits: NonNeg
+
+
+class ChunkedLayer(_Layer, frozen=True, kw_only=True, tag="chunked"):
+    offset: NonNeg
+    chunk_size: NonNeg
+    start_position: NonNeg = 0
+
+
+class ArraysLayer(_Layer, frozen=True, kw_only=True, tag="arrays"):
+    """ArraysCache (and subclasses such as MambaCache): fixed-size state slots."""
+
+    cls: str = "ArraysCache"
+    size: NonNeg
+    present: tuple[bool, ...]  # which slots hold an array (None otherwise)
+    has_left_padding: bool = False
+    has_lengths: bool = False
+
+
+class ListLayer(_Layer, frozen=True, kw_only=True, tag="list"):
+    """CacheList: nested caches; their tensors follow depth-first."""
+
+    children: tuple[Layer, ...]
+
+
+class RawLayer(_Layer, frozen=True, kw_only=True, tag="raw"):
+    """A foreign cache kind with no mlx-lm class, kept losslessly.
+
+    ``source_kind`` is the foreign kind name (``mla``, ``paged``, …) and
+    ``fields`` the JSON object of its non-tensor fields, in original key order.
+    ``trimmable`` says whether a prefix of it can be served.
+    """
+
+    source_kind: str
+    fields: bytes = b"{}"
+    trimmable: bool = False
+
+
+Layer = Union[
+    KVLayer, RotatingLayer, QuantizedLayer, ChunkedLayer, ArraysLayer, ListLayer, RawLayer
+]
+
+
+class Attachment(Struct, frozen=True, kw_only=True):
+    """Extra tensors saved with an entry (mlx-bun v4 attachments)."""
+
+    schema: str
+    metadata: bytes = b"{}"  # JSON object, original key order
+    tensors: tuple[TensorSpec, ...] = ()
+
+
+class Manifest(Struct, frozen=True, kw_only=True):
+    """One saved entry. Tokens are packed u32 little-endian."""
+
+    format: int = FORMAT_VERSION
+    namespace: Namespace
+    codec: str
+    hash: str
+    block_tokens: NonNeg
+    state_block_bytes: NonNeg
+    created_at: NonNeg  # ms since the epoch
+    n_tokens: NonNeg
+    tokens: bytes
+    layers: tuple[Layer, ...]
+    token_blocks: tuple[bytes, ...] = ()
+    state_blocks: tuple[bytes, ...] = ()
+    state_bytes: NonNeg = 0
+    attachments: tuple[Attachment, ...] = ()
+    metadata: dict[str, str] = {}
+
+
+_encoder = msgspec.msgpack.Encoder(order="deterministic")
+_decoder = msgspec.msgpack.Decoder(Manifest)
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    """The deterministic msgpack encoding (what the manifest digest is taken of)."""
+    return _encoder.encode(m)
+
+
+def decode_manifest(data: bytes) -> Manifest:
+    """Decode and validate; a bad encoding is a :class:`ManifestError`."""
+    try:
+        m = _decoder.decode(data)
+    except msgspec.DecodeError as e:  # ValidationError is a DecodeError
+        raise ManifestError(f"cannot decode manifest: {e}") from e
+    if m.format != FORMAT_VERSION:
+        raise ManifestError(f"manifest format {m.format}, expected {FORMAT_VERSION}")
+    return m
+
+
+def iter_tensor_specs(layers: tuple[Layer, ...]) -> list[TensorSpec]:
+    """Every tensor of the layers, depth-first, in manifest order."""
+    out: list[TensorSpec] = []
+    for layer in layers:
+        out.extend(layer.tensors)
+        if isinstance(layer, ListLayer):
+            out.extend(iter_tensor_specs(layer.children))
+    return out
