@@ -221,8 +221,6 @@ def make_tiny_model(
     ``float16`` or ``bfloat16``); the KV cache follows it. The result loads with
     ``mlx_lm.load(str(path))`` without any network access.
     """
-    import mlx.nn as nn
-
     if kind not in KINDS:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
     out = Path(path)
@@ -231,7 +229,7 @@ def make_tiny_model(
     eos_id = SPECIAL_TOKENS.index("<|im_end|>")
     config = _config(kind, n_vocab, eos_id, hidden_size, num_layers, sliding_window)
     arch = importlib.import_module(f"mlx_lm.models.{kind}")
-    model: nn.Module = arch.Model(arch.ModelArgs.from_dict(config))
+    model = arch.Model(arch.ModelArgs.from_dict(config))
     weights = _init_parameters(model, seed, getattr(mx, dtype))
     # Round-trip through the model so the saved names are exactly what it loads.
     model.update(tree_unflatten(list(weights.items())))
