@@ -113,3 +113,48 @@ class FileFormatError(KVStoreError, ValueError):
         super().__init__(f"{path}: {reason}")
         self.path = path
         self.reason = reason
+
+
+class BadMagicError(FileFormatError):
+    """The file does not start with mlx-bun's magic ``MLXBUNKV2\\n``."""
+
+
+class TruncatedFileError(FileFormatError):
+    """The file ends before its prefix, its header or one of its tensors does."""
+
+
+class HeaderHashMismatchError(FileFormatError):
+    """The JSON header's Bun.hash differs from the one in the file's prefix."""
+
+
+class UnsupportedVersionError(FileFormatError):
+    """The header's ``formatVersion`` is not one kvstore reads (3, 4, 5)."""
+
+
+class CodecProviderMismatchError(FileFormatError):
+    """The header's ``codecProvider`` is not ``mlx-cache-v3``."""
+
+
+class NamespaceMismatchError(FileFormatError):
+    """The file belongs to another model, config, tokenizer or namespace."""
+
+
+class TensorOutOfBoundsError(FileFormatError):
+    """A tensor's byte range lies outside the file's data region."""
+
+
+class TensorShapeMismatchError(FileFormatError):
+    """A tensor's byte count disagrees with its shape and dtype (or its layer)."""
+
+
+class TensorHashMismatchError(FileFormatError):
+    """A tensor's (or a v5 block's) bytes do not match the hash the header lists."""
+
+    def __init__(self, path: str, reason: str, expected: str = "", actual: str = "") -> None:
+        super().__init__(path, reason)
+        self.expected = expected
+        self.actual = actual
+
+
+class BlockReferenceError(FileFormatError):
+    """A v5 tensor names a block that is malformed, missing or of the wrong size."""

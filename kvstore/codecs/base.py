@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import mlx.core as mx
+import msgspec
 
 from ..errors import UnknownCacheTypeError, UnknownKindError
-from ..schema import Layer
+from ..schema import Layer, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,22 @@ def codec_for_record(record: Any) -> Codec:
 def snapshot(cache: Any) -> Snapshot:
     """Snapshot any cache object through the registry."""
     return codec_for_cache(cache).snapshot(cache)
+
+
+def leaf(record: Layer, tensors: tuple[TensorData, ...]) -> Snapshot:
+    """A snapshot of a leaf layer: the record's tensor specs filled from ``tensors``.
+
+    Specs carry shape, dtype and token axis; the store places state tensors.
+    """
+    specs = tuple(
+        TensorSpec(
+            shape=td.shape,
+            dtype=str(td.array.dtype).removeprefix("mlx.core."),
+            token_axis=td.axis if td.token else None,
+        )
+        for td in tensors
+    )
+    return Snapshot(msgspec.structs.replace(record, tensors=specs), tensors)
 
 
 def step_capacity(n_tokens: int, step: int) -> int:

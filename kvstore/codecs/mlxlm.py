@@ -17,7 +17,16 @@ from ..schema import (
     QuantizedLayer,
     RotatingLayer,
 )
-from .base import Codec, Snapshot, TensorData, codec_for_record, register, snapshot, step_capacity
+from .base import (
+    Codec,
+    Snapshot,
+    TensorData,
+    codec_for_record,
+    leaf,
+    register,
+    snapshot,
+    step_capacity,
+)
 
 _SEQ = 2  # the token axis of [B, H, S, D] keys and values
 
@@ -51,7 +60,7 @@ class KVCodec(Codec):
         if cache.keys is None:
             raise CacheMismatchError("KVCache is empty (no keys)")
         n = int(cache.offset)
-        return Snapshot(
+        return leaf(
             KVLayer(offset=n, extra=_extra(cache)),
             (_live(cache, cache.keys, n, True), _live(cache, cache.values, n, True)),
         )
@@ -83,7 +92,7 @@ class QuantizedCodec(Codec):
         rec = QuantizedLayer(
             offset=n, group_size=int(cache.group_size), bits=int(cache.bits), extra=_extra(cache)
         )
-        return Snapshot(rec, tuple(parts))
+        return leaf(rec, tuple(parts))
 
     def load(self, record: Any, arrays: list[mx.array], n_tokens: int) -> Any:
         obj = C.QuantizedKVCache(group_size=record.group_size, bits=record.bits)
@@ -118,7 +127,7 @@ class RotatingCodec(Codec):
             idx=int(cache._idx),
             extra=_extra(cache),
         )
-        return Snapshot(rec, (_live(cache, cache.keys, rows, False),
+        return leaf(rec, (_live(cache, cache.keys, rows, False),
                               _live(cache, cache.values, rows, False)))
 
     def load(self, record: Any, arrays: list[mx.array], n_tokens: int) -> Any:
@@ -154,7 +163,7 @@ class ChunkedCodec(Codec):
             start_position=start,
             extra=_extra(cache),
         )
-        return Snapshot(rec, (_live(cache, cache.keys, rows, token),
+        return leaf(rec, (_live(cache, cache.keys, rows, token),
                               _live(cache, cache.values, rows, token)))
 
     def load(self, record: Any, arrays: list[mx.array], n_tokens: int) -> Any:
@@ -203,7 +212,7 @@ class ArraysCodec(Codec):
             has_lengths=lengths is not None,
             extra=_extra(cache),
         )
-        return Snapshot(rec, tuple(parts))
+        return leaf(rec, tuple(parts))
 
     def load(self, record: Any, arrays: list[mx.array], n_tokens: int) -> Any:
         cls = _arrays_classes().get(record.cls, C.ArraysCache)

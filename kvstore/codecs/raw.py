@@ -8,7 +8,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..schema import RawLayer
-from .base import Codec, Snapshot, TensorData, register
+from .base import Codec, Snapshot, TensorData, leaf, register
 
 
 @dataclass
@@ -43,7 +43,7 @@ class RawCodec(Codec):
             trimmable=False,
             extra=cache.kvstore_extra,
         )
-        return Snapshot(rec, tuple(TensorData(t) for t in cache.tensors))
+        return leaf(rec, tuple(TensorData(t) for t in cache.tensors))
 
     def load(self, record: Any, arrays: list[mx.array], n_tokens: int) -> Any:
         return RawCache(

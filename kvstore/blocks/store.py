@@ -1,0 +1,207 @@
+"""Content-addressed block files under ``<root>/blocks/ab/<64 hex>``.
+
+Blocks are immutable: a block that exists is never rewritten (new blocks are
+linked into place, which fails rather than replaces). Writes go to ``tmp/``
+on the same filesystem, are fsynced when the root is durable, then linked
+into place; the fan-out directories are fsynced once per batch.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import secrets
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+from ..errors import BlockNotFoundError, CorruptBlockError, StoreFullError
+from .hashing import Digest, check_digest, new_hasher
+
+Buffer = bytes | memoryview
+_IOV_MAX = 1024
+_counter = itertools.count()
+
+
+def _write_all(fd: int, pieces: Sequence[Buffer]) -> int:
+    """``writev`` every piece, coping with IOV_MAX and short writes."""
+    total = 0
+    pending = [memoryview(p).cast("B") for p in pieces if len(p)]
+    while pending:
+        batch = pending[:_IOV_MAX]
+        n = os.writev(fd, batch)
+        total += n
+        # drop what was written, keep the rest (a short write leaves a tail)
+        rest: list[memoryview] = []
+        for i, p in enumerate(batch):
+            if n >= len(p):
+                n -= len(p)
+                continue
+            rest.append(p[n:])
+            rest.extend(batch[i + 1 :])
+            break
+        pending = rest + pending[_IOV_MAX:]
+    return total
+
+
+class BlockStore:
+    """Block files by digest; knows nothing of tokens or caches."""
+
+    def __init__(self, root: Path, algo: str, *, durable: bool = True) -> None:
+        self.root = root
+        self.algo = algo
+        self.durable = durable
+        self.blocks_dir = root / "blocks"
+        self.tmp_dir = root / "tmp"
+        self.quarantine_dir = root / "quarantine"
+
+    # --- paths -----------------------------------------------------------
+
+    def path(self, digest: bytes) -> Path:
+        """The file of ``digest``; the digest is validated before the path is built."""
+        hx = check_digest(digest).hex()
+        return self.blocks_dir / hx[:2] / hx
+
+    def exists(self, digest: bytes) -> bool:
+        return self.path(digest).exists()
+
+    def size(self, digest: bytes) -> int | None:
+        try:
+            return self.path(digest).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def freshen(self, digest: bytes) -> bool:
+        """Touch an existing block's mtime (so a grace period spares it); False if missing."""
+        try:
+            os.utime(self.path(digest))
+            return True
+        except FileNotFoundError:
+            return False
+
+    # --- writes ----------------------------------------------------------
+
+    def write_tmp(self, pieces: Sequence[Buffer]) -> Path:
+        """Write ``pieces`` to a new temp file (fsynced when durable); returns its path."""
+        name = f"{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}.tmp"
+        tmp = self.tmp_dir / name
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(fd, pieces)
+                if self.durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFullError(f"{self.root}: no space left writing a block") from e
+            raise
+        return tmp
+
+    def publish(self, tmp: Path, digest: bytes) -> tuple[bool, Path]:
+        """Link a temp file into place as ``digest``; never replaces an existing block.
+
+        Returns (True, fan-out dir) when this call created the block.
+        """
+        final = self.path(digest)
+        final.parent.mkdir(exist_ok=True)
+        try:
+            os.link(tmp, final)
+            created = True
+        except FileExistsError:
+            created = False
+        finally:
+            tmp.unlink(missing_ok=True)
+        return created, final.parent
+
+    def sync_dirs(self, dirs: Iterable[Path]) -> None:
+        """fsync directories so new names survive a crash (no-op when not durable)."""
+        if not self.durable:
+            return
+        for d in set(dirs):
+            fd = os.open(d, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def put(self, digest: bytes, pieces: Sequence[Buffer]) -> bool:
+        """Store one block unless it exists; True when it was written now."""
+        if self.exists(digest):
+            return False
+        created, parent = self.publish(self.write_tmp(pieces), digest)
+        self.sync_dirs([parent])
+        return created
+
+    # --- reads -----------------------------------------------------------
+
+    def open(self, digest: bytes) -> int:
+        """An O_RDONLY fd of the block (the caller closes it)."""
+        try:
+            return os.open(self.path(digest), os.O_RDONLY)
+        except FileNotFoundError:
+            raise BlockNotFoundError(f"block {digest.hex()} is missing") from None
+
+    def get(self, digest: bytes, *, verify: bool = True) -> bytes:
+        """The block's bytes, checked against its digest when ``verify``."""
+        path = self.path(digest)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise BlockNotFoundError(f"block {digest.hex()} is missing") from None
+        if verify:
+            self.check(digest, data)
+        return data
+
+    def check(self, digest: bytes, data: Buffer) -> None:
+        """Raise CorruptBlockError when ``data`` does not hash to ``digest``."""
+        h = new_hasher(self.algo)
+        h.update(data)
+        got = h.digest()
+        if got != digest:
+            raise CorruptBlockError(str(self.path(digest)), digest.hex(), got.hex())
+
+    def hash_file(self, digest: bytes) -> bytes:
+        """The digest of the block file's current bytes."""
+        h = new_hasher(self.algo)
+        with open(self.path(digest), "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        return h.digest()
+
+    # --- deletion and listing ----------------------------------------------
+
+    def delete(self, digest: bytes) -> bool:
+        """Unlink the block; False when it was already gone."""
+        try:
+            self.path(digest).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def quarantine(self, digest: bytes) -> Path | None:
+        """Move a (corrupt) block aside into ``quarantine/``."""
+        self.quarantine_dir.mkdir(exist_ok=True)
+        dest = self.quarantine_dir / digest.hex()
+        try:
+            os.replace(self.path(digest), dest)
+        except FileNotFoundError:
+            return None
+        return dest
+
+    def __iter__(self) -> Iterator[Digest]:
+        """Every block file's digest (names that are not digests are skipped)."""
+        if not self.blocks_dir.is_dir():
+            return
+        for fan in sorted(self.blocks_dir.iterdir()):
+            if len(fan.name) != 2 or not fan.is_dir():
+                continue
+            for f in fan.iterdir():
+                name = f.name
+                if len(name) == 64 and name.startswith(fan.name):
+                    try:
+                        yield check_digest(bytes.fromhex(name))
+                    except ValueError:
+                        continue

@@ -1,0 +1,23 @@
+"""The LMDB index: manifests, prefix keys, refcounts, stats."""
+
+from .lmdb_index import (
+    DEFAULT_MAP_SIZE,
+    DeletePlan,
+    EntryRecord,
+    Index,
+    RefInfo,
+    SavePlan,
+    Totals,
+    now_ms,
+)
+
+__all__ = [
+    "DEFAULT_MAP_SIZE",
+    "DeletePlan",
+    "EntryRecord",
+    "Index",
+    "RefInfo",
+    "SavePlan",
+    "Totals",
+    "now_ms",
+]

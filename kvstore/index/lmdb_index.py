@@ -1,0 +1,384 @@
+"""The LMDB index: manifests, prefix keys, exact keys, refcounts, entries, totals.
+
+It stores manifests as opaque bytes together with the block digests and keys
+they reference; it never decodes a manifest itself (callers pass plans).
+One environment per process and path, reopened after ``fork``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgspec
+
+from ..errors import IndexStoreError, StoreFullError
+
+DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; the file grows as needed
+_REF = struct.Struct("<QQQ")  # refcount, size, zero_since_ms
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class EntryRecord(msgspec.Struct, kw_only=True):
+    """Per-entry bookkeeping used for listing and eviction."""
+
+    namespace: str
+    n_tokens: int
+    logical_bytes: int
+    created_at: int
+    last_access: int
+    hits: int = 0
+    priority: int = 0  # 0 assistant (evicted first), 1 user, 2 system
+
+
+class Totals(msgspec.Struct, kw_only=True):
+    entries: int = 0
+    blocks: int = 0
+    logical_bytes: int = 0
+    physical_bytes: int = 0
+    hits: int = 0
+    lookups: int = 0
+
+
+@dataclass(frozen=True)
+class RefInfo:
+    refcount: int
+    size: int
+    zero_since: int
+
+
+def _pack_ref(r: RefInfo) -> bytes:
+    return _REF.pack(r.refcount, r.size, r.zero_since)
+
+
+def _unpack_ref(b: bytes) -> RefInfo:
+    return RefInfo(*_REF.unpack(b))
+
+
+@dataclass
+class SavePlan:
+    """Everything one save commits, computed before the transaction."""
+
+    digest: bytes
+    manifest: bytes
+    blocks: dict[bytes, int]  # distinct digest -> size
+    prefix_items: list[tuple[bytes, bytes]]
+    exact_key: bytes
+    entry: EntryRecord
+    # called inside the write transaction for a block with no refs record:
+    # must make sure the file is on disk (rewrite it when a GC removed it)
+    ensure_block: Callable[[bytes], None] = field(default=lambda d: None)
+
+
+@dataclass
+class DeletePlan:
+    """What removing one entry takes away (derived from its manifest)."""
+
+    blocks: list[bytes]
+    prefix_items: list[tuple[bytes, bytes]]
+    exact_key: bytes
+
+
+_enc = msgspec.msgpack.Encoder()
+_entry_dec = msgspec.msgpack.Decoder(EntryRecord)
+_totals_dec = msgspec.msgpack.Decoder(Totals)
+
+_lock = threading.Lock()
+_ENVS: dict[str, tuple[int, lmdb.Environment, int]] = {}
+
+
+def _open_env(path: Path, *, durable: bool, map_size: int, readonly: bool) -> lmdb.Environment:
+    key = str(path.resolve())
+    with _lock:
+        pid = os.getpid()
+        held = _ENVS.get(key)
+        if held and held[0] == pid:
+            _ENVS[key] = (pid, held[1], held[2] + 1)
+            return held[1]
+        env = lmdb.open(
+            key,
+            map_size=map_size,
+            max_dbs=8,
+            max_readers=1024,
+            subdir=True,
+            sync=durable,
+            metasync=durable,
+            readonly=readonly,
+            lock=True,
+            readahead=False,
+            create=not readonly,
+        )
+        env.reader_check()  # clear reader slots of dead processes
+        _ENVS[key] = (pid, env, 1)
+        return env
+
+
+def _close_env(path: Path) -> None:
+    key = str(path.resolve())
+    with _lock:
+        held = _ENVS.get(key)
+        if not held or held[0] != os.getpid():
+            return
+        if held[2] > 1:
+            _ENVS[key] = (held[0], held[1], held[2] - 1)
+            return
+        del _ENVS[key]
+        held[1].close()
+
+
+class Index:
+    """The LMDB environment of one root and its named databases."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        durable: bool = True,
+        map_size: int = DEFAULT_MAP_SIZE,
+        readonly: bool = False,
+    ) -> None:
+        self.path = path
+        self._opts = dict(durable=durable, map_size=map_size, readonly=readonly)
+        self._pid = -1
+        self._env: lmdb.Environment | None = None
+        self._dbs: dict[str, Any] = {}
+        self._ensure()
+
+    def _ensure(self) -> lmdb.Environment:
+        if self._env is not None and self._pid == os.getpid():
+            return self._env
+        try:
+            env = _open_env(self.path, **self._opts)  # type: ignore[arg-type]
+            ro = bool(self._opts["readonly"])
+            self._dbs = {
+                name: env.open_db(name.encode(), dupsort=(name == "prefix"), create=not ro)
+                for name in ("manifests", "prefix", "exact", "refs", "entries", "meta")
+            }
+        except lmdb.Error as e:
+            raise IndexStoreError(f"{self.path}: cannot open the index: {e}") from e
+        self._env, self._pid = env, os.getpid()
+        return env
+
+    def close(self) -> None:
+        if self._env is not None and self._pid == os.getpid():
+            _close_env(self.path)
+        self._env = None
+
+    # --- transactions ------------------------------------------------------
+
+    @contextmanager
+    def read(self) -> Iterator[lmdb.Transaction]:
+        env = self._ensure()
+        try:
+            with env.begin(buffers=False) as txn:
+                yield txn
+        except lmdb.Error as e:
+            raise IndexStoreError(f"{self.path}: {e}") from e
+
+    @contextmanager
+    def write(self) -> Iterator[lmdb.Transaction]:
+        env = self._ensure()
+        try:
+            with env.begin(write=True) as txn:
+                yield txn
+        except lmdb.MapFullError as e:
+            raise StoreFullError(f"{self.path}: the index map is full; run kvstore compact") from e
+        except lmdb.Error as e:
+            raise IndexStoreError(f"{self.path}: {e}") from e
+
+    def db(self, name: str) -> Any:
+        self._ensure()
+        return self._dbs[name]
+
+    # --- meta ----------------------------------------------------------------
+
+    def get_meta(self, key: bytes, txn: lmdb.Transaction | None = None) -> bytes | None:
+        if txn is not None:
+            v = txn.get(key, db=self.db("meta"))
+            return bytes(v) if v is not None else None
+        with self.read() as t:
+            return self.get_meta(key, t)
+
+    def put_meta(self, key: bytes, value: bytes) -> None:
+        with self.write() as txn:
+            txn.put(key, value, db=self.db("meta"))
+
+    def totals(self, txn: lmdb.Transaction | None = None) -> Totals:
+        raw = self.get_meta(b"totals", txn)
+        return _totals_dec.decode(raw) if raw else Totals()
+
+    def _put_totals(self, txn: lmdb.Transaction, t: Totals) -> None:
+        txn.put(b"totals", _enc.encode(t), db=self.db("meta"))
+
+    def count_lookup(self, hit: bool) -> None:
+        with self.write() as txn:
+            t = self.totals(txn)
+            t.lookups += 1
+            t.hits += int(hit)
+            self._put_totals(txn, t)
+
+    # --- reads -----------------------------------------------------------------
+
+    def get_manifest(self, digest: bytes, txn: lmdb.Transaction) -> bytes | None:
+        v = txn.get(digest, db=self.db("manifests"))
+        return bytes(v) if v is not None else None
+
+    def find_exact(self, key: bytes, txn: lmdb.Transaction) -> bytes | None:
+        v = txn.get(key, db=self.db("exact"))
+        return bytes(v) if v is not None else None
+
+    def has_prefix(self, key: bytes, txn: lmdb.Transaction) -> bool:
+        return txn.get(key, db=self.db("prefix")) is not None
+
+    def neighbors(
+        self, key: bytes, probe: bytes, limit: int, txn: lmdb.Transaction
+    ) -> tuple[list[bytes], list[bytes]]:
+        """Values stored under ``key`` nearest to ``probe`` in sorted order.
+
+        Returns (values before ``probe``, nearest first; values at or after it,
+        nearest first), at most ``limit`` each. Cost is one seek plus ``limit``
+        steps, whatever the number of values under the key.
+        """
+        cur = txn.cursor(db=self.db("prefix"))
+        if not cur.set_key(key):
+            return [], []
+        after: list[bytes] = []
+        before: list[bytes] = []
+        if cur.set_range_dup(key, probe):
+            after.append(bytes(cur.value()))
+            while len(after) < limit and cur.next_dup():
+                after.append(bytes(cur.value()))
+            cur.set_range_dup(key, probe)
+            while len(before) < limit and cur.prev_dup():
+                before.append(bytes(cur.value()))
+        else:
+            cur.set_key(key)
+            cur.last_dup()
+            before.append(bytes(cur.value()))
+            while len(before) < limit and cur.prev_dup():
+                before.append(bytes(cur.value()))
+        return before, after
+
+    def get_entry(self, digest: bytes, txn: lmdb.Transaction) -> EntryRecord | None:
+        v = txn.get(digest, db=self.db("entries"))
+        return _entry_dec.decode(v) if v is not None else None
+
+    def iter_entries(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, EntryRecord]]:
+        for k, v in txn.cursor(db=self.db("entries")):
+            yield bytes(k), _entry_dec.decode(v)
+
+    def get_ref(self, digest: bytes, txn: lmdb.Transaction) -> RefInfo | None:
+        v = txn.get(digest, db=self.db("refs"))
+        return _unpack_ref(v) if v is not None else None
+
+    def iter_refs(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, RefInfo]]:
+        for k, v in txn.cursor(db=self.db("refs")):
+            yield bytes(k), _unpack_ref(v)
+
+    # --- writes ------------------------------------------------------------------
+
+    def touch_entry(self, digest: bytes, *, hit: bool) -> None:
+        """Record an access (restore) of an entry: last access, hits."""
+        with self.write() as txn:
+            rec = self.get_entry(digest, txn)
+            if rec is None:
+                return
+            rec.last_access = now_ms()
+            rec.hits += int(hit)
+            txn.put(digest, _enc.encode(rec), db=self.db("entries"))
+
+    def commit_save(self, plan: SavePlan, *, before_commit: Callable[[], None] | None = None) -> bool:
+        """Commit one save in one write transaction; False when the exact entry existed."""
+        with self.write() as txn:
+            existing = self.find_exact(plan.exact_key, txn)
+            if existing is not None and self.get_manifest(existing, txn) is not None:
+                return False
+            t = self.totals(txn)
+            refs = self.db("refs")
+            for d, size in plan.blocks.items():
+                raw = txn.get(d, db=refs)
+                if raw is None:
+                    plan.ensure_block(d)  # a GC may have removed it: rewrite
+                    ref = RefInfo(1, size, 0)
+                    t.blocks += 1
+                    t.physical_bytes += size
+                else:
+                    old = _unpack_ref(raw)
+                    ref = RefInfo(old.refcount + 1, old.size, 0)
+                txn.put(d, _pack_ref(ref), db=refs)
+            txn.put(plan.digest, plan.manifest, db=self.db("manifests"))
+            prefix = self.db("prefix")
+            for k, v in plan.prefix_items:
+                txn.put(k, v, db=prefix, dupdata=True)
+            txn.put(plan.exact_key, plan.digest, db=self.db("exact"))
+            txn.put(plan.digest, _enc.encode(plan.entry), db=self.db("entries"))
+            t.entries += 1
+            t.logical_bytes += plan.entry.logical_bytes
+            self._put_totals(txn, t)
+            if before_commit is not None:
+                before_commit()
+        return True
+
+    def remove_entry(
+        self,
+        txn: lmdb.Transaction,
+        digest: bytes,
+        plan: DeletePlan,
+    ) -> list[bytes]:
+        """Drop an entry and its references inside ``txn``; returns blocks now at zero."""
+        rec = self.get_entry(digest, txn)
+        t = self.totals(txn)
+        refs = self.db("refs")
+        zeroed: list[bytes] = []
+        stamp = now_ms()
+        for d in plan.blocks:
+            raw = txn.get(d, db=refs)
+            if raw is None:
+                continue
+            old = _unpack_ref(raw)
+            count = max(old.refcount - 1, 0)
+            txn.put(d, _pack_ref(RefInfo(count, old.size, stamp if count == 0 else 0)), db=refs)
+            if count == 0:
+                zeroed.append(d)
+        prefix = self.db("prefix")
+        for k, v in plan.prefix_items:
+            txn.delete(k, v, db=prefix)
+        if self.find_exact(plan.exact_key, txn) == digest:
+            txn.delete(plan.exact_key, db=self.db("exact"))
+        txn.delete(digest, db=self.db("manifests"))
+        if txn.delete(digest, db=self.db("entries")):
+            t.entries -= 1
+            t.logical_bytes -= rec.logical_bytes if rec else 0
+        self._put_totals(txn, t)
+        return zeroed
+
+    def drop_ref(self, txn: lmdb.Transaction, digest: bytes) -> RefInfo | None:
+        """Remove a block's refs record (its file is unlinked by the caller, in ``txn``)."""
+        refs = self.db("refs")
+        raw = txn.get(digest, db=refs)
+        if raw is None:
+            return None
+        ref = _unpack_ref(raw)
+        txn.delete(digest, db=refs)
+        t = self.totals(txn)
+        t.blocks -= 1
+        t.physical_bytes -= ref.size
+        self._put_totals(txn, t)
+        return ref
+
+    def put_ref(self, txn: lmdb.Transaction, digest: bytes, ref: RefInfo) -> None:
+        txn.put(digest, _pack_ref(ref), db=self.db("refs"))
+
+    def put_totals(self, txn: lmdb.Transaction, t: Totals) -> None:
+        self._put_totals(txn, t)

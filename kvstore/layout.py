@@ -1,0 +1,93 @@
+"""Where each tensor's bytes go: token blocks and state blocks.
+
+Token block *i* holds rows ``[i*T, (i+1)*T)`` of every token-axis tensor, each
+as the row-major bytes of its slice, concatenated in manifest order. The other
+tensors are concatenated into a state stream cut into fixed-size blocks. The
+same arithmetic serves writing (which memory runs form a block) and reading
+(which file ranges fill a restored array).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .schema import TensorSpec
+
+_ITEMSIZE = {
+    "bool": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
+    "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8,
+}
+
+
+def dtype_name(dt: mx.Dtype) -> str:
+    return str(dt).removeprefix("mlx.core.")
+
+
+def itemsize(dtype: str) -> int:
+    return _ITEMSIZE[dtype]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A tensor seen as ``outer`` runs of ``rows`` rows of ``row_bytes`` each.
+
+    For a token tensor the rows are the token axis; a state tensor is one run.
+    """
+
+    outer: int
+    rows: int
+    row_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.outer * self.rows * self.row_bytes
+
+
+def geometry(shape: Sequence[int], dtype: str, axis: int | None) -> Geometry:
+    size = itemsize(dtype)
+    if axis is None:
+        return Geometry(1, 1, math.prod(shape) * size)
+    return Geometry(math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :]) * size)
+
+
+def spec_nbytes(spec: TensorSpec) -> int:
+    return math.prod(spec.shape) * itemsize(spec.dtype)
+
+
+def n_token_blocks(n_tokens: int, block_tokens: int) -> int:
+    return -(-n_tokens // block_tokens)
+
+
+def block_rows(b: int, n_tokens: int, block_tokens: int) -> int:
+    """Rows of token block ``b`` of an entry of ``n_tokens`` tokens."""
+    return min(n_tokens - b * block_tokens, block_tokens)
+
+
+def token_block_size(specs: Sequence[TensorSpec], b: int, n_tokens: int, T: int) -> int:
+    rows = block_rows(b, n_tokens, T)
+    total = 0
+    for s in specs:
+        if s.token_axis is not None:
+            g = geometry(s.shape, s.dtype, s.token_axis)
+            total += g.outer * rows * g.row_bytes
+    return total
+
+
+def state_block_sizes(state_bytes: int, block_bytes: int) -> list[int]:
+    full, rest = divmod(state_bytes, block_bytes)
+    return [block_bytes] * full + ([rest] if rest else [])
+
+
+def manifest_block_sizes(
+    specs: Sequence[TensorSpec], n_tokens: int, T: int, state_bytes: int, state_block: int
+) -> tuple[list[int], list[int]]:
+    """Expected sizes of an entry's token blocks and state blocks."""
+    tok = [token_block_size(specs, b, n_tokens, T) for b in range(n_token_blocks(n_tokens, T))]
+    if not any(s.token_axis is not None for s in specs):
+        tok = []
+    return tok, state_block_sizes(state_bytes, state_block)

@@ -1,0 +1,559 @@
+"""mlx-lm integration: a persistent drop-in for ``mlx_lm``'s ``LRUPromptCache``.
+
+`PersistentPromptCache` keeps mlx-lm's in-memory LRU tier and puts the disk
+store behind it. A fetch that the memory tier cannot answer in full falls
+through to the store; an insert goes to memory at once and to disk from a
+background thread (write-behind), so a request never waits on the disk.
+
+Each ``model_key`` (mlx-lm's server passes ``(model_path, adapter_path,
+draft_model_path)``) maps to a store `Namespace` whose fingerprint covers the
+model's config and weights (and the adapter's and draft model's), so two models
+never exchange caches and a changed model never gets a stale one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import hashlib
+import json
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models import cache as _cache
+
+from kvstore import Namespace, Store
+
+__all__ = [
+    "PersistStats",
+    "PersistentPromptCache",
+    "fingerprint_model",
+    "fingerprint_model_dir",
+    "namespace_for_path",
+]
+
+logger = logging.getLogger(__name__)
+
+_SAMPLE_WINDOWS = 16
+_SAMPLE_BYTES = 4096
+_WHOLE_FILE_BYTES = 1 << 20
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "tiktoken.model",
+)
+
+
+# --- fingerprints ----------------------------------------------------------------
+
+
+def _digest_file(h: Any, path: Path) -> None:
+    """Feed a cheap but change-sensitive digest of `path` into `h`.
+
+    Small files are hashed whole. For a large safetensors file the header (names,
+    shapes, dtypes, offsets) is hashed whole, plus the size and evenly spaced
+    windows of the data, so a changed checkpoint is caught without reading GBs.
+    """
+    size = path.stat().st_size
+    h.update(f"{path.name}\0{size}\0".encode())
+    with path.open("rb") as f:
+        if size <= _WHOLE_FILE_BYTES:
+            h.update(f.read())
+            return
+        start = 0
+        if path.suffix == ".safetensors":
+            n = int.from_bytes(f.read(8), "little")
+            if 0 < n < size:
+                h.update(f.read(n))
+                start = 8 + n
+        span = max(1, size - start - _SAMPLE_BYTES)
+        for i in range(_SAMPLE_WINDOWS):
+            f.seek(start + span * i // (_SAMPLE_WINDOWS - 1))
+            h.update(f.read(_SAMPLE_BYTES))
+
+
+def fingerprint_model_dir(path: str | Path) -> tuple[str, str]:
+    """Return ``(config_fingerprint, tokenizer_hash)`` of an mlx-lm model or adapter dir.
+
+    The config fingerprint covers ``config.json`` / ``adapter_config.json`` and a
+    digest of every ``*.safetensors`` file; the tokenizer hash covers the
+    tokenizer files (empty when there are none, as for an adapter).
+    """
+    root = Path(path)
+    h = hashlib.sha256(b"kvstore-model-v1\0")
+    found = False
+    for name in ("config.json", "adapter_config.json"):
+        if (root / name).is_file():
+            _digest_file(h, root / name)
+            found = True
+    weights = sorted(root.glob("*.safetensors"))
+    for w in weights:
+        _digest_file(h, w)
+    if not found and not weights:
+        raise FileNotFoundError(f"{root}: no config.json, adapter_config.json or *.safetensors")
+    t = hashlib.sha256(b"kvstore-tokenizer-v1\0")
+    tok_found = False
+    for name in _TOKENIZER_FILES:
+        if (root / name).is_file():
+            _digest_file(t, root / name)
+            tok_found = True
+    return h.hexdigest(), t.hexdigest() if tok_found else ""
+
+
+def fingerprint_model(model: Any) -> str:
+    """Fingerprint a loaded model: parameter names, shapes, dtypes and a sample of values."""
+    h = hashlib.sha256(b"kvstore-params-v1\0")
+    params = dict(tree_flatten(model.parameters()))
+    samples = []
+    for name in sorted(params):
+        p = params[name]
+        h.update(f"{name}\0{tuple(p.shape)}\0{p.dtype}\0".encode())
+        flat = p.reshape(-1)
+        samples.append(flat[:: max(1, flat.size // 64)][:64].astype(mx.float32))
+    if samples:
+        values = mx.concatenate(samples)
+        mx.eval(values)
+        h.update(memoryview(values).tobytes())
+    return h.hexdigest()
+
+
+def _local_dir(path: Any) -> Path | None:
+    """`path` as a local directory, or the offline HF-cache snapshot of a repo id."""
+    if not isinstance(path, str | os.PathLike) or not str(path):
+        return None
+    p = Path(path)
+    if p.is_dir():
+        return p
+    try:
+        from mlx_lm.utils import hf_repo_to_path
+
+        cached = Path(hf_repo_to_path(str(path)))
+    except Exception:  # not a repo id, or not in the local HF cache: no network here
+        return None
+    return cached if cached.is_dir() else None
+
+
+def namespace_for_path(
+    model_path: str | Path,
+    adapter_path: str | Path | None = None,
+    draft_model_path: str | Path | None = None,
+    *,
+    ns: str = "default",
+) -> Namespace:
+    """The store namespace of a model directory (plus optional adapter and draft model)."""
+    model_dir = _local_dir(model_path)
+    if model_dir is None:
+        raise FileNotFoundError(f"{model_path}: not a local model directory")
+    config_fp, tok_hash = fingerprint_model_dir(model_dir)
+    parts = [config_fp]
+    for extra, label in ((adapter_path, "adapter"), (draft_model_path, "draft")):
+        if extra is None:
+            continue
+        extra_dir = _local_dir(extra)
+        if extra_dir is None:
+            raise FileNotFoundError(f"{extra}: not a local {label} directory")
+        parts.append(f"{label}:{fingerprint_model_dir(extra_dir)[0]}")
+    if len(parts) > 1:
+        config_fp = hashlib.sha256("\0".join(parts).encode()).hexdigest()
+    return Namespace(
+        model_id=Path(str(model_path)).name or str(model_path),
+        config_fingerprint=config_fp,
+        tokenizer_hash=tok_hash,
+        ns=ns,
+    )
+
+
+# --- the write-behind queue -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PersistStats:
+    """Counters of the disk tier (a snapshot; all counts since construction)."""
+
+    pending: int
+    pending_bytes: int
+    saved: int
+    dropped: int
+    failed: int
+    skipped: int
+    bytes_written: int
+    logical_bytes_saved: int
+    memory_hits: int
+    store_hits: int
+    misses: int
+    tokens_from_store: int
+
+
+@dataclass
+class _Job:
+    namespace: Namespace
+    tokens: list[int]
+    cache: list[Any]
+    cache_type: str
+    nbytes: int
+
+
+def _cache_arrays(prompt_cache: Sequence[Any]) -> list[mx.array]:
+    arrays: list[mx.array] = []
+    for c in prompt_cache:
+        state = c.state
+        arrays.extend(v for _, v in tree_flatten(state) if isinstance(v, mx.array))
+    return arrays
+
+
+def _cached_tokens(prompt_cache: Sequence[Any], n_tokens: int) -> int:
+    """How many tokens the cache holds: the attention layers' offset, else `n_tokens`."""
+    offsets = []
+    for c in prompt_cache:
+        layers = getattr(c, "caches", None) or (c,)
+        offsets.extend(
+            int(x.offset) for x in layers if isinstance(getattr(x, "offset", None), int)
+        )
+    return min(offsets) if offsets else n_tokens
+
+
+class PersistentPromptCache:
+    """mlx-lm's `LRUPromptCache` with a persistent, shared disk store behind it.
+
+    Same methods and meaning as ``mlx_lm.models.cache.LRUPromptCache``;
+    ``insert_cache`` takes ownership of the cache it is given (as mlx-lm's does)
+    and also queues it for the store. Prompts shorter than `min_tokens` stay in
+    memory only; queued snapshots above `queue_bytes` are shed oldest first.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        max_size: int = 10,
+        max_bytes: int = 1 << 63,
+        min_tokens: int = 256,
+        queue_bytes: int = 1 << 30,
+        ns: str = "default",
+        exit_timeout: float | None = 60.0,
+    ) -> None:
+        self.store = store
+        self.min_tokens = min_tokens
+        self.queue_bytes = queue_bytes
+        self.ns = ns
+        self._memory = _cache.LRUPromptCache(max_size=max_size, max_bytes=max_bytes)
+        self._namespaces: dict[Hashable, Namespace | None] = {}
+        self._cond = threading.Condition()
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._queued_bytes = 0
+        self._inflight = False
+        self._closed = False
+        self._worker: threading.Thread | None = None
+        self._counts = collections.Counter[str]()
+        ref = weakref.ref(self)
+
+        def _flush_at_exit() -> None:
+            obj = ref()
+            if obj is not None:
+                obj.close(timeout=exit_timeout)
+
+        self._atexit: Callable[[], None] = _flush_at_exit
+        atexit.register(_flush_at_exit)
+
+    # --- LRUPromptCache's interface -------------------------------------------
+
+    @property
+    def max_size(self) -> int:
+        """Most entries held in memory."""
+        return int(self._memory.max_size)
+
+    @property
+    def max_bytes(self) -> int:
+        """Most bytes held in memory."""
+        return int(self._memory.max_bytes)
+
+    def __len__(self) -> int:
+        return len(self._memory)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the memory tier."""
+        return int(self._memory.nbytes)
+
+    def stats_by_type(self) -> dict[str, dict[str, int]]:
+        """Memory-tier entries and bytes per cache type, as mlx-lm reports them."""
+        return dict(self._memory.stats_by_type())
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        """Evict memory-tier entries down to the limits (the disk tier is not touched)."""
+        self._memory.trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+
+    def fetch_nearest_cache(
+        self, model_key: Hashable, tokens: list[int]
+    ) -> tuple[list[Any] | None, list[int]]:
+        """Return ``(cache, rest)``: a private cache of the longest known prefix of
+        `tokens` and the tokens still to process (``(None, tokens)`` on a miss)."""
+        cache, rest = self._memory.fetch_nearest_cache(model_key, tokens)
+        if cache is not None and not rest:
+            self._count("memory_hits")
+            return cache, rest
+        have = len(tokens) - len(rest) if cache is not None else 0
+        found = self._fetch_from_store(model_key, tokens, have)
+        if found is not None:
+            self._count("store_hits")
+            self._count("tokens_from_store", len(tokens) - len(found[1]))
+            return found
+        self._count("memory_hits" if cache is not None else "misses")
+        return cache, rest
+
+    def insert_cache(
+        self,
+        model_key: Hashable,
+        tokens: list[int],
+        prompt_cache: list[Any],
+        *,
+        cache_type: str = "assistant",
+    ) -> None:
+        """Keep `prompt_cache` for `tokens` in memory and queue it for the store."""
+        self._memory.insert_cache(model_key, tokens, prompt_cache, cache_type=cache_type)
+        self._enqueue(model_key, tokens, prompt_cache, cache_type)
+
+    # --- models ----------------------------------------------------------------
+
+    def register_model(
+        self,
+        model_key: Hashable,
+        model: Any = None,
+        model_path: str | Path | None = None,
+        *,
+        model_id: str | None = None,
+    ) -> Namespace:
+        """Tie `model_key` to the store namespace of a model directory and/or object.
+
+        With `model_path` the fingerprint comes from its files; with `model` alone
+        from its parameters (names, shapes, dtypes, sampled values).
+        """
+        if model_path is None and model is None:
+            raise ValueError("register_model needs a model, a model_path or both")
+        if model_path is not None:
+            namespace = namespace_for_path(model_path, ns=self.ns)
+            if model is not None:
+                fp = hashlib.sha256(
+                    f"{namespace.config_fingerprint}\0{fingerprint_model(model)}".encode()
+                ).hexdigest()
+                namespace = Namespace(
+                    model_id=namespace.model_id,
+                    config_fingerprint=fp,
+                    tokenizer_hash=namespace.tokenizer_hash,
+                    ns=self.ns,
+                )
+        else:
+            namespace = Namespace(
+                model_id=model_id or type(model).__module__,
+                config_fingerprint=fingerprint_model(model),
+                tokenizer_hash="",
+                ns=self.ns,
+            )
+        if model_id is not None:
+            namespace = Namespace(
+                model_id=model_id,
+                config_fingerprint=namespace.config_fingerprint,
+                tokenizer_hash=namespace.tokenizer_hash,
+                ns=self.ns,
+            )
+        self._namespaces[model_key] = namespace
+        return namespace
+
+    def namespace_for(self, model_key: Hashable) -> Namespace | None:
+        """The store namespace of `model_key`; None when it cannot be fingerprinted.
+
+        A key that was not registered is derived when it is a model path or
+        mlx-lm's ``(model_path, adapter_path, draft_model_path)`` tuple; any other
+        key stays memory-only (a warning is logged once).
+        """
+        if model_key in self._namespaces:
+            return self._namespaces[model_key]
+        parts: tuple[Any, ...] = model_key if isinstance(model_key, tuple) else (model_key,)
+        namespace: Namespace | None
+        try:
+            if not parts or len(parts) > 3:
+                raise FileNotFoundError(f"{model_key!r} is not (model, adapter, draft)")
+            namespace = namespace_for_path(*parts, ns=self.ns)
+        except (FileNotFoundError, TypeError) as e:
+            logger.warning("kvstore: model key %r stays in memory only: %s", model_key, e)
+            namespace = None
+        self._namespaces[model_key] = namespace
+        return namespace
+
+    # --- the disk tier ------------------------------------------------------------
+
+    def _fetch_from_store(
+        self, model_key: Hashable, tokens: list[int], have: int
+    ) -> tuple[list[Any], list[int]] | None:
+        # Look up all but the last token: like mlx-lm, leave at least one to process.
+        if len(tokens) - 1 <= max(have, 0):
+            return None
+        namespace = self.namespace_for(model_key)
+        if namespace is None:
+            return None
+        try:
+            match = self.store.lookup(tokens[:-1], namespace=namespace)
+            if match is None or match.length <= have:
+                return None
+            cache = self.store.load(match)
+        except Exception:
+            logger.warning("kvstore: store read failed; treating it as a miss", exc_info=True)
+            return None
+        if cache is None:
+            return None
+        return list(cache), list(tokens[match.length :])
+
+    def _enqueue(
+        self, model_key: Hashable, tokens: list[int], prompt_cache: list[Any], cache_type: str
+    ) -> None:
+        n = min(len(tokens), _cached_tokens(prompt_cache, len(tokens)))
+        if n < max(1, self.min_tokens):
+            self._count("skipped")
+            return
+        namespace = self.namespace_for(model_key)
+        if namespace is None:
+            self._count("skipped")
+            return
+        # Materialise on the caller's thread; the worker only reads finished bytes.
+        mx.eval(_cache_arrays(prompt_cache))
+        job = _Job(namespace, list(tokens[:n]), list(prompt_cache), cache_type,
+                   sum(int(c.nbytes) for c in prompt_cache))
+        with self._cond:
+            if self._closed:
+                self._counts["dropped"] += 1
+                return
+            self._queue.append(job)
+            self._queued_bytes += job.nbytes
+            while self._queue and self._queued_bytes > self.queue_bytes:
+                old = self._queue.popleft()
+                self._queued_bytes -= old.nbytes
+                self._counts["dropped"] += 1
+                logger.warning("kvstore: write-behind queue full, dropped a %d-token snapshot",
+                               len(old.tokens))
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=self._run, name="kvstore-write-behind", daemon=True
+                )
+                self._worker.start()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                self._queued_bytes -= job.nbytes
+                self._inflight = True
+            try:
+                info = self.store.save(
+                    job.tokens,
+                    job.cache,
+                    metadata={"cache_type": job.cache_type},
+                    priority=job.cache_type,
+                    namespace=job.namespace,
+                )
+            except Exception:
+                logger.warning("kvstore: background save of %d tokens failed",
+                               len(job.tokens), exc_info=True)
+                outcome: dict[str, int] = {"failed": 1}
+            else:
+                outcome = {
+                    "saved": 1,
+                    "bytes_written": int(info.new_bytes),
+                    "logical_bytes_saved": int(info.logical_bytes),
+                }
+            del job
+            with self._cond:
+                self._counts.update(outcome)
+                self._inflight = False
+                self._cond.notify_all()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._cond:
+            self._counts[name] += n
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued snapshot is saved (or failed); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._inflight, timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Drain the queue, stop the worker; later inserts stay in memory only."""
+        drained = self.drain(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            worker = self._worker
+        if worker is not None and drained:
+            worker.join(timeout)
+        atexit.unregister(self._atexit)
+        return drained
+
+    def __enter__(self) -> PersistentPromptCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- counters -------------------------------------------------------------------
+
+    def persist_stats(self) -> PersistStats:
+        """All counters of the disk tier at once."""
+        with self._cond:
+            c = self._counts
+            return PersistStats(
+                pending=len(self._queue) + int(self._inflight),
+                pending_bytes=self._queued_bytes,
+                saved=c["saved"],
+                dropped=c["dropped"],
+                failed=c["failed"],
+                skipped=c["skipped"],
+                bytes_written=c["bytes_written"],
+                logical_bytes_saved=c["logical_bytes_saved"],
+                memory_hits=c["memory_hits"],
+                store_hits=c["store_hits"],
+                misses=c["misses"],
+                tokens_from_store=c["tokens_from_store"],
+            )
+
+    @property
+    def pending(self) -> int:
+        """Snapshots queued or being written."""
+        return self.persist_stats().pending
+
+    @property
+    def dropped(self) -> int:
+        """Snapshots shed because the queue was over `queue_bytes` (or closed)."""
+        return self.persist_stats().dropped
+
+    @property
+    def failed(self) -> int:
+        """Background saves that raised (logged, never re-raised)."""
+        return self.persist_stats().failed
+
+    @property
+    def saved(self) -> int:
+        """Background saves that committed."""
+        return self.persist_stats().saved
+
+    @property
+    def bytes_written(self) -> int:
+        """New (not deduplicated) bytes the background saves wrote."""
+        return self.persist_stats().bytes_written
+
+

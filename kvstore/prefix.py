@@ -1,0 +1,124 @@
+"""Token handling and the chained token-prefix keys of the index.
+
+``c_0 = H(namespace, codec provider, block_tokens, hash algo)`` and
+``c_k = H(c_{k-1} || tokens[(k-1)T : kT] as u32 LE)``. Under each ``c_k`` the
+index keeps one value per entry with at least ``kT`` tokens: the entry's next
+tokens (up to ``TAIL`` of them, big-endian ``t+1`` so byte order is token order,
+then a zero terminator), a flags byte and the manifest digest. Sorted values
+let a lookup find the entry sharing the longest extension in one seek.
+"""
+
+from __future__ import annotations
+
+import array
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+from .blocks import hash_bytes
+from .errors import InvalidTokensError
+from .schema import Namespace
+
+TAIL = 96  # tokens kept in a prefix value: 96*4 + 4 + 1 + 32 < LMDB's 511-byte dup limit
+TERM = b"\0\0\0\0"
+FLAG_TRIMMABLE = 1
+MAX_TOKEN = 2**32 - 2
+
+
+def as_tokens(tokens: Any) -> array.array[int]:
+    """Validate tokens (non-negative ints) into a packed u32 array."""
+    if hasattr(tokens, "tolist") and not isinstance(tokens, array.array):
+        tokens = tokens.tolist()  # mx.array / numpy
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+        raise InvalidTokensError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
+    tokens = list(tokens)
+    if not tokens:
+        raise InvalidTokensError("tokens must not be empty")
+    if any(isinstance(t, bool) for t in tokens):
+        raise InvalidTokensError("tokens must be ints, not bools")
+    try:
+        arr = array.array("I", tokens)
+    except OverflowError:
+        bad = next(t for t in tokens if not (isinstance(t, int) and 0 <= t <= MAX_TOKEN))
+        raise InvalidTokensError(f"token {bad!r} is not a non-negative int below 2**32-1") from None
+    except TypeError:
+        bad = next(t for t in tokens if not isinstance(t, int) and not hasattr(t, "__index__"))
+        raise InvalidTokensError(f"token {bad!r} is not an int") from None
+    if arr.itemsize != 4:  # pragma: no cover - every platform kvstore runs on
+        raise InvalidTokensError("unsigned int is not 32-bit here")
+    if max(arr) > MAX_TOKEN:
+        raise InvalidTokensError(f"token {max(arr)} is too large (max {MAX_TOKEN})")
+    return arr
+
+
+def tokens_le(arr: array.array[int]) -> bytes:
+    """u32 little-endian bytes of the tokens."""
+    if sys.byteorder == "little":
+        return arr.tobytes()
+    swapped = array.array("I", arr)
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
+def tokens_from_le(data: bytes) -> array.array[int]:
+    arr = array.array("I")
+    arr.frombytes(data)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr
+
+
+def encode_tail(tokens: Sequence[int]) -> bytes:
+    """Tokens as big-endian ``t+1`` (sorts like the token sequence)."""
+    arr = array.array("I", (t + 1 for t in tokens))
+    if sys.byteorder == "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def decode_tail(data: bytes) -> list[int]:
+    arr = array.array("I")
+    arr.frombytes(data)
+    if sys.byteorder == "little":
+        arr.byteswap()
+    return [t - 1 for t in arr]
+
+
+def prefix_value(tail: Sequence[int], trimmable: bool, digest: bytes) -> bytes:
+    return encode_tail(tail[:TAIL]) + TERM + bytes([FLAG_TRIMMABLE if trimmable else 0]) + digest
+
+
+def split_value(v: bytes) -> tuple[list[int], bool, bytes]:
+    """(tail tokens, trimmable, manifest digest) of a prefix value."""
+    return decode_tail(v[:-37]), bool(v[-33] & FLAG_TRIMMABLE), v[-32:]
+
+
+def root_key(ns: Namespace, codec: str, block_tokens: int, algo: str) -> bytes:
+    """``c_0``: different namespaces, codecs or settings never share a chain."""
+    fields = ["kvstore-prefix/1", ns.model_id, ns.config_fingerprint, ns.tokenizer_hash, ns.ns,
+              codec, block_tokens, algo]
+    return hash_bytes(algo, msgspec.msgpack.encode(fields))
+
+
+def chain(c0: bytes, tok_le: bytes, block_tokens: int, algo: str, depth: int) -> list[bytes]:
+    """``[c_0, …, c_depth]`` for the u32-LE token bytes."""
+    keys = [c0]
+    width = 4 * block_tokens
+    view = memoryview(tok_le)
+    for k in range(1, depth + 1):
+        keys.append(hash_bytes(algo, keys[-1], view[(k - 1) * width : k * width]))
+    return keys
+
+
+def exact_key(c0: bytes, tok_le: bytes, algo: str) -> bytes:
+    return hash_bytes(algo, b"exact", c0, tok_le)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

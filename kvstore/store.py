@@ -1,0 +1,637 @@
+"""The Store: the one place that composes blocks, the index and the codecs."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import platformdirs
+
+from . import prefix as P
+from ._crash import crash_point
+from .blocks import ALGORITHMS, BlockStore, new_hasher
+from .codecs import AttachmentData, codec_for_record, snapshot
+from .errors import (
+    BlockNotFoundError,
+    CacheMismatchError,
+    CorruptBlockError,
+    EntryNotFoundError,
+    InvalidDigestError,
+    NamespaceRequiredError,
+    NotAStoreError,
+    RootSettingsError,
+)
+from .index import DeletePlan, EntryRecord, Index, SavePlan, now_ms
+from .layout import manifest_block_sizes, n_token_blocks
+from .reader import Want, load_arrays, plan_runs
+from .schema import (
+    Attachment,
+    Layer,
+    ListLayer,
+    Manifest,
+    Namespace,
+    TensorSpec,
+    decode_manifest,
+    encode_manifest,
+    iter_tensor_specs,
+)
+from .writer import place, write_blocks
+
+CODEC_PROVIDER = "kvstore-mlx/1"
+ROOT_FORMAT = 1
+DEFAULT_BLOCK_TOKENS = 256
+DEFAULT_STATE_BLOCK = 4 << 20
+PRIORITIES = {"assistant": 0, "user": 1, "system": 2}
+_SCAN = 8  # prefix values examined on each side of a lookup's probe
+
+
+class RootSettings(msgspec.Struct, frozen=True, kw_only=True):
+    format: int = ROOT_FORMAT
+    hash: str
+    block_tokens: int
+    state_block_bytes: int
+    created_at: int
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """What a save produced: the entry id, its size, and the bytes newly written."""
+
+    id: str
+    n_tokens: int
+    logical_bytes: int
+    new_bytes: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One stored entry, as listed by :meth:`Store.entries`."""
+
+    id: str
+    namespace: Namespace
+    n_tokens: int
+    logical_bytes: int
+    created_at: int
+    last_access: int
+    hits: int
+    priority: str
+
+
+@dataclass(frozen=True)
+class Match:
+    """The longest usable stored prefix of a query."""
+
+    entry_id: str
+    length: int
+    exact: bool
+    trimmable: bool
+    n_tokens: int  # the entry's own length (>= length)
+
+
+@dataclass(frozen=True)
+class Stats:
+    entries: int
+    blocks: int
+    logical_bytes: int
+    physical_bytes: int
+    dedup_ratio: float
+    lookups: int
+    hits: int
+
+
+def default_root() -> Path:
+    """``$KVSTORE_ROOT``, else the user cache dir."""
+    env = os.environ.get("KVSTORE_ROOT")
+    if env:
+        return Path(env)
+    return Path(platformdirs.user_cache_dir("kvstore", appauthor=False))
+
+
+_settings_dec = msgspec.msgpack.Decoder(RootSettings)
+_ns_json = msgspec.json.Encoder()
+_ns_dec = msgspec.json.Decoder(Namespace)
+_PRIORITY_NAMES = {v: k for k, v in PRIORITIES.items()}
+
+
+def _leaves(layers: Sequence[Layer]) -> Iterator[Layer]:
+    for layer in layers:
+        if isinstance(layer, ListLayer):
+            yield from _leaves(layer.children)
+        else:
+            yield layer
+
+
+class Store:
+    """A cache root: save caches, find the longest stored prefix, restore it."""
+
+    def __init__(
+        self,
+        root: Path,
+        index: Index,
+        settings: RootSettings,
+        *,
+        namespace: Namespace | None,
+        durable: bool,
+        verify_reads: bool,
+    ) -> None:
+        self.root = root
+        self.index = index
+        self.settings = settings
+        self.namespace = namespace
+        self.durable = durable
+        self.verify_reads = verify_reads
+        self.blocks = BlockStore(root, settings.hash, durable=durable)
+        self._lock = threading.Lock()
+        self._pending_lookups = 0
+
+    # --- opening -------------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        namespace: Namespace | None = None,
+        hash: str | None = None,
+        block_tokens: int | None = None,
+        state_block_bytes: int | None = None,
+        durable: bool = True,
+        create: bool = True,
+        verify_reads: bool = False,
+        map_size: int | None = None,
+    ) -> Store:
+        """Open (and, with ``create``, make) the root.
+
+        ``hash`` and ``block_tokens`` are fixed when a root is created; passing
+        other values for an existing root is a :class:`RootSettingsError`.
+        """
+        path = Path(root) if root is not None else default_root()
+        if hash is not None and hash not in ALGORITHMS:
+            raise RootSettingsError(f"unknown hash {hash!r}; choose from {', '.join(ALGORITHMS)}")
+        if block_tokens is not None and block_tokens <= 0:
+            raise RootSettingsError(f"block_tokens must be positive, got {block_tokens}")
+        idx_dir = path / "index"
+        fresh = not (idx_dir / "data.mdb").exists()
+        if fresh:
+            if not create:
+                raise NotAStoreError(f"{path} is not a kvstore root (no index/); run kvstore init")
+            if path.exists() and not path.is_dir():
+                raise NotAStoreError(f"{path} is not a directory")
+            if path.is_dir() and any(p.name not in ("index", "blocks", "tmp", "quarantine")
+                                     for p in path.iterdir()):
+                raise NotAStoreError(f"{path} is not a kvstore root and is not empty")
+        if create:
+            for sub in ("index", "blocks", "tmp"):
+                (path / sub).mkdir(parents=True, exist_ok=True)
+        from ._fs import check_filesystem
+
+        check_filesystem(path)
+        kwargs: dict[str, Any] = {"durable": durable}
+        if map_size is not None:
+            kwargs["map_size"] = map_size
+        index = Index(idx_dir, **kwargs)
+        raw = index.get_meta(b"settings")
+        if raw is None:
+            settings = RootSettings(
+                hash=hash or "blake3",
+                block_tokens=block_tokens or DEFAULT_BLOCK_TOKENS,
+                state_block_bytes=state_block_bytes or DEFAULT_STATE_BLOCK,
+                created_at=now_ms(),
+            )
+            index.put_meta(b"settings", msgspec.msgpack.encode(settings))
+        else:
+            settings = _settings_dec.decode(raw)
+            for name, want, have in (
+                ("hash", hash, settings.hash),
+                ("block_tokens", block_tokens, settings.block_tokens),
+                ("state_block_bytes", state_block_bytes, settings.state_block_bytes),
+            ):
+                if want is not None and want != have:
+                    index.close()
+                    raise RootSettingsError(
+                        f"{path} was created with {name}={have!r}, not {want!r}"
+                    )
+        return cls(path, index, settings, namespace=namespace, durable=durable,
+                   verify_reads=verify_reads)
+
+    def close(self) -> None:
+        self.index.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- helpers ---------------------------------------------------------------------
+
+    @property
+    def block_tokens(self) -> int:
+        return self.settings.block_tokens
+
+    def _ns(self, namespace: Namespace | None) -> Namespace:
+        ns = namespace or self.namespace
+        if ns is None:
+            raise NamespaceRequiredError(
+                "no namespace: pass namespace=kvstore.Namespace(...) here or to Store.open"
+            )
+        return ns
+
+    def _c0(self, ns: Namespace) -> bytes:
+        return P.root_key(ns, CODEC_PROVIDER, self.block_tokens, self.settings.hash)
+
+    @staticmethod
+    def _digest(entry_id: str | bytes) -> bytes:
+        if isinstance(entry_id, bytes):
+            if len(entry_id) != 32:
+                raise InvalidDigestError(f"not a 32-byte entry id: {entry_id!r}")
+            return entry_id
+        from .blocks import from_hex
+
+        return from_hex(entry_id)
+
+    # --- save ----------------------------------------------------------------------------
+
+    def save(
+        self,
+        tokens: Any,
+        cache: Sequence[Any],
+        *,
+        namespace: Namespace | None = None,
+        metadata: dict[str, str] | None = None,
+        priority: Literal["assistant", "user", "system"] = "assistant",
+        attachments: Sequence[AttachmentData] = (),
+    ) -> EntryInfo:
+        """Store ``cache`` (a list of mlx-lm cache objects) as the state after ``tokens``.
+
+        Identical blocks already on disk cost nothing; saving the same tokens
+        again in the same namespace returns the existing entry.
+        """
+        ns = self._ns(namespace)
+        toks = P.as_tokens(tokens)
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {sorted(PRIORITIES)}, got {priority!r}")
+        if isinstance(cache, (str, bytes)) or not isinstance(cache, Sequence) or len(cache) == 0:
+            raise CacheMismatchError("cache must be a non-empty list of cache objects")
+        meta = dict(metadata or {})
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+            raise TypeError("metadata must map str to str")
+        n = len(toks)
+        tok_le = P.tokens_le(toks)
+        c0 = self._c0(ns)
+        xkey = P.exact_key(c0, tok_le, self.settings.hash)
+        with self.index.read() as txn:
+            existing = self.index.find_exact(xkey, txn)
+            rec = self.index.get_entry(existing, txn) if existing else None
+        if existing and rec is not None:
+            return EntryInfo(existing.hex(), n, rec.logical_bytes, 0)
+
+        snaps = [snapshot(c) for c in cache]
+        snaps += [_attachment_snapshot(a) for a in attachments]
+        n_layers = len(cache)
+        layers, blockset = place(snaps, n, self.block_tokens, self.settings.state_block_bytes)
+        new_bytes = write_blocks(self.blocks, blockset)
+        trimmable = all(codec_for_record(layer).trimmable(layer) for layer in layers[:n_layers])
+        manifest = Manifest(
+            namespace=ns,
+            codec=CODEC_PROVIDER,
+            hash=self.settings.hash,
+            block_tokens=self.block_tokens,
+            state_block_bytes=self.settings.state_block_bytes,
+            created_at=now_ms(),
+            n_tokens=n,
+            tokens=tok_le,
+            layers=layers[:n_layers],
+            token_blocks=tuple(blockset.token_digests),
+            state_blocks=tuple(blockset.state_digests),
+            state_bytes=blockset.state_bytes,
+            attachments=tuple(
+                Attachment(schema=a.schema, metadata=a.metadata, tensors=layer.tensors)
+                for a, layer in zip(attachments, layers[n_layers:], strict=True)
+            ),
+            metadata=meta,
+        )
+        encoded = encode_manifest(manifest)
+        h = new_hasher(self.settings.hash)
+        h.update(encoded)
+        digest = h.digest()
+        keys = P.chain(c0, tok_le, self.block_tokens, self.settings.hash, n // self.block_tokens)
+        items = [
+            (key, P.prefix_value(toks[k * self.block_tokens : (k + 1) * self.block_tokens],
+                                 trimmable, digest))
+            for k, key in enumerate(keys)
+        ]
+        logical = blockset.logical_bytes()
+        stamp = now_ms()
+        pieces = blockset.by_digest()
+
+        def ensure(d: bytes) -> None:
+            if not self.blocks.exists(d):
+                self.blocks.put(d, pieces[d])
+
+        plan = SavePlan(
+            digest=digest,
+            manifest=encoded,
+            blocks=blockset.sizes(),
+            prefix_items=items,
+            exact_key=xkey,
+            entry=EntryRecord(
+                namespace=_ns_json.encode(ns).decode(),
+                n_tokens=n,
+                logical_bytes=logical,
+                created_at=stamp,
+                last_access=stamp,
+                priority=PRIORITIES[priority],
+            ),
+            ensure_block=ensure,
+        )
+        crash_point("before_commit")
+        created = self.index.commit_save(plan)
+        crash_point("after_commit")
+        if not created:  # a concurrent save of the same tokens won
+            with self.index.read() as txn:
+                existing = self.index.find_exact(xkey, txn)
+            return EntryInfo(existing.hex() if existing else digest.hex(), n, logical, new_bytes)
+        return EntryInfo(digest.hex(), n, logical, new_bytes)
+
+    # --- lookup ----------------------------------------------------------------------------
+
+    def lookup(self, tokens: Any, *, namespace: Namespace | None = None) -> Match | None:
+        """The longest usable stored prefix of ``tokens``, or None.
+
+        Costs one hash and one index seek per block of the query, whatever the
+        number of stored entries.
+        """
+        ns = self._ns(namespace)
+        q = P.as_tokens(tokens)
+        T = self.block_tokens
+        q_le = P.tokens_le(q)
+        depth = len(q) // T
+        keys = P.chain(self._c0(ns), q_le, T, self.settings.hash, depth)
+        with self.index.read() as txn:
+            for k in range(depth, -1, -1):
+                if not self.index.has_prefix(keys[k], txn):
+                    continue
+                found = self._best_at(txn, keys[k], k, q)
+                if found is not None:
+                    return found
+        return None
+
+    def _best_at(self, txn: Any, key: bytes, k: int, q: Sequence[int]) -> Match | None:
+        """The best candidate stored under ``c_k`` (entries sharing the first kT tokens)."""
+        T = self.block_tokens
+        base = k * T
+        cap = min(T, P.TAIL)
+        qtail = list(q[base : base + T])
+        before, after = self.index.neighbors(key, P.encode_tail(qtail[:cap]), _SCAN, txn)
+        best: Match | None = None
+        for v in after + before:
+            etail, trimmable, digest = P.split_value(v)
+            lcp = P.common_prefix(etail, qtail)
+            n_entry = base + len(etail)
+            if len(etail) == cap:  # the entry goes on past what the value holds
+                if lcp == cap or not trimmable:
+                    raw = self.index.get_manifest(digest, txn)
+                    if raw is None:
+                        continue
+                    m = decode_manifest(raw)
+                    etail = list(P.tokens_from_le(m.tokens[4 * base : 4 * (base + T)]))
+                    lcp = P.common_prefix(etail, qtail)
+                    n_entry = m.n_tokens
+                else:
+                    rec = self.index.get_entry(digest, txn)
+                    if rec is None:
+                        continue
+                    n_entry = rec.n_tokens
+            if trimmable:
+                length = min(base + lcp, len(q), n_entry)
+            elif lcp == len(etail) and n_entry <= len(q) and n_entry - base == len(etail):
+                length = n_entry
+            else:
+                continue
+            if length <= 0:
+                continue
+            exact = n_entry == len(q) == length
+            if best is None or (length, exact) > (best.length, best.exact):
+                best = Match(digest.hex(), length, exact, trimmable, n_entry)
+        return best
+
+    # --- load --------------------------------------------------------------------------------
+
+    def manifest(self, entry_id: str | bytes) -> Manifest:
+        """The decoded manifest of an entry."""
+        digest = self._digest(entry_id)
+        with self.index.read() as txn:
+            raw = self.index.get_manifest(digest, txn)
+        if raw is None:
+            raise EntryNotFoundError(f"no entry {digest.hex()}")
+        return decode_manifest(raw)
+
+    def load(self, match: Match, *, verify: bool | None = None) -> list[Any]:
+        """Restore the cache objects of ``match`` holding exactly ``match.length`` tokens.
+
+        Reads only the first ``ceil(length / block_tokens)`` token blocks and the
+        state blocks. A missing block raises :class:`BlockNotFoundError`, a block
+        of the wrong size (or, with ``verify``, the wrong digest)
+        :class:`CorruptBlockError`.
+        """
+        verify = self.verify_reads if verify is None else verify
+        digest = self._digest(match.entry_id)
+        fds: dict[bytes, int] = {}
+        try:
+            with self.index.read() as txn:  # resolve and open inside one read transaction
+                raw = self.index.get_manifest(digest, txn)
+                if raw is None:
+                    raise EntryNotFoundError(f"no entry {digest.hex()}")
+                m = decode_manifest(raw)
+                length = match.length
+                if not 0 < length <= m.n_tokens:
+                    raise CacheMismatchError(f"cannot restore {length} of {m.n_tokens} tokens")
+                specs = iter_tensor_specs(m.layers) + [
+                    t for a in m.attachments for t in a.tensors
+                ]
+                tok_sizes, state_sizes = manifest_block_sizes(
+                    specs, m.n_tokens, m.block_tokens, m.state_bytes, m.state_block_bytes
+                )
+                n_read = n_token_blocks(length, m.block_tokens) if m.token_blocks else 0
+                needed = list(zip(m.token_blocks[:n_read], tok_sizes[:n_read], strict=True))
+                needed += list(zip(m.state_blocks, state_sizes, strict=True))
+                for d, size in needed:
+                    if d in fds:
+                        continue
+                    fd = self.blocks.open(d)
+                    fds[d] = fd
+                    got = os.fstat(fd).st_size
+                    if got != size:
+                        raise CorruptBlockError(str(self.blocks.path(d)), f"{size} bytes",
+                                                f"{got} bytes")
+            if verify:
+                for d, fd in fds.items():
+                    self._verify_fd(d, fd)
+            cache, _ = self._materialize(m, length, fds)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        self.index.touch_entry(digest, hit=True)
+        return cache
+
+    def _verify_fd(self, digest: bytes, fd: int) -> None:
+        h = new_hasher(self.settings.hash)
+        pos = 0
+        while chunk := os.pread(fd, 1 << 22, pos):
+            h.update(chunk)
+            pos += len(chunk)
+        got = h.digest()
+        if got != digest:
+            raise CorruptBlockError(str(self.blocks.path(digest)), digest.hex(), got.hex())
+
+    def _materialize(
+        self, m: Manifest, length: int, fds: dict[bytes, int]
+    ) -> tuple[list[Any], list[AttachmentData]]:
+        wants: list[Want] = []
+        for layer in _leaves(m.layers):
+            codec = codec_for_record(layer)
+            for spec in layer.tensors:
+                cap = codec.token_capacity(layer, length) if spec.token_axis is not None else None
+                wants.append(Want(spec, cap))
+        for a in m.attachments:
+            wants.extend(Want(t) for t in a.tensors)
+        n_read = n_token_blocks(length, m.block_tokens) if m.token_blocks else 0
+        shapes, plans = plan_runs(
+            wants,
+            n_tokens=m.n_tokens,
+            length=length,
+            block_tokens=m.block_tokens,
+            token_fds=[fds[d] for d in m.token_blocks[:n_read]],
+            state_fds=[fds[d] for d in m.state_blocks],
+            state_block=m.state_block_bytes,
+        )
+        arrays = load_arrays(shapes, plans)
+        out: list[Any] = []
+        pos = 0
+        for layer in m.layers:
+            count = len(iter_tensor_specs((layer,)))
+            out.append(codec_for_record(layer).load(layer, arrays[pos : pos + count], length))
+            pos += count
+        atts = []
+        for a in m.attachments:
+            atts.append(AttachmentData(a.schema, a.metadata, tuple(arrays[pos : pos + len(a.tensors)])))
+            pos += len(a.tensors)
+        return out, atts
+
+    def load_entry(
+        self, entry_id: str | bytes, *, verify: bool | None = None
+    ) -> tuple[list[int], list[Any], list[AttachmentData]]:
+        """Tokens, cache and attachments of a whole entry (for export)."""
+        m = self.manifest(entry_id)
+        digest = self._digest(entry_id)
+        fds: dict[bytes, int] = {}
+        try:
+            with self.index.read() as txn:
+                if self.index.get_manifest(digest, txn) is None:
+                    raise EntryNotFoundError(f"no entry {digest.hex()}")
+                for d in (*m.token_blocks, *m.state_blocks):
+                    if d not in fds:
+                        fds[d] = self.blocks.open(d)
+            if verify or (verify is None and self.verify_reads):
+                for d, fd in fds.items():
+                    self._verify_fd(d, fd)
+            cache, atts = self._materialize(m, m.n_tokens, fds)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return list(P.tokens_from_le(m.tokens)), cache, atts
+
+    def restore(
+        self, tokens: Any, *, namespace: Namespace | None = None, verify: bool | None = None
+    ) -> tuple[list[Any] | None, int]:
+        """Lookup and load; ``(None, 0)`` on a miss, also when a block is gone or corrupt."""
+        match = self.lookup(tokens, namespace=namespace)
+        if match is None:
+            return None, 0
+        try:
+            return self.load(match, verify=verify), match.length
+        except (BlockNotFoundError, CorruptBlockError, EntryNotFoundError):
+            return None, 0
+
+    # --- entries -------------------------------------------------------------------------------
+
+    def resolve(self, entry_id: str) -> str:
+        """A full entry id from a unique prefix of at least 4 hex chars."""
+        s = entry_id.strip().lower()
+        if len(s) == 64:
+            self._digest(s)
+            return s
+        if len(s) < 4 or any(c not in "0123456789abcdef" for c in s):
+            raise EntryNotFoundError(f"not an entry id or prefix: {entry_id!r}")
+        hits = [e.id for e in self.entries() if e.id.startswith(s)]
+        if len(hits) != 1:
+            what = "no entry" if not hits else f"{len(hits)} entries"
+            raise EntryNotFoundError(f"{what} match {entry_id!r}")
+        return hits[0]
+
+    def delete(self, entry_id: str | bytes) -> bool:
+        """Remove an entry and drop its block references; False when it did not exist."""
+        digest = self._digest(entry_id)
+        with self.index.write() as txn:
+            raw = self.index.get_manifest(digest, txn)
+            if raw is None:
+                return False
+            self.index.remove_entry(txn, digest, self.delete_plan(decode_manifest(raw), digest))
+            crash_point("delete_before_commit")
+        return True
+
+    def delete_plan(self, m: Manifest, digest: bytes) -> DeletePlan:
+        """The blocks, prefix keys and exact key an entry holds."""
+        toks = P.tokens_from_le(m.tokens)
+        c0 = P.root_key(m.namespace, m.codec, m.block_tokens, m.hash)
+        keys = P.chain(c0, m.tokens, m.block_tokens, m.hash, m.n_tokens // m.block_tokens)
+        trimmable = all(codec_for_record(layer).trimmable(layer) for layer in m.layers)
+        items = [
+            (key, P.prefix_value(toks[k * m.block_tokens : (k + 1) * m.block_tokens],
+                                 trimmable, digest))
+            for k, key in enumerate(keys)
+        ]
+        blocks = list(dict.fromkeys((*m.token_blocks, *m.state_blocks)))
+        return DeletePlan(blocks=blocks, prefix_items=items,
+                          exact_key=P.exact_key(c0, m.tokens, m.hash))
+
+    def entries(self, *, namespace: Namespace | None = None) -> Iterator[Entry]:
+        """Every entry (or those of one namespace)."""
+        with self.index.read() as txn:
+            rows = list(self.index.iter_entries(txn))
+        for digest, rec in rows:
+            ns = _ns_dec.decode(rec.namespace)
+            if namespace is not None and ns != namespace:
+                continue
+            yield Entry(
+                id=digest.hex(),
+                namespace=ns,
+                n_tokens=rec.n_tokens,
+                logical_bytes=rec.logical_bytes,
+                created_at=rec.created_at,
+                last_access=rec.last_access,
+                hits=rec.hits,
+                priority=_PRIORITY_NAMES.get(rec.priority, "assistant"),
+            )
+
+    def stats(self) -> Stats:
+        """Entries, blocks, logical vs physical bytes and the dedup ratio."""
+        t = self.index.totals()
+        ratio = t.logical_bytes / t.physical_bytes if t.physical_bytes else 1.0
+        return Stats(t.entries, t.blocks, t.logical_bytes, t.physical_bytes, ratio,
+                     t.lookups, t.hits)
+
+
+def _attachment_snapshot(a: AttachmentData) -> Any:
+    from .codecs import RawCache, snapshot as snap
+
+    return snap(RawCache(source_kind=f"attachment:{a.schema}", tensors=list(a.tensors)))
+
+
+__all__ = ["Entry", "EntryInfo", "Match", "Stats", "Store", "TensorSpec", "default_root"]

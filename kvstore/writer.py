@@ -1,0 +1,188 @@
+"""From snapshots to blocks: tensor specs, block pieces, digests, new block files.
+
+Bytes leave MLX without a copy: each evaluated row-major array is viewed as a
+memoryview and sliced into the runs that make up each block; hashing and the
+writes of new blocks run on worker threads (both release the GIL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import msgspec
+
+from ._crash import crash_point
+from .blocks import BlockStore, Digest, new_hasher
+from .codecs import Snapshot, TensorData
+from .errors import CacheMismatchError
+from .layout import block_rows, dtype_name, geometry, n_token_blocks
+from .schema import Layer, ListLayer, TensorSpec
+
+Pieces = list[memoryview]
+
+
+@dataclass
+class BlockSet:
+    """The blocks of one save, in order, with their pieces and digests."""
+
+    token_pieces: list[Pieces] = field(default_factory=list)
+    state_pieces: list[Pieces] = field(default_factory=list)
+    token_digests: list[Digest] = field(default_factory=list)
+    state_digests: list[Digest] = field(default_factory=list)
+    state_bytes: int = 0
+
+    def by_digest(self) -> dict[bytes, Pieces]:
+        out: dict[bytes, Pieces] = {}
+        for d, p in zip(self.token_digests, self.token_pieces, strict=True):
+            out.setdefault(d, p)
+        for d, p in zip(self.state_digests, self.state_pieces, strict=True):
+            out.setdefault(d, p)
+        return out
+
+    def sizes(self) -> dict[bytes, int]:
+        return {d: sum(len(x) for x in p) for d, p in self.by_digest().items()}
+
+    def logical_bytes(self) -> int:
+        return sum(sum(len(x) for x in p) for p in self.token_pieces + self.state_pieces)
+
+
+def _view(td: TensorData) -> tuple[mx.array, memoryview]:
+    arr = td.array
+    mv = memoryview(arr)
+    if not mv.c_contiguous:  # rare: a transposed or sliced view; one copy
+        arr = mx.contiguous(arr)
+        mx.eval(arr)
+        mv = memoryview(arr)
+    return arr, mv.cast("B")
+
+
+def _runs(td: TensorData, arr: mx.array, mv: memoryview, start: int, stop: int) -> Pieces:
+    """Memory runs holding rows ``[start, stop)`` of ``td`` along its axis."""
+    if td.length is None and not td.token:
+        return [mv]
+    g = geometry(tuple(arr.shape), dtype_name(arr.dtype), td.axis)
+    full_run = g.rows * g.row_bytes
+    a, b = start * g.row_bytes, stop * g.row_bytes
+    if a == 0 and b == full_run:
+        return [mv]
+    return [mv[o * full_run + a : o * full_run + b] for o in range(g.outer)]
+
+
+def place(
+    snaps: Sequence[Snapshot], n_tokens: int, block_tokens: int, state_block: int
+) -> tuple[tuple[Layer, ...], BlockSet]:
+    """Evaluate the arrays, give every tensor its spec, and cut the blocks."""
+    tds = [td for s in snaps for td in s.tensors]
+    if not tds:
+        raise CacheMismatchError("the cache holds no tensors")
+    mx.eval(*[td.array for td in tds])
+    views = [_view(td) for td in tds]
+    specs: list[TensorSpec] = []
+    state_runs: Pieces = []
+    offset = 0
+    for i, (td, (arr, mv)) in enumerate(zip(tds, views, strict=True)):
+        shape = td.shape
+        if td.token:
+            if td.length != n_tokens:
+                raise CacheMismatchError(
+                    f"tensor {i} holds {td.length} tokens but {n_tokens} tokens were given"
+                )
+            specs.append(TensorSpec(shape=shape, dtype=dtype_name(arr.dtype), token_axis=td.axis))
+        else:
+            rows = td.length if td.length is not None else 0
+            runs = _runs(td, arr, mv, 0, rows) if td.length is not None else [mv]
+            specs.append(TensorSpec(shape=shape, dtype=dtype_name(arr.dtype), state_offset=offset))
+            state_runs.extend(runs)
+            offset += sum(len(r) for r in runs)
+    out = BlockSet(state_bytes=offset)
+    token = [(td, arr, mv) for td, (arr, mv) in zip(tds, views, strict=True) if td.token]
+    if token:
+        for b in range(n_token_blocks(n_tokens, block_tokens)):
+            start = b * block_tokens
+            stop = start + block_rows(b, n_tokens, block_tokens)
+            pieces: Pieces = []
+            for td, arr, mv in token:
+                pieces.extend(_runs(td, arr, mv, start, stop))
+            out.token_pieces.append(pieces)
+    out.state_pieces = _cut(state_runs, state_block)
+    layers = _assign(tuple(s.record for s in snaps), iter(specs))
+    return layers, out
+
+
+def _cut(runs: Pieces, size: int) -> list[Pieces]:
+    blocks: list[Pieces] = []
+    cur: Pieces = []
+    room = size
+    for r in runs:
+        while len(r):
+            take = r[:room]
+            cur.append(take)
+            r = r[len(take) :]
+            room -= len(take)
+            if room == 0:
+                blocks.append(cur)
+                cur, room = [], size
+    if cur:
+        blocks.append(cur)
+    return blocks
+
+
+def _assign(layers: tuple[Layer, ...], specs: Iterator[TensorSpec]) -> tuple[Layer, ...]:
+    """Replace each leaf's specs, depth-first, with the placed ones."""
+    out: list[Layer] = []
+    for layer in layers:
+        if isinstance(layer, ListLayer):
+            out.append(msgspec.structs.replace(layer, children=_assign(layer.children, specs)))
+        else:
+            placed = tuple(next(specs) for _ in layer.tensors)
+            out.append(msgspec.structs.replace(layer, tensors=placed))
+    return tuple(out)
+
+
+def _workers() -> int:
+    import os
+
+    return max(2, min(8, os.cpu_count() or 2))
+
+
+def write_blocks(store: BlockStore, bs: BlockSet) -> int:
+    """Hash every block, write the missing ones, link them in place; returns new bytes.
+
+    Existing blocks are not rewritten, only freshened (so an orphan grace
+    period spares them until this save commits its references).
+    """
+    all_pieces = bs.token_pieces + bs.state_pieces
+
+    def task(pieces: Pieces) -> tuple[Digest, Path | None]:
+        h = new_hasher(store.algo)
+        for p in pieces:
+            h.update(p)
+        d = Digest(h.digest())
+        if store.freshen(d):
+            return d, None
+        return d, store.write_tmp(pieces)
+
+    if len(all_pieces) > 1:
+        with ThreadPoolExecutor(min(_workers(), len(all_pieces))) as ex:
+            results = list(ex.map(task, all_pieces))
+    else:
+        results = [task(p) for p in all_pieces]
+    n_tok = len(bs.token_pieces)
+    bs.token_digests = [d for d, _ in results[:n_tok]]
+    bs.state_digests = [d for d, _ in results[n_tok:]]
+    dirs: set[Path] = set()
+    new_bytes = 0
+    for (d, tmp), pieces in zip(results, all_pieces, strict=True):
+        if tmp is None:
+            continue
+        created, parent = store.publish(tmp, d)
+        if created:
+            new_bytes += sum(len(p) for p in pieces)
+            dirs.add(parent)
+            crash_point("after_block_write")
+    store.sync_dirs(dirs)
+    return new_bytes
