@@ -16,7 +16,6 @@ from __future__ import annotations
 import atexit
 import collections
 import hashlib
-import json
 import logging
 import os
 import threading
@@ -218,9 +217,7 @@ def _cached_tokens(prompt_cache: Sequence[Any], n_tokens: int) -> int:
     offsets = []
     for c in prompt_cache:
         layers = getattr(c, "caches", None) or (c,)
-        offsets.extend(
-            int(x.offset) for x in layers if isinstance(getattr(x, "offset", None), int)
-        )
+        offsets.extend(int(x.offset) for x in layers if isinstance(getattr(x, "offset", None), int))
     return min(offsets) if offsets else n_tokens
 
 
@@ -428,8 +425,13 @@ class PersistentPromptCache:
             return
         # Materialise on the caller's thread; the worker only reads finished bytes.
         mx.eval(_cache_arrays(prompt_cache))
-        job = _Job(namespace, list(tokens[:n]), list(prompt_cache), cache_type,
-                   sum(int(c.nbytes) for c in prompt_cache))
+        job = _Job(
+            namespace,
+            list(tokens[:n]),
+            list(prompt_cache),
+            cache_type,
+            sum(int(c.nbytes) for c in prompt_cache),
+        )
         with self._cond:
             if self._closed:
                 self._counts["dropped"] += 1
@@ -440,8 +442,9 @@ class PersistentPromptCache:
                 old = self._queue.popleft()
                 self._queued_bytes -= old.nbytes
                 self._counts["dropped"] += 1
-                logger.warning("kvstore: write-behind queue full, dropped a %d-token snapshot",
-                               len(old.tokens))
+                logger.warning(
+                    "kvstore: write-behind queue full, dropped a %d-token snapshot", len(old.tokens)
+                )
             if self._worker is None:
                 self._worker = threading.Thread(
                     target=self._run, name="kvstore-write-behind", daemon=True
@@ -468,8 +471,9 @@ class PersistentPromptCache:
                     namespace=job.namespace,
                 )
             except Exception:
-                logger.warning("kvstore: background save of %d tokens failed",
-                               len(job.tokens), exc_info=True)
+                logger.warning(
+                    "kvstore: background save of %d tokens failed", len(job.tokens), exc_info=True
+                )
                 outcome: dict[str, int] = {"failed": 1}
             else:
                 outcome = {
@@ -555,5 +559,3 @@ class PersistentPromptCache:
     def bytes_written(self) -> int:
         """New (not deduplicated) bytes the background saves wrote."""
         return self.persist_stats().bytes_written
-
-
