@@ -1,0 +1,341 @@
+"""Tensor bytes between cache files and MLX, in one copy each way.
+
+Reading: :func:`load_arrays` hands :func:`mx.load` a synthetic safetensors
+stream; MLX allocates each array and asks the stream to ``readinto`` it, and
+the stream fills it from the file (``os.preadv``) or from v5 block files,
+inserting the zero rows that regrow a KV tensor to its step capacity. Tensor
+hashes are computed on the bytes as they pass, in order.
+
+Writing: :func:`tensor_pieces` gives the memoryviews of an evaluated array's
+live rows, ready for ``os.pwritev`` and for hashing piece by piece.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import os
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO, cast
+
+import mlx.core as mx
+
+from ..errors import (
+    FileFormatError,
+    TensorHashMismatchError,
+    TensorOutOfBoundsError,
+    TensorShapeMismatchError,
+    TruncatedFileError,
+)
+from . import _v3json
+from .base import TensorData
+from .bunhash import BunHasher
+
+# mlx dtype name -> (bytes per element, safetensors dtype code)
+DTYPES: dict[str, tuple[int, str]] = {
+    "bool": (1, "BOOL"),
+    "uint8": (1, "U8"),
+    "uint16": (2, "U16"),
+    "uint32": (4, "U32"),
+    "uint64": (8, "U64"),
+    "int8": (1, "I8"),
+    "int16": (2, "I16"),
+    "int32": (4, "I32"),
+    "int64": (8, "I64"),
+    "float16": (2, "F16"),
+    "bfloat16": (2, "BF16"),
+    "float32": (4, "F32"),
+    "float64": (8, "F64"),
+}
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_ZEROS = bytes(1 << 16)
+_BOUNCE = 1 << 20
+
+
+def dtype_of(arr: mx.array) -> str:
+    """The dtype name mlx-bun writes (``bfloat16``, ``uint32``, …)."""
+    name = str(arr.dtype).rsplit(".", 1)[-1]
+    if name not in DTYPES:
+        raise TypeError(f"dtype {name} cannot be stored in an mlx-bun file")
+    return name
+
+
+def _nonneg_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def validate_slot(path: str, slot: Any, where: str) -> int:
+    """Check a tensor slot's fields; returns its byte count."""
+    if not isinstance(slot, dict):
+        raise FileFormatError(path, f"{where}: tensor entry is not an object")
+    shape, dtype, nbytes = slot.get("shape"), slot.get("dtype"), slot.get("bytes")
+    if not _nonneg_int(slot.get("off")) or not _nonneg_int(nbytes):
+        raise FileFormatError(
+            path, f"{where}: 'off' {slot.get('off')!r} / 'bytes' {nbytes!r} are not ints >= 0"
+        )
+    if not isinstance(shape, list) or not all(_nonneg_int(d) for d in shape):
+        raise FileFormatError(path, f"{where}: shape {shape!r} is not a list of ints >= 0")
+    if dtype not in DTYPES:
+        raise FileFormatError(path, f"{where}: unsupported dtype {dtype!r}")
+    want = DTYPES[dtype][0]
+    for d in shape:
+        want *= d
+    if want != nbytes:
+        raise TensorShapeMismatchError(
+            path, f"{where}: {nbytes} bytes, but shape {shape} of {dtype} needs {want}"
+        )
+    return int(nbytes)
+
+
+class PieceSource:
+    """Where one tensor's stored bytes come from."""
+
+    stored_len: int
+
+    def readinto(self, dst: memoryview, at: int) -> None:
+        """Fill all of ``dst`` with stored bytes ``[at, at + len(dst))``."""
+        raise NotImplementedError
+
+    def verify(self, verify: bool) -> None:
+        """Check content digests the source itself knows of (v5 blocks)."""
+
+    def close(self) -> None:
+        """Release file descriptors."""
+
+
+class FileRange(PieceSource):
+    """A tensor stored contiguously in the monolithic file."""
+
+    def __init__(self, path: str, fd: int, base: int, length: int) -> None:
+        self.path, self.fd, self.base, self.stored_len = path, fd, base, length
+
+    def readinto(self, dst: memoryview, at: int) -> None:
+        pos = self.base + at
+        while dst.nbytes:
+            n = os.preadv(self.fd, [dst], pos)
+            if n <= 0:
+                raise TruncatedFileError(self.path, f"file ends at byte {pos}, inside a tensor")
+            dst, pos = dst[n:], pos + n
+
+
+def check_slot(
+    path: str, slot: dict[str, Any], where: str, data_start: int, file_size: int
+) -> PieceSource:
+    """A v3/v4 tensor's byte range, checked against the file's size."""
+    nbytes = validate_slot(path, slot, where)
+    start = data_start + int(slot["off"])
+    end = start + nbytes
+    if end > file_size:
+        if start < file_size:
+            raise TruncatedFileError(
+                path, f"{where}: file is {file_size} bytes, truncated inside the tensor at "
+                f"[{start}, {end})"
+            )
+        raise TensorOutOfBoundsError(
+            path, f"{where}: tensor at [{start}, {end}) lies outside the file ({file_size} bytes)"
+        )
+    return FileRange(path, -1, start, nbytes)
+
+
+@dataclass
+class TensorPlan:
+    """One tensor to restore: its slot, source, and the shape MLX allocates."""
+
+    path: str
+    slot: dict[str, Any]
+    where: str
+    source: PieceSource
+    shape: list[int]  # as allocated (token axis regrown)
+    run: int  # stored bytes per outer row
+    gap: int  # zero bytes after each run (0: stored as is)
+    hash_expected: str | None
+    hasher: BunHasher | None = None
+    next_stored: int = 0
+    in_order: bool = True
+
+    @classmethod
+    def make(
+        cls, path: str, slot: dict[str, Any], where: str, source: PieceSource,
+        capacity: int | None, verify_hash: bool,
+    ) -> TensorPlan:
+        """Plan ``slot``; ``capacity`` regrows axis 2 of a ``[B, H, S, D]`` tensor."""
+        shape = list(slot["shape"])
+        nbytes = int(slot["bytes"])
+        run, gap = nbytes, 0
+        if capacity is not None and capacity > shape[2] and nbytes:
+            inner = DTYPES[slot["dtype"]][0] * shape[3]
+            run, gap = shape[2] * inner, (capacity - shape[2]) * inner
+            shape[2] = capacity
+        expected = None
+        if verify_hash:
+            h = slot.get("hash")
+            if not isinstance(h, str) or not _HEX16.match(h):
+                raise FileFormatError(path, f"{where}: hash {h!r} is not 16 lowercase hex chars")
+            expected = h
+        return cls(path, slot, where, source, shape, run, gap, expected,
+                   BunHasher() if verify_hash else None)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the array as allocated."""
+        rows = self.source.stored_len // self.run if self.run else 0
+        return self.source.stored_len + rows * self.gap
+
+    def fill(self, dst: memoryview, voff: int) -> None:
+        """Fill ``dst`` with the allocated array's bytes from ``voff``."""
+        period = self.run + self.gap
+        while dst.nbytes:
+            row, within = divmod(voff, period) if self.gap else (0, voff)
+            if within < self.run:
+                k = min(dst.nbytes, self.run - within)
+                at = row * self.run + within
+                piece = dst[:k]
+                self.source.readinto(piece, at)
+                if self.hasher is not None:
+                    if at == self.next_stored:
+                        self.hasher.update(piece)
+                        self.next_stored += k
+                    else:
+                        self.in_order = False
+            else:
+                k = min(dst.nbytes, period - within, len(_ZEROS))
+                dst[:k] = _ZEROS[:k]
+            dst, voff = dst[k:], voff + k
+
+    def check_hash(self) -> None:
+        """Compare the stored bytes' Bun.hash with the header's (``verify=True``)."""
+        if self.hasher is None or self.hash_expected is None:
+            return
+        if not (self.in_order and self.next_stored == self.source.stored_len):
+            self.hasher = BunHasher()  # reads came out of order: hash again
+            buf = memoryview(bytearray(min(_BOUNCE, self.source.stored_len)))
+            for at in range(0, self.source.stored_len, _BOUNCE):
+                piece = buf[: min(_BOUNCE, self.source.stored_len - at)]
+                self.source.readinto(piece, at)
+                self.hasher.update(piece)
+        got = self.hasher.hexdigest()
+        if got != self.hash_expected:
+            raise TensorHashMismatchError(
+                self.path,
+                f"{self.where}: tensor hash mismatch at offset {self.slot['off']}: header "
+                f"{self.hash_expected}, bytes hash to {got}",
+                self.hash_expected, got,
+            )
+
+
+class _SafetensorsStream(io.RawIOBase):
+    """A read-only safetensors file made of a small header and the planned tensors."""
+
+    def __init__(self, plans: Sequence[TensorPlan]) -> None:
+        super().__init__()
+        meta: dict[str, Any] = {}
+        cursor = 0
+        self._spans: list[int] = []
+        for i, p in enumerate(plans):
+            n = p.nbytes
+            meta[f"t{i}"] = {"dtype": DTYPES[p.slot["dtype"]][1], "shape": p.shape,
+                             "data_offsets": [cursor, cursor + n]}
+            self._spans.append(cursor)
+            cursor += n
+        text = _v3json.dumps(meta)
+        text += b" " * (-len(text) % 8)
+        self._head = struct.pack("<Q", len(text)) + text
+        self._plans = plans
+        self._size = len(self._head) + cursor
+        self._pos = 0
+        self.error: BaseException | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        dst = memoryview(b).cast("B")
+        n = max(0, min(dst.nbytes, self._size - self._pos))
+        try:
+            self._fill(dst[:n], self._pos)
+        except BaseException as e:  # never let an error cross into MLX's C++
+            self.error = self.error or e
+            dst[:n] = bytes(n)
+        self._pos += n
+        return n
+
+    def _fill(self, dst: memoryview, pos: int) -> None:
+        head = len(self._head)
+        while dst.nbytes:
+            if pos < head:
+                k = min(dst.nbytes, head - pos)
+                dst[:k] = self._head[pos : pos + k]
+            else:
+                rel = pos - head
+                i = bisect.bisect_right(self._spans, rel) - 1
+                plan = self._plans[i]
+                voff = rel - self._spans[i]
+                k = min(dst.nbytes, plan.nbytes - voff)
+                plan.fill(dst[:k], voff)
+            dst, pos = dst[k:], pos + k
+
+
+def load_arrays(path: str, fd: int, plans: Sequence[TensorPlan], verify: bool) -> list[mx.array]:
+    """Every planned tensor as an evaluated MLX array, filled in one copy."""
+    for p in plans:
+        if isinstance(p.source, FileRange):
+            p.source.fd = fd
+    try:
+        if not plans:
+            return []
+        stream = _SafetensorsStream(plans)
+        try:
+            loaded = mx.load(cast(BinaryIO, stream), format="safetensors")
+        except (RuntimeError, ValueError) as e:
+            raise stream.error or FileFormatError(path, f"cannot load tensors: {e}") from e
+        assert isinstance(loaded, dict)
+        arrays = [loaded[f"t{i}"] for i in range(len(plans))]
+        mx.eval(*arrays)
+        if stream.error is not None:
+            raise stream.error
+        for p in plans:
+            p.check_hash()
+            p.source.verify(verify)
+        return arrays
+    finally:
+        for p in plans:
+            p.source.close()
+
+
+def tensor_pieces(t: TensorData) -> list[memoryview]:
+    """The bytes stored for ``t``: memoryviews of its evaluated array's live rows."""
+    arr = t.array
+    mx.eval(arr)
+    if arr.nbytes == 0:
+        return []
+    mv = memoryview(arr)  # type: ignore[arg-type]  # mlx arrays export the buffer protocol
+    if not mv.c_contiguous:
+        arr = mx.contiguous(arr)
+        mx.eval(arr)
+        mv = memoryview(arr)  # type: ignore[arg-type]
+    flat = mv.cast("B")
+    shape = list(arr.shape)
+    if t.length is None or t.length == shape[t.axis]:
+        return [flat]
+    outer = 1
+    for d in shape[: t.axis]:
+        outer *= d
+    inner = arr.itemsize
+    for d in shape[t.axis + 1 :]:
+        inner *= d
+    stride, run = shape[t.axis] * inner, t.length * inner
+    return [flat[o * stride : o * stride + run] for o in range(outer)]
