@@ -1,0 +1,111 @@
+"""Tiny random mlx-lm caches for tests, one builder per kind."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as C
+
+B, H, D = 1, 2, 32
+
+
+def kv_pair(n: int, seed: int, dtype: mx.Dtype = mx.bfloat16) -> tuple[mx.array, mx.array]:
+    """Keys and values for ``n`` tokens, derived from ``seed`` only."""
+    k = mx.random.normal((B, H, n, D), key=mx.random.key(seed)).astype(dtype)
+    v = mx.random.normal((B, H, n, D), key=mx.random.key(seed + 7919)).astype(dtype)
+    return k, v
+
+
+def kv_cache(n: int, seed: int = 0, dtype: mx.Dtype = mx.bfloat16, chunks: int = 1) -> C.KVCache:
+    """A KVCache filled like prefill does (in ``chunks`` steps), full-capacity buffer."""
+    c = C.KVCache()
+    k, v = kv_pair(n, seed, dtype)
+    bounds = [n * i // chunks for i in range(chunks + 1)]
+    for a, b in zip(bounds, bounds[1:]):
+        c.update_and_fetch(k[:, :, a:b], v[:, :, a:b])
+    return c
+
+
+_TABLE: dict[str, tuple[mx.array, mx.array]] = {}
+
+
+def prefix_cache(tokens: list[int], dtype: mx.Dtype = mx.bfloat16) -> C.KVCache:
+    """A KVCache whose row i is a function of tokens[i] alone (so equal prefixes give
+    equal rows, as a causal model does)."""
+    key = str(dtype)
+    if key not in _TABLE:
+        _TABLE[key] = kv_pair(16384, 424242, dtype)
+    tk, tv = _TABLE[key]
+    idx = mx.array([t % 16384 for t in tokens])
+    c = C.KVCache()
+    c.update_and_fetch(tk[:, :, idx], tv[:, :, idx])
+    return c
+
+
+def rotating_cache(n: int, max_size: int, seed: int = 0, keep: int = 0,
+                   dtype: mx.Dtype = mx.bfloat16) -> C.RotatingKVCache:
+    """Prefill half, then decode one token at a time (the in-place ring path)."""
+    c = C.RotatingKVCache(max_size=max_size, keep=keep)
+    k, v = kv_pair(n, seed, dtype)
+    first = min(n, max_size // 2) or 1
+    c.update_and_fetch(k[:, :, :first], v[:, :, :first])
+    for i in range(first, n):
+        c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+    return c
+
+
+def quantized_cache(n: int, seed: int = 0, bits: int = 4, group_size: int = 32) -> C.QuantizedKVCache:
+    c = C.QuantizedKVCache(group_size=group_size, bits=bits)
+    k, v = kv_pair(n, seed, mx.float16)
+    c.update_and_fetch(k, v)
+    return c
+
+
+def arrays_cache(seed: int = 0, dtype: mx.Dtype = mx.float32) -> C.ArraysCache:
+    c = C.ArraysCache(2)
+    c[0] = mx.random.normal((B, 3, 32), key=mx.random.key(seed)).astype(dtype)
+    c[1] = mx.random.normal((B, 4, 8, 8), key=mx.random.key(seed + 1)).astype(dtype)
+    return c
+
+
+def chunked_cache(n: int, chunk: int, seed: int = 0) -> C.ChunkedKVCache:
+    c = C.ChunkedKVCache(chunk)
+    k, v = kv_pair(n, seed)
+    c.update_and_fetch(k, v)
+    c.maybe_trim_front()
+    return c
+
+
+def cache_list(n: int, seed: int = 0) -> C.CacheList:
+    return C.CacheList(kv_cache(n, seed), C.CacheList(arrays_cache(seed + 3), kv_cache(n, seed + 5)))
+
+
+def state_arrays(cache: Any) -> list[mx.array]:
+    """Every array a cache holds, live rows only, in a canonical order."""
+    if isinstance(cache, C.CacheList):
+        return [a for c in cache.caches for a in state_arrays(c)]
+    if isinstance(cache, C.ArraysCache):
+        return [a for a in cache.cache if a is not None]
+    if isinstance(cache, C.QuantizedKVCache):
+        return [a[..., : cache.offset, :] for a in (*cache.keys, *cache.values)]
+    if isinstance(cache, C.RotatingKVCache):
+        return list(cache.state[:2])[:2] if cache.offset >= cache.keys.shape[2] else [
+            cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]]
+    if isinstance(cache, C.ChunkedKVCache):
+        k, v = cache.keys_and_values()
+        return [k, v]
+    k, v = cache.keys_and_values()
+    return [k, v]
+
+
+def same_bits(a: mx.array, b: mx.array) -> bool:
+    """Bit-exact equality, dtype and shape included (NaN-safe: compares bytes)."""
+    mx.eval(a, b)
+    return a.dtype == b.dtype and a.shape == b.shape and bytes(memoryview(a)) == bytes(
+        memoryview(b)
+    )
+
+
+Factory = Callable[[int], list[Any]]
