@@ -7,18 +7,21 @@ on large buffers). Inputs are any contiguous buffer: ``bytes``, ``bytearray``,
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from .. import _wyhash
 
-__all__ = ["BunHasher", "bun_hash", "bun_hash_hex", "hex64"]
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+__all__ = ["Buffer", "BunHasher", "bun_hash", "bun_hash_hex", "hex64"]
 
 
 class _Buffer(Protocol):
     def __buffer__(self, flags: int, /) -> memoryview: ...
 
 
-Buffer = _Buffer | bytes | bytearray | memoryview
+Buffer: TypeAlias = "_Buffer | bytes | bytearray | memoryview | mx.array"
 
 
 def hex64(value: int) -> str:

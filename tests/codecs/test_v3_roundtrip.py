@@ -158,7 +158,8 @@ def test_extra_fields_survive(tmp_path: Path) -> None:
 
 
 def test_mixed_layers_and_attachments(tmp_path: Path) -> None:
-    cache = [_kv(mx.bfloat16), _rotating(mx.float16, 20), _quantized(mx.float32), _arrays(mx.float32)]
+    cache = [_kv(mx.bfloat16), _rotating(mx.float16, 20), _quantized(mx.float32),
+             _arrays(mx.float32)]
     att = AttachmentData(schema="s/v1", metadata=b'{"b":1.5,"a":[1e-7,"\\u00e9"]}',
                          tensors=(mx.arange(10, dtype=mx.int32), mx.ones((3, 3), mx.uint8)))
     loaded = _round_trip(tmp_path, save_v3, cache, attachments=[att])
