@@ -18,9 +18,20 @@ import mlx.core as mx
 from .schema import TensorSpec
 
 _ITEMSIZE = {
-    "bool": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
-    "int8": 1, "int16": 2, "int32": 4, "int64": 8,
-    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8,
+    "bool": 1,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "complex64": 8,
 }
 
 

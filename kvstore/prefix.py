@@ -97,8 +97,16 @@ def split_value(v: bytes) -> tuple[list[int], bool, bytes]:
 
 def root_key(ns: Namespace, codec: str, block_tokens: int, algo: str) -> bytes:
     """``c_0``: different namespaces, codecs or settings never share a chain."""
-    fields = ["kvstore-prefix/1", ns.model_id, ns.config_fingerprint, ns.tokenizer_hash, ns.ns,
-              codec, block_tokens, algo]
+    fields = [
+        "kvstore-prefix/1",
+        ns.model_id,
+        ns.config_fingerprint,
+        ns.tokenizer_hash,
+        ns.ns,
+        codec,
+        block_tokens,
+        algo,
+    ]
     return hash_bytes(algo, msgspec.msgpack.encode(fields))
 
 

@@ -22,9 +22,19 @@ from .layout import block_rows, geometry, spec_nbytes
 from .schema import TensorSpec
 
 _ST_DTYPE = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16", "int16": "I16",
-    "uint32": "U32", "int32": "I32", "uint64": "U64", "int64": "I64",
-    "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "uint16": "U16",
+    "int16": "I16",
+    "uint32": "U32",
+    "int32": "I32",
+    "uint64": "U64",
+    "int64": "I64",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float32": "F32",
+    "float64": "F64",
 }
 _ZEROS = bytes(1 << 20)
 
@@ -95,7 +105,9 @@ def plan_runs(
                     src = before[id(s)][b] + o * rows_b * g.row_bytes
                     runs.append(Run(base + r0 * g.row_bytes, take * g.row_bytes, token_fds[b], src))
                 if cap > length:
-                    runs.append(Run(base + length * g.row_bytes, (cap - length) * g.row_bytes, -1, 0))
+                    runs.append(
+                        Run(base + length * g.row_bytes, (cap - length) * g.row_bytes, -1, 0)
+                    )
         else:
             shape = list(s.shape)
             assert s.state_offset is not None
@@ -127,7 +139,9 @@ class BlockStream(io.RawIOBase):
 
             nbytes = n * itemsize(dtype)
             header[f"{i:06d}"] = {
-                "dtype": _ST_DTYPE[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]
+                "dtype": _ST_DTYPE[dtype],
+                "shape": shape,
+                "data_offsets": [offset, offset + nbytes],
             }
             self._starts.append(offset)
             offset += nbytes
@@ -200,10 +214,12 @@ class BlockStream(io.RawIOBase):
             i += 1
 
 
-def load_arrays(shapes: Sequence[tuple[str, list[int]]], plans: Sequence[list[Run]]) -> list[mx.array]:
+def load_arrays(
+    shapes: Sequence[tuple[str, list[int]]], plans: Sequence[list[Run]]
+) -> list[mx.array]:
     """Restore the tensors in one ``mx.load`` of a :class:`BlockStream`."""
     if not shapes:
         return []
-    loaded = mx.load(BlockStream(shapes, plans), format="safetensors")
+    loaded = mx.load(BlockStream(shapes, plans), format="safetensors")  # type: ignore[arg-type]
     assert isinstance(loaded, dict)
     return [loaded[f"{i:06d}"] for i in range(len(shapes))]

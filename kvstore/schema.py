@@ -9,7 +9,7 @@ msgpack encoding.
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta, Struct
@@ -103,9 +103,9 @@ class RawLayer(_Layer, frozen=True, kw_only=True, tag="raw"):
     trimmable: bool = False
 
 
-Layer = Union[
-    KVLayer, RotatingLayer, QuantizedLayer, ChunkedLayer, ArraysLayer, ListLayer, RawLayer
-]
+Layer = (
+    KVLayer | RotatingLayer | QuantizedLayer | ChunkedLayer | ArraysLayer | ListLayer | RawLayer
+)
 
 
 class Attachment(Struct, frozen=True, kw_only=True):

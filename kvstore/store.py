@@ -182,8 +182,9 @@ class Store:
                 raise NotAStoreError(f"{path} is not a kvstore root (no index/); run kvstore init")
             if path.exists() and not path.is_dir():
                 raise NotAStoreError(f"{path} is not a directory")
-            if path.is_dir() and any(p.name not in ("index", "blocks", "tmp", "quarantine")
-                                     for p in path.iterdir()):
+            if path.is_dir() and any(
+                p.name not in ("index", "blocks", "tmp", "quarantine") for p in path.iterdir()
+            ):
                 raise NotAStoreError(f"{path} is not a kvstore root and is not empty")
         if create:
             for sub in ("index", "blocks", "tmp"):
@@ -216,8 +217,9 @@ class Store:
                     raise RootSettingsError(
                         f"{path} was created with {name}={have!r}, not {want!r}"
                     )
-        return cls(path, index, settings, namespace=namespace, durable=durable,
-                   verify_reads=verify_reads)
+        return cls(
+            path, index, settings, namespace=namespace, durable=durable, verify_reads=verify_reads
+        )
 
     def close(self) -> None:
         self.index.close()
@@ -322,8 +324,12 @@ class Store:
         digest = h.digest()
         keys = P.chain(c0, tok_le, self.block_tokens, self.settings.hash, n // self.block_tokens)
         items = [
-            (key, P.prefix_value(toks[k * self.block_tokens : (k + 1) * self.block_tokens],
-                                 trimmable, digest))
+            (
+                key,
+                P.prefix_value(
+                    toks[k * self.block_tokens : (k + 1) * self.block_tokens], trimmable, digest
+                ),
+            )
             for k, key in enumerate(keys)
         ]
         logical = blockset.logical_bytes()
@@ -452,9 +458,7 @@ class Store:
                 length = match.length
                 if not 0 < length <= m.n_tokens:
                     raise CacheMismatchError(f"cannot restore {length} of {m.n_tokens} tokens")
-                specs = iter_tensor_specs(m.layers) + [
-                    t for a in m.attachments for t in a.tensors
-                ]
+                specs = iter_tensor_specs(m.layers) + [t for a in m.attachments for t in a.tensors]
                 tok_sizes, state_sizes = manifest_block_sizes(
                     specs, m.n_tokens, m.block_tokens, m.state_bytes, m.state_block_bytes
                 )
@@ -468,8 +472,9 @@ class Store:
                     fds[d] = fd
                     got = os.fstat(fd).st_size
                     if got != size:
-                        raise CorruptBlockError(str(self.blocks.path(d)), f"{size} bytes",
-                                                f"{got} bytes")
+                        raise CorruptBlockError(
+                            str(self.blocks.path(d)), f"{size} bytes", f"{got} bytes"
+                        )
             if verify:
                 for d, fd in fds.items():
                     self._verify_fd(d, fd)
@@ -520,7 +525,9 @@ class Store:
             pos += count
         atts = []
         for a in m.attachments:
-            atts.append(AttachmentData(a.schema, a.metadata, tuple(arrays[pos : pos + len(a.tensors)])))
+            atts.append(
+                AttachmentData(a.schema, a.metadata, tuple(arrays[pos : pos + len(a.tensors)]))
+            )
             pos += len(a.tensors)
         return out, atts
 
@@ -593,13 +600,18 @@ class Store:
         keys = P.chain(c0, m.tokens, m.block_tokens, m.hash, m.n_tokens // m.block_tokens)
         trimmable = all(codec_for_record(layer).trimmable(layer) for layer in m.layers)
         items = [
-            (key, P.prefix_value(toks[k * m.block_tokens : (k + 1) * m.block_tokens],
-                                 trimmable, digest))
+            (
+                key,
+                P.prefix_value(
+                    toks[k * m.block_tokens : (k + 1) * m.block_tokens], trimmable, digest
+                ),
+            )
             for k, key in enumerate(keys)
         ]
         blocks = list(dict.fromkeys((*m.token_blocks, *m.state_blocks)))
-        return DeletePlan(blocks=blocks, prefix_items=items,
-                          exact_key=P.exact_key(c0, m.tokens, m.hash))
+        return DeletePlan(
+            blocks=blocks, prefix_items=items, exact_key=P.exact_key(c0, m.tokens, m.hash)
+        )
 
     def entries(self, *, namespace: Namespace | None = None) -> Iterator[Entry]:
         """Every entry (or those of one namespace)."""
@@ -624,12 +636,14 @@ class Store:
         """Entries, blocks, logical vs physical bytes and the dedup ratio."""
         t = self.index.totals()
         ratio = t.logical_bytes / t.physical_bytes if t.physical_bytes else 1.0
-        return Stats(t.entries, t.blocks, t.logical_bytes, t.physical_bytes, ratio,
-                     t.lookups, t.hits)
+        return Stats(
+            t.entries, t.blocks, t.logical_bytes, t.physical_bytes, ratio, t.lookups, t.hits
+        )
 
 
 def _attachment_snapshot(a: AttachmentData) -> Any:
-    from .codecs import RawCache, snapshot as snap
+    from .codecs import RawCache
+    from .codecs import snapshot as snap
 
     return snap(RawCache(source_kind=f"attachment:{a.schema}", tensors=list(a.tensors)))
 

@@ -52,11 +52,11 @@ class BlockSet:
 
 def _view(td: TensorData) -> tuple[mx.array, memoryview]:
     arr = td.array
-    mv = memoryview(arr)
+    mv = memoryview(arr)  # type: ignore[arg-type]
     if not mv.c_contiguous:  # rare: a transposed or sliced view; one copy
         arr = mx.contiguous(arr)
         mx.eval(arr)
-        mv = memoryview(arr)
+        mv = memoryview(arr)  # type: ignore[arg-type]
     return arr, mv.cast("B")
 
 

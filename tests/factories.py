@@ -23,7 +23,7 @@ def kv_cache(n: int, seed: int = 0, dtype: mx.Dtype = mx.bfloat16, chunks: int =
     c = C.KVCache()
     k, v = kv_pair(n, seed, dtype)
     bounds = [n * i // chunks for i in range(chunks + 1)]
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in zip(bounds, bounds[1:], strict=False):
         c.update_and_fetch(k[:, :, a:b], v[:, :, a:b])
     return c
 
@@ -44,8 +44,9 @@ def prefix_cache(tokens: list[int], dtype: mx.Dtype = mx.bfloat16) -> C.KVCache:
     return c
 
 
-def rotating_cache(n: int, max_size: int, seed: int = 0, keep: int = 0,
-                   dtype: mx.Dtype = mx.bfloat16) -> C.RotatingKVCache:
+def rotating_cache(
+    n: int, max_size: int, seed: int = 0, keep: int = 0, dtype: mx.Dtype = mx.bfloat16
+) -> C.RotatingKVCache:
     """Prefill half, then decode one token at a time (the in-place ring path)."""
     c = C.RotatingKVCache(max_size=max_size, keep=keep)
     k, v = kv_pair(n, seed, dtype)
@@ -56,7 +57,9 @@ def rotating_cache(n: int, max_size: int, seed: int = 0, keep: int = 0,
     return c
 
 
-def quantized_cache(n: int, seed: int = 0, bits: int = 4, group_size: int = 32) -> C.QuantizedKVCache:
+def quantized_cache(
+    n: int, seed: int = 0, bits: int = 4, group_size: int = 32
+) -> C.QuantizedKVCache:
     c = C.QuantizedKVCache(group_size=group_size, bits=bits)
     k, v = kv_pair(n, seed, mx.float16)
     c.update_and_fetch(k, v)
@@ -79,7 +82,9 @@ def chunked_cache(n: int, chunk: int, seed: int = 0) -> C.ChunkedKVCache:
 
 
 def cache_list(n: int, seed: int = 0) -> C.CacheList:
-    return C.CacheList(kv_cache(n, seed), C.CacheList(arrays_cache(seed + 3), kv_cache(n, seed + 5)))
+    return C.CacheList(
+        kv_cache(n, seed), C.CacheList(arrays_cache(seed + 3), kv_cache(n, seed + 5))
+    )
 
 
 def state_arrays(cache: Any) -> list[mx.array]:
@@ -91,8 +96,11 @@ def state_arrays(cache: Any) -> list[mx.array]:
     if isinstance(cache, C.QuantizedKVCache):
         return [a[..., : cache.offset, :] for a in (*cache.keys, *cache.values)]
     if isinstance(cache, C.RotatingKVCache):
-        return list(cache.state[:2])[:2] if cache.offset >= cache.keys.shape[2] else [
-            cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]]
+        return (
+            list(cache.state[:2])[:2]
+            if cache.offset >= cache.keys.shape[2]
+            else [cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]]
+        )
     if isinstance(cache, C.ChunkedKVCache):
         k, v = cache.keys_and_values()
         return [k, v]
@@ -103,8 +111,8 @@ def state_arrays(cache: Any) -> list[mx.array]:
 def same_bits(a: mx.array, b: mx.array) -> bool:
     """Bit-exact equality, dtype and shape included (NaN-safe: compares bytes)."""
     mx.eval(a, b)
-    return a.dtype == b.dtype and a.shape == b.shape and bytes(memoryview(a)) == bytes(
-        memoryview(b)
+    return (
+        a.dtype == b.dtype and a.shape == b.shape and bytes(memoryview(a)) == bytes(memoryview(b))
     )
 
 

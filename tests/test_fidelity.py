@@ -95,8 +95,16 @@ def test_restore_in_a_new_process_decodes_bit_identically(
     expect = _decode(model, cache, feed)
     out = tmp_path / "child.safetensors"
     subprocess.run(
-        [sys.executable, "-c", CHILD, str(models[kind]), str(root), str(out),
-         ",".join(map(str, prompt)), ",".join(map(str, feed))],
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            str(models[kind]),
+            str(root),
+            str(out),
+            ",".join(map(str, prompt)),
+            ",".join(map(str, feed)),
+        ],
         check=True,
     )
     got = mx.load(str(out))["logits"]
@@ -124,7 +132,9 @@ def test_partial_reuse_matches_trimming_in_memory(models: dict[str, Path], tmp_p
     assert _bits(_decode(model, restored, feed)) == _bits(_decode(model, ref, feed))
 
 
-def test_generation_with_restored_cache_is_identical(models: dict[str, Path], tmp_path: Path) -> None:
+def test_generation_with_restored_cache_is_identical(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
     model, tok = mlx_lm.load(str(models["gemma3_text"]))
     prompt = _prompt(100, 9)  # shorter than the window: the ring has not wrapped
     cache = make_prompt_cache(model)

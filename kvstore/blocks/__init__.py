@@ -1,6 +1,15 @@
 """Content-addressed block files: hashing, atomic writes, reads."""
 
-from .hashing import ALGORITHMS, Digest, HexDigest, check_digest, from_hex, hash_bytes, new_hasher, to_hex
+from .hashing import (
+    ALGORITHMS,
+    Digest,
+    HexDigest,
+    check_digest,
+    from_hex,
+    hash_bytes,
+    new_hasher,
+    to_hex,
+)
 from .store import BlockStore
 
 __all__ = [

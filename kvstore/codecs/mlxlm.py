@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models import cache as C
+from mlx_lm.models import cache as _cache
 
 from ..errors import CacheMismatchError
 from ..schema import (
@@ -28,6 +28,7 @@ from .base import (
     step_capacity,
 )
 
+C: Any = _cache  # mlx-lm ships no type hints
 _SEQ = 2  # the token axis of [B, H, S, D] keys and values
 
 
@@ -127,8 +128,9 @@ class RotatingCodec(Codec):
             idx=int(cache._idx),
             extra=_extra(cache),
         )
-        return leaf(rec, (_live(cache, cache.keys, rows, False),
-                              _live(cache, cache.values, rows, False)))
+        return leaf(
+            rec, (_live(cache, cache.keys, rows, False), _live(cache, cache.values, rows, False))
+        )
 
     def load(self, record: Any, arrays: list[mx.array], n_tokens: int) -> Any:
         obj = C.RotatingKVCache(max_size=record.max_size, keep=record.keep)
@@ -163,8 +165,9 @@ class ChunkedCodec(Codec):
             start_position=start,
             extra=_extra(cache),
         )
-        return leaf(rec, (_live(cache, cache.keys, rows, token),
-                              _live(cache, cache.values, rows, token)))
+        return leaf(
+            rec, (_live(cache, cache.keys, rows, token), _live(cache, cache.values, rows, token))
+        )
 
     def load(self, record: Any, arrays: list[mx.array], n_tokens: int) -> Any:
         obj = C.ChunkedKVCache(record.chunk_size)
@@ -243,7 +246,9 @@ class ListCodec(Codec):
         pos = 0
         for child in record.children:
             count = len(iter_tensor_specs((child,)))
-            children.append(codec_for_record(child).load(child, arrays[pos : pos + count], n_tokens))
+            children.append(
+                codec_for_record(child).load(child, arrays[pos : pos + count], n_tokens)
+            )
             pos += count
         return _keep_extra(C.CacheList(*children), record)
 
@@ -254,6 +259,12 @@ class ListCodec(Codec):
         raise AssertionError("a CacheList has no tensors of its own")
 
 
-for _codec in (KVCodec(), QuantizedCodec(), RotatingCodec(), ChunkedCodec(), ArraysCodec(),
-               ListCodec()):
+for _codec in (
+    KVCodec(),
+    QuantizedCodec(),
+    RotatingCodec(),
+    ChunkedCodec(),
+    ArraysCodec(),
+    ListCodec(),
+):
     register(_codec)

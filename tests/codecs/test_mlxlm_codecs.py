@@ -41,19 +41,30 @@ CASES: dict[str, tuple[Any, int]] = {
     "chunked": (lambda n: [chunked_cache(n, 128, 12)], 60),
     "chunked-trimmed-front": (lambda n: [chunked_cache(n, 32, 13)], 60),
     "cache-list-nested": (lambda n: [cache_list(n, 14)], 45),
-    "hybrid-model-like": (lambda n: [kv_cache(n, 15), arrays_cache(16), rotating_cache(n, 32, 17)], 48),
+    "hybrid-model-like": (
+        lambda n: [kv_cache(n, 15), arrays_cache(16), rotating_cache(n, 32, 17)],
+        48,
+    ),
 }
 
 
 def _check_same(a: list[Any], b: list[Any]) -> None:
     assert [type(x) for x in a] == [type(x) for x in b]
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         xs, ys = state_arrays(x), state_arrays(y)
         assert len(xs) == len(ys)
-        for p, q in zip(xs, ys):
+        for p, q in zip(xs, ys, strict=True):
             assert same_bits(p, q), f"{type(x).__name__}: arrays differ"
-        for attr in ("offset", "max_size", "keep", "_idx", "group_size", "bits", "chunk_size",
-                     "start_position"):
+        for attr in (
+            "offset",
+            "max_size",
+            "keep",
+            "_idx",
+            "group_size",
+            "bits",
+            "chunk_size",
+            "start_position",
+        ):
             assert getattr(x, attr, None) == getattr(y, attr, None), attr
 
 
@@ -87,8 +98,13 @@ def test_trimmed_restore_of_each_trimmable_kind(tmp_path: Path) -> None:
     n, cut = 70, 37
     tokens = list(range(n))
     with kvstore.Store.open(tmp_path / "root", namespace=NS, block_tokens=16) as store:
-        for layers in ([kv_cache(n, 1)], [quantized_cache(n, 2)], [chunked_cache(n, 128, 3)],
-                       [rotating_cache(n, 128, 4)], [C.CacheList(kv_cache(n, 5), kv_cache(n, 6))]):
+        for layers in (
+            [kv_cache(n, 1)],
+            [quantized_cache(n, 2)],
+            [chunked_cache(n, 128, 3)],
+            [rotating_cache(n, 128, 4)],
+            [C.CacheList(kv_cache(n, 5), kv_cache(n, 6))],
+        ):
             store.save(tokens, layers)
             m = store.lookup(tokens[:cut] + [9999])
             assert m is not None and m.length == cut and not m.exact and m.trimmable
@@ -157,6 +173,7 @@ def test_unknown_cache_class_is_a_typed_error(tmp_path: Path) -> None:
     with kvstore.Store.open(tmp_path / "root", namespace=NS) as store:
         with pytest.raises(kvstore.UnknownCacheTypeError, match="MyCache"):
             store.save([1, 2, 3], [MyCache()])
+
         # a subclass is not silently treated as its base either
         class MyKV(C.KVCache):
             pass
