@@ -5,7 +5,11 @@
 index keeps one value per entry with at least ``kT`` tokens: the entry's next
 tokens (up to ``TAIL`` of them, big-endian ``t+1`` so byte order is token order,
 then a zero terminator), a flags byte and the manifest digest. Sorted values
-let a lookup find the entry sharing the longest extension in one seek.
+let a lookup find the trimmable entry sharing the longest extension in one seek.
+
+A non-trimmable entry (SSM state, a wrapped ring) serves only its exact length,
+so it is listed once, under ``state_key(c_{n//T})``; a lookup that finds that key
+tests each length within the block against the exact keys.
 """
 
 from __future__ import annotations
@@ -120,8 +124,26 @@ def chain(c0: bytes, tok_le: bytes, block_tokens: int, algo: str, depth: int) ->
     return keys
 
 
-def exact_key(c0: bytes, tok_le: bytes, algo: str) -> bytes:
-    return hash_bytes(algo, b"exact", c0, tok_le)
+def exact_key(c_k: bytes, tail_le: bytes | memoryview, algo: str) -> bytes:
+    """The exact key of an entry of ``n`` tokens: ``H("exact" || c_{n//T} || rest)``.
+
+    ``rest`` is the u32-LE bytes of the tokens after the last full block, so a
+    lookup can test every length within one block with one short hash each.
+    """
+    return hash_bytes(algo, b"exact", c_k, tail_le)
+
+
+def exact_key_for(
+    keys: list[bytes], tok_le: bytes | memoryview, n: int, T: int, algo: str
+) -> bytes:
+    """The exact key of the first ``n`` tokens, given the chain ``keys`` (len > n // T)."""
+    k = n // T
+    return exact_key(keys[k], memoryview(tok_le)[4 * k * T : 4 * n], algo)
+
+
+def state_key(c_k: bytes, algo: str) -> bytes:
+    """The key under which non-trimmable entries ending in block ``k`` are listed."""
+    return hash_bytes(algo, b"state", c_k)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

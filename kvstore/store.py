@@ -285,8 +285,9 @@ class Store:
             raise TypeError("metadata must map str to str")
         n = len(toks)
         tok_le = P.tokens_le(toks)
-        c0 = self._c0(ns)
-        xkey = P.exact_key(c0, tok_le, self.settings.hash)
+        T, algo = self.block_tokens, self.settings.hash
+        keys = P.chain(self._c0(ns), tok_le, T, algo, n // T)
+        xkey = P.exact_key_for(keys, tok_le, n, T, algo)
         with self.index.read() as txn:
             existing = self.index.find_exact(xkey, txn)
             rec = self.index.get_entry(existing, txn) if existing else None
@@ -322,16 +323,7 @@ class Store:
         h = new_hasher(self.settings.hash)
         h.update(encoded)
         digest = h.digest()
-        keys = P.chain(c0, tok_le, self.block_tokens, self.settings.hash, n // self.block_tokens)
-        items = [
-            (
-                key,
-                P.prefix_value(
-                    toks[k * self.block_tokens : (k + 1) * self.block_tokens], trimmable, digest
-                ),
-            )
-            for k, key in enumerate(keys)
-        ]
+        items = _prefix_items(keys, toks, T, trimmable, digest, algo)
         logical = blockset.logical_bytes()
         stamp = now_ms()
         pieces = blockset.by_digest()
@@ -379,14 +371,43 @@ class Store:
         q_le = P.tokens_le(q)
         depth = len(q) // T
         keys = P.chain(self._c0(ns), q_le, T, self.settings.hash, depth)
+        algo = self.settings.hash
         with self.index.read() as txn:
             for k in range(depth, -1, -1):
-                if not self.index.has_prefix(keys[k], txn):
-                    continue
-                found = self._best_at(txn, keys[k], k, q)
-                if found is not None:
-                    return found
+                best = None
+                if self.index.has_prefix(keys[k], txn):
+                    best = self._best_at(txn, keys[k], k, q)
+                if self.index.has_prefix(P.state_key(keys[k], algo), txn):
+                    best = self._best_exact(txn, keys, k, q, q_le, best)
+                if best is not None:
+                    return best
         return None
+
+    def _best_exact(
+        self,
+        txn: Any,
+        keys: list[bytes],
+        k: int,
+        q: Sequence[int],
+        q_le: bytes,
+        best: Match | None,
+    ) -> Match | None:
+        """The longest entry within block ``k`` whose tokens are exactly a prefix of ``q``."""
+        T, algo = self.block_tokens, self.settings.hash
+        floor = max(k * T - 1, best.length if best is not None else 0)  # exclusive
+        if best is not None and not best.exact and best.length == len(q):
+            floor -= 1  # an exact entry of the same length is better
+        for length in range(min(len(q), (k + 1) * T - 1), floor, -1):
+            digest = self.index.find_exact(P.exact_key_for(keys, q_le, length, T, algo), txn)
+            if digest is None:
+                continue
+            raw = self.index.get_manifest(digest, txn)
+            if raw is None:
+                continue
+            layers = decode_manifest(raw).layers
+            trimmable = all(codec_for_record(layer).trimmable(layer) for layer in layers)
+            return Match(digest.hex(), length, length == len(q), trimmable, length)
+        return best
 
     def _best_at(self, txn: Any, key: bytes, k: int, q: Sequence[int]) -> Match | None:
         """The best candidate stored under ``c_k`` (entries sharing the first kT tokens)."""
@@ -394,7 +415,8 @@ class Store:
         base = k * T
         cap = min(T, P.TAIL)
         qtail = list(q[base : base + T])
-        before, after = self.index.neighbors(key, P.encode_tail(qtail[:cap]), _SCAN, txn)
+        probe = P.encode_tail(qtail[:cap]) or b"\0"  # LMDB refuses an empty value
+        before, after = self.index.neighbors(key, probe, _SCAN, txn)
         best: Match | None = None
         for v in after + before:
             etail, trimmable, digest = P.split_value(v)
@@ -596,21 +618,14 @@ class Store:
     def delete_plan(self, m: Manifest, digest: bytes) -> DeletePlan:
         """The blocks, prefix keys and exact key an entry holds."""
         toks = P.tokens_from_le(m.tokens)
-        c0 = P.root_key(m.namespace, m.codec, m.block_tokens, m.hash)
-        keys = P.chain(c0, m.tokens, m.block_tokens, m.hash, m.n_tokens // m.block_tokens)
+        T = m.block_tokens
+        c0 = P.root_key(m.namespace, m.codec, T, m.hash)
+        keys = P.chain(c0, m.tokens, T, m.hash, m.n_tokens // T)
         trimmable = all(codec_for_record(layer).trimmable(layer) for layer in m.layers)
-        items = [
-            (
-                key,
-                P.prefix_value(
-                    toks[k * m.block_tokens : (k + 1) * m.block_tokens], trimmable, digest
-                ),
-            )
-            for k, key in enumerate(keys)
-        ]
-        blocks = list(dict.fromkeys((*m.token_blocks, *m.state_blocks)))
         return DeletePlan(
-            blocks=blocks, prefix_items=items, exact_key=P.exact_key(c0, m.tokens, m.hash)
+            blocks=list(dict.fromkeys((*m.token_blocks, *m.state_blocks))),
+            prefix_items=_prefix_items(keys, toks, T, trimmable, digest, m.hash),
+            exact_key=P.exact_key_for(keys, m.tokens, m.n_tokens, T, m.hash),
         )
 
     def entries(self, *, namespace: Namespace | None = None) -> Iterator[Entry]:
@@ -639,6 +654,17 @@ class Store:
         return Stats(
             t.entries, t.blocks, t.logical_bytes, t.physical_bytes, ratio, t.lookups, t.hits
         )
+
+
+def _prefix_items(
+    keys: list[bytes], toks: Sequence[int], T: int, trimmable: bool, digest: bytes, algo: str
+) -> list[tuple[bytes, bytes]]:
+    """The prefix-db values of an entry: every depth when trimmable, else its last one."""
+    if not trimmable:
+        return [(P.state_key(keys[-1], algo), digest)]
+    return [
+        (key, P.prefix_value(toks[k * T : (k + 1) * T], True, digest)) for k, key in enumerate(keys)
+    ]
 
 
 def _attachment_snapshot(a: AttachmentData) -> Any:

@@ -1,0 +1,552 @@
+"""What the CLI shows a person: sizes, ages, tables, manifests, headers, prefix trees.
+
+Everything here is pure (no I/O, no store, no mlx at import time): it turns
+numbers, manifests and file headers into lines and JSON-ready dicts, so the
+output can be tested without a root and ``kvstore --help`` does not pay for it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, is_dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .schema import Layer, Manifest, Namespace
+    from .store import Entry
+
+__all__ = [
+    "Branch",
+    "NamespaceTree",
+    "SizeError",
+    "build_forest",
+    "entry_json",
+    "format_age",
+    "format_bytes",
+    "format_count",
+    "format_ratio",
+    "format_time",
+    "header_lines",
+    "manifest_json",
+    "manifest_lines",
+    "ns_json",
+    "ns_label",
+    "parse_size",
+    "plural",
+    "render_forest",
+    "render_report",
+    "report_dict",
+    "short_id",
+    "table",
+]
+
+_BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+# Every unit is binary, as in ``kvstore serve --max-bytes``: 1G = 1GB = 1GiB = 2**30.
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+_SIZE = re.compile(r"(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[KMGTP]?)(?:I?B)?", re.IGNORECASE)
+
+
+class SizeError(ValueError):
+    """A byte count that cannot be parsed."""
+
+
+def parse_size(text: str) -> int:
+    """Parse ``10G``, ``500MiB``, ``1.5GB``, ``4k`` or plain ``1048576`` into bytes.
+
+    Units are binary and case-insensitive; ``B``/``iB`` suffixes are optional.
+    """
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise SizeError(
+            f"cannot parse {text!r} as a size (examples: 10G, 500MiB, 1.5GB, 1048576)"
+        )
+    value = float(m["num"]) * _UNITS[m["unit"].upper()]
+    if not math.isfinite(value):
+        raise SizeError(f"size {text!r} is too large")
+    return int(value)
+
+
+def format_bytes(n: int | float) -> str:
+    """``1.2 GiB``, ``512 B``, ``15.0 KiB``: three significant figures, binary units."""
+    value = float(n)
+    sign = "-" if value < 0 else ""
+    value = abs(value)
+    for unit in _BINARY:
+        if value < 1024 or unit == _BINARY[-1]:
+            if unit == "B":
+                return f"{sign}{int(value)} B"
+            digits = 1 if value < 100 else 0
+            return f"{sign}{value:.{digits}f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def format_count(n: int) -> str:
+    """An integer with thousands separators: ``12,345``."""
+    return f"{n:,}"
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``1 entry``, ``3 entries``, ``2 blocks`` (``words`` overrides the plural)."""
+    if words is None:
+        words = word[:-1] + "ies" if word.endswith("y") else word + "s"
+    return f"{format_count(n)} {word if n == 1 else words}"
+
+
+def format_ratio(x: float) -> str:
+    """A dedup ratio: ``2.37x``."""
+    return f"{x:.2f}x"
+
+
+def format_age(ms: int, now_ms: int | None = None) -> str:
+    """How long ago a millisecond timestamp was: ``just now``, ``3 min ago``, ``2 days ago``."""
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    s = (now - ms) / 1000
+    if s < 0:
+        return "in the future"
+    if s < 10:
+        return "just now"
+    for limit, size, unit in (
+        (60, 1, "s"),
+        (3600, 60, "min"),
+        (86400, 3600, "h"),
+        (86400 * 60, 86400, "day"),
+        (86400 * 730, 86400 * 30.44, "month"),
+        (math.inf, 86400 * 365.25, "year"),
+    ):
+        if s < limit:
+            k = int(s // size)
+            if unit in ("s", "min", "h"):
+                return f"{k} {unit} ago"
+            return f"{k} {unit}{'' if k == 1 else 's'} ago"
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def format_time(ms: int) -> str:
+    """A millisecond timestamp as local ``YYYY-MM-DD HH:MM:SS``."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ms / 1000))
+
+
+def short_id(entry_id: str, n: int = 12) -> str:
+    """The first ``n`` hex chars of an id (what ``kvstore show`` accepts back)."""
+    return entry_id[:n]
+
+
+def table(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[int] = ()
+) -> str:
+    """Rows in aligned columns under a header; columns in ``right`` are right-aligned."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    align = set(right)
+
+    def line(cells: Sequence[str]) -> str:
+        out = [
+            c.rjust(widths[i]) if i in align else c.ljust(widths[i]) for i, c in enumerate(cells)
+        ]
+        return "  ".join(out).rstrip()
+
+    return "\n".join([line(headers), *(line(r) for r in rows)])
+
+
+# --- reports, namespaces, entries, manifests -------------------------------------
+
+def report_dict(report: Any) -> dict[str, Any]:
+    """A backend's dataclass report (or dict) as a JSON-ready dict."""
+    if is_dataclass(report) and not isinstance(report, type):
+        return asdict(report)
+    if isinstance(report, dict):
+        return report
+    raise TypeError(f"expected a dataclass report, got {type(report).__name__}")
+
+
+def _is_bytes_field(name: str) -> bool:
+    return "bytes" in name or name.startswith(("physical", "live"))
+
+
+def render_report(data: dict[str, Any], indent: str = "", *, skip_empty: bool = False,
+                  skip: Sequence[str] = ()) -> list[str]:
+    """A dataclass report as aligned ``field  value`` lines (sizes for byte fields).
+
+    With ``skip_empty``, fields that are 0, empty, False or None are left out.
+    """
+    items = [(k, v) for k, v in data.items() if k not in skip
+             and not (skip_empty and (v is None or v is False or v == 0 or v == [] or v == {}))]
+    width = max((len(k) for k, _ in items), default=0)
+    lines: list[str] = []
+    for k, v in items:
+        label = k.replace("_", " ").ljust(width)
+        if isinstance(v, bool):
+            lines.append(f"{indent}{label}  {'yes' if v else 'no'}")
+        elif isinstance(v, int) and _is_bytes_field(k):
+            lines.append(f"{indent}{label}  {format_bytes(v)}")
+        elif isinstance(v, float):
+            lines.append(f"{indent}{label}  {v:.3g}")
+        elif isinstance(v, (list, tuple)):
+            lines.append(f"{indent}{label}  {len(v)}")
+            lines.extend(f"{indent}  - {brief(x)}" for x in v[:20])
+            if len(v) > 20:
+                lines.append(f"{indent}  … and {len(v) - 20} more")
+        elif isinstance(v, dict):
+            lines.append(f"{indent}{label}")
+            lines.extend(render_report(v, indent + "  "))
+        else:
+            lines.append(f"{indent}{label}  {v}")
+    return lines
+
+
+def brief(x: Any) -> str:
+    """One list item of a report: ids shortened, tuples joined."""
+    if isinstance(x, (list, tuple)):
+        return " ".join(brief(v) for v in x)
+    if isinstance(x, dict):
+        return ", ".join(f"{k}={brief(v)}" for k, v in x.items())
+    if isinstance(x, str) and len(x) == 64:
+        return short_id(x)
+    return str(x)
+
+
+def ns_label(ns: Namespace) -> str:
+    """``model/ns``: what ``--namespace`` accepts back."""
+    return f"{ns.model_id}/{ns.ns}"
+
+
+def ns_json(ns: Namespace) -> dict[str, str]:
+    return {"model_id": ns.model_id, "config_fingerprint": ns.config_fingerprint,
+            "tokenizer_hash": ns.tokenizer_hash, "ns": ns.ns}
+
+
+def entry_json(e: Entry, unique: int | None = None) -> dict[str, Any]:
+    d: dict[str, Any] = {"id": e.id, "namespace": ns_json(e.namespace), "n_tokens": e.n_tokens,
+                         "logical_bytes": e.logical_bytes}
+    if unique is not None:
+        d["unique_bytes"] = unique
+    d.update(created_at=e.created_at, last_access=e.last_access, hits=e.hits,
+             priority=e.priority)
+    return d
+
+
+def layer_kind(layer: Layer) -> str:
+    return str(type(layer).__struct_config__.tag)
+
+
+def layer_fields(layer: Layer) -> dict[str, Any]:
+    import msgspec
+
+    d = msgspec.structs.asdict(layer)
+    for k in ("tensors", "children"):
+        d.pop(k, None)
+    for k, v in list(d.items()):
+        if isinstance(v, bytes):
+            if v in (b"", b"{}"):
+                del d[k]
+            else:
+                d[k] = json_value(v)
+        elif isinstance(v, tuple):
+            d[k] = list(v)
+    return d
+
+
+def json_value(b: bytes) -> Any:
+    try:
+        return json.loads(b)
+    except ValueError:
+        return b.hex()
+
+
+def json_text(b: bytes) -> str:
+    return json.dumps(json_value(b)) if b else "{}"
+
+
+def layer_lines(layer: Layer, lead: str) -> list[str]:
+    from .schema import ListLayer
+
+    fields = " ".join(f"{k}={json.dumps(v) if not isinstance(v, int) else v}"
+                      for k, v in layer_fields(layer).items())
+    out = [f"{lead}{layer_kind(layer):<9}{fields}".rstrip()]
+    pad = " " * (len(lead) + 2)
+    for j, t in enumerate(layer.tensors):
+        where = (f"token axis {t.token_axis}" if t.token_axis is not None
+                 else f"state @{t.state_offset}")
+        out.append(f"{pad}t{j}  {t.dtype:<8} {str(list(t.shape)):<18} {where}")
+    if isinstance(layer, ListLayer):
+        for j, child in enumerate(layer.children):
+            out.extend(layer_lines(child, f"{pad}{j:>3}  "))
+    return out
+
+
+def layer_json(layer: Layer) -> dict[str, Any]:
+    from .schema import ListLayer
+
+    d: dict[str, Any] = {"kind": layer_kind(layer), **layer_fields(layer)}
+    d["tensors"] = [{"shape": list(t.shape), "dtype": t.dtype, "token_axis": t.token_axis,
+                     "state_offset": t.state_offset} for t in layer.tensors]
+    if isinstance(layer, ListLayer):
+        d["children"] = [layer_json(c) for c in layer.children]
+    return d
+
+
+def manifest_json(eid: str, m: Manifest, tokens: list[int], rec: Entry | None, uniq: int,
+                   refs: dict[bytes, Any]) -> dict[str, Any]:
+    def blocks(ds: tuple[bytes, ...]) -> list[dict[str, Any]]:
+        return [{"digest": d.hex(), "bytes": refs[d].size if refs.get(d) else None,
+                 "refcount": refs[d].refcount if refs.get(d) else 0} for d in ds]
+
+    return {
+        "id": eid, "format": m.format, "namespace": ns_json(m.namespace), "codec": m.codec,
+        "hash": m.hash, "block_tokens": m.block_tokens, "state_block_bytes": m.state_block_bytes,
+        "created_at": m.created_at, "n_tokens": m.n_tokens, "tokens": tokens,
+        "layers": [layer_json(layer) for layer in m.layers],
+        "token_blocks": blocks(m.token_blocks), "state_blocks": blocks(m.state_blocks),
+        "state_bytes": m.state_bytes,
+        "attachments": [{"schema": a.schema, "metadata": json_value(a.metadata),
+                         "tensors": [{"shape": list(t.shape), "dtype": t.dtype,
+                                      "state_offset": t.state_offset} for t in a.tensors]}
+                        for a in m.attachments],
+        "metadata": dict(m.metadata),
+        "entry": entry_json(rec, uniq) if rec is not None else None,
+    }
+
+def _tokens_line(tokens: Sequence[int], all_tokens: bool) -> str:
+    shown = list(tokens) if all_tokens else list(tokens[:16])
+    more = "" if len(shown) == len(tokens) else f" … (+{len(tokens) - len(shown)})"
+    return f"{format_count(len(tokens))}: {' '.join(map(str, shown))}{more}"
+
+
+def manifest_lines(eid: str, m: Manifest, tokens: Sequence[int], rec: Entry | None, uniq: int,
+                   refs: dict[bytes, Any], *, all_tokens: bool = False) -> list[str]:
+    """``kvstore show``: one entry's manifest, readable."""
+    ns = m.namespace
+    lines = [f"entry       {eid}",
+             f"namespace   {ns_label(ns)}",
+             f"  model     {ns.model_id}",
+             f"  config    {ns.config_fingerprint or '-'}",
+             f"  tokenizer {ns.tokenizer_hash or '-'}",
+             f"codec       {m.codec}, {m.hash}, {m.block_tokens} tokens per block",
+             f"created     {format_time(m.created_at)} ({format_age(m.created_at)})"]
+    if rec is not None:
+        lines.append(f"used        {format_age(rec.last_access)}, {plural(rec.hits, 'hit')}, "
+                     f"priority {rec.priority}")
+        lines.append(f"size        {format_bytes(rec.logical_bytes)}, "
+                     f"{format_bytes(uniq)} unique to this entry")
+    lines.append(f"tokens      {_tokens_line(tokens, all_tokens)}")
+    lines.append(f"layers      {len(m.layers)}")
+    for i, layer in enumerate(m.layers):
+        lines.extend(layer_lines(layer, f"  {i:>3}  "))
+    for a in m.attachments:
+        lines.append(f"attachment  {a.schema} {json_text(a.metadata)}")
+        lines.extend(f"         t{j}  {t.dtype} {list(t.shape)}" for j, t in enumerate(a.tensors))
+    for name, blocks in (("token blocks", m.token_blocks), ("state blocks", m.state_blocks)):
+        lines.append(f"{name} {len(blocks)}")
+        for j, d in enumerate(blocks):
+            ref = refs.get(d)
+            size = format_bytes(ref.size) if ref else "missing"
+            shared = f"shared by {ref.refcount}" if ref and ref.refcount > 1 else "unique"
+            lines.append(f"  {j:>3}  {d.hex()[:16]}  {size:>10}  {shared}")
+    if m.metadata:
+        lines.append("metadata")
+        width = max(len(k) for k in m.metadata)
+        lines.extend(f"  {k.ljust(width)}  {v}" for k, v in sorted(m.metadata.items()))
+    return lines
+
+
+def _file_tensor(t: dict[str, Any]) -> str:
+    where = (plural(len(t["blocks"]), "block") if isinstance(t.get("blocks"), list)
+             else f"@{t.get('off', '?')}")
+    size = format_bytes(t["bytes"]) if isinstance(t.get("bytes"), int) else "?"
+    return f"{str(t.get('dtype', '?')):<8} {str(t.get('shape', '?')):<18} {size:>10}  {where}"
+
+
+def header_lines(info: Any, *, all_tokens: bool = False) -> list[str]:
+    """``kvstore inspect``: a v3/v4/v5 file's prefix and header (a codecs.v3.HeaderInfo)."""
+    h: dict[str, Any] = info.header
+    raw_tokens = h.get("tokens")
+    tokens: list[int] = raw_tokens if isinstance(raw_tokens, list) else []
+    lines = [f"file        {info.path} ({format_bytes(info.file_size)})",
+             f"format      mlx-bun formatVersion {info.format_version}, header "
+             f"{format_bytes(info.header_len)}, data at {info.data_start}, "
+             f"header hash {info.header_hash_hex}",
+             f"model       {h.get('modelId', '-')}",
+             f"  config    {h.get('configFingerprint') or '-'}",
+             f"  tokenizer {h.get('tokenizerHash') or '-'}",
+             f"  ns        {h.get('ns', '-')}",
+             f"codec       {h.get('codecProvider', '-')}"]
+    if isinstance(h.get("createdAt"), int):
+        lines.append(f"created     {format_time(h['createdAt'])} ({format_age(h['createdAt'])})")
+    lines.append(f"tokens      {_tokens_line(tokens, all_tokens)}")
+    raw_caches = h.get("caches")
+    caches: list[dict[str, Any]] = raw_caches if isinstance(raw_caches, list) else []
+    lines.append(f"layers      {len(caches)}")
+    total = count = 0
+    for i, c in enumerate(caches):
+        fields = " ".join(f"{k}={json.dumps(v)}" for k, v in c.items()
+                          if k not in ("kind", "tensors"))
+        lines.append(f"  {i:>3}  {str(c.get('kind', '?')):<9}{fields}".rstrip())
+        for j, t in enumerate(c.get("tensors") or ()):
+            lines.append(f"         t{j}  {_file_tensor(t)}")
+            total += t.get("bytes", 0) if isinstance(t.get("bytes"), int) else 0
+            count += 1
+    for a in h.get("attachments") or ():
+        lines.append(f"attachment  {a.get('schema', '?')} {json.dumps(a.get('metadata', {}))}")
+        for j, t in enumerate(a.get("tensors") or ()):
+            lines.append(f"         t{j}  {_file_tensor(t)}")
+            total += t.get("bytes", 0) if isinstance(t.get("bytes"), int) else 0
+            count += 1
+    lines.append(f"tensor data {format_bytes(total)} in {plural(count, 'tensor')}")
+    return lines
+
+
+# --- the shared-prefix tree -------------------------------------------------------
+
+
+@dataclass
+class Branch:
+    """A run of token blocks shared by the same entries, and where they part."""
+
+    start_block: int
+    start_token: int
+    blocks: int = 0
+    tokens: int = 0
+    nbytes: int = 0
+    entries: list[str] = field(default_factory=list)
+    ends: list[str] = field(default_factory=list)  # entries whose tokens end with this run
+    children: list[Branch] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"start_block": self.start_block, "blocks": self.blocks,
+                "start_token": self.start_token, "tokens": self.tokens, "bytes": self.nbytes,
+                "entries": self.entries, "ends": self.ends,
+                "children": [c.to_json() for c in self.children]}
+
+
+@dataclass
+class NamespaceTree:
+    """One namespace's entries as a tree of shared leading token blocks."""
+
+    namespace: Namespace
+    entries: int
+    referenced_bytes: int  # token-block bytes summed over entries
+    stored_bytes: int  # token-block bytes of the distinct blocks in the tree
+    n_tokens: dict[str, int]
+    ends: list[str]  # entries without token blocks
+    branches: list[Branch]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"namespace": ns_json(self.namespace), "entries": self.entries,
+                "referenced_bytes": self.referenced_bytes, "stored_bytes": self.stored_bytes,
+                "saved_bytes": self.referenced_bytes - self.stored_bytes,
+                "n_tokens": self.n_tokens, "ends": self.ends,
+                "branches": [b.to_json() for b in self.branches]}
+
+
+class _Node:
+    __slots__ = ("children", "entries", "ends", "rows", "size")
+
+    def __init__(self, rows: int = 0, size: int = 0) -> None:
+        self.children: dict[bytes, _Node] = {}
+        self.entries: list[str] = []
+        self.ends: list[str] = []
+        self.rows = rows
+        self.size = size
+
+
+def _compress(node: _Node, block: int, token: int) -> Branch:
+    b = Branch(start_block=block, start_token=token, entries=list(node.entries))
+    while True:
+        b.blocks += 1
+        b.tokens += node.rows
+        b.nbytes += node.size
+        if len(node.children) != 1 or node.ends:
+            break
+        node = next(iter(node.children.values()))
+    b.ends = list(node.ends)
+    b.children = _branches(node, block + b.blocks, token + b.tokens)
+    return b
+
+
+def _branches(node: _Node, block: int, token: int) -> list[Branch]:
+    kids = sorted(node.children.values(), key=lambda n: (-len(n.entries), n.entries[0]))
+    return [_compress(k, block, token) for k in kids]
+
+
+def build_forest(entries: Sequence[Entry], ms: dict[str, Manifest]) -> list[NamespaceTree]:
+    """Group entries by namespace and merge their token-block lists into prefix trees."""
+    from .layout import manifest_block_sizes
+    from .schema import iter_tensor_specs
+
+    groups: dict[Namespace, list[Entry]] = {}
+    for e in sorted(entries, key=lambda e: (ns_label(e.namespace), e.id)):
+        if e.id in ms:
+            groups.setdefault(e.namespace, []).append(e)
+    forest: list[NamespaceTree] = []
+    for ns, group in groups.items():
+        top = _Node()
+        referenced = stored = 0
+        for e in group:
+            m = ms[e.id]
+            specs = iter_tensor_specs(m.layers) + [t for a in m.attachments for t in a.tensors]
+            sizes, _ = manifest_block_sizes(specs, m.n_tokens, m.block_tokens, m.state_bytes,
+                                            m.state_block_bytes)
+            node = top
+            for b, d in enumerate(m.token_blocks):
+                child = node.children.get(d)
+                if child is None:
+                    rows = min(m.n_tokens - b * m.block_tokens, m.block_tokens)
+                    child = node.children[d] = _Node(rows, sizes[b] if b < len(sizes) else 0)
+                    stored += child.size
+                referenced += child.size
+                child.entries.append(e.id)
+                node = child
+            node.ends.append(e.id)
+        forest.append(NamespaceTree(ns, len(group), referenced, stored,
+                                    {e.id: e.n_tokens for e in group}, list(top.ends),
+                                    _branches(top, 0, 0)))
+    return forest
+
+
+def _branch_text(b: Branch, n_tokens: dict[str, int]) -> str:
+    head = (f"tokens {b.start_token}–{b.start_token + b.tokens} · {plural(b.blocks, 'block')} · "
+            f"{format_bytes(b.nbytes)}")
+    if len(b.entries) == 1:
+        e = b.entries[0]
+        return f"{head} · {short_id(e)} ({plural(n_tokens[e], 'token')})"
+    return f"{head} · shared by {len(b.entries)} entries"
+
+
+def render_forest(forest: Sequence[NamespaceTree], *, ascii_only: bool = False) -> str:
+    """``kvstore tree``: one tree per namespace, a line per shared run of blocks."""
+    tee, last, bar = ("|-- ", "`-- ", "|   ") if ascii_only else ("├─ ", "└─ ", "│  ")
+    blank = " " * len(bar)
+    lines: list[str] = []
+
+    def walk(items: list[tuple[str, Branch | None]], pad: str, n_tokens: dict[str, int]) -> None:
+        for i, (eid, b) in enumerate(items):
+            end = i == len(items) - 1
+            if b is None:
+                lines.append(f"{pad}{last if end else tee}● {short_id(eid)} "
+                             f"({plural(n_tokens[eid], 'token')}) ends here")
+                continue
+            lines.append(f"{pad}{last if end else tee}{_branch_text(b, n_tokens)}")
+            if len(b.entries) > 1:
+                walk([(e, None) for e in b.ends] + [("", c) for c in b.children],
+                     pad + (blank if end else bar), n_tokens)
+
+    for t in forest:
+        if lines:
+            lines.append("")
+        saved = t.referenced_bytes - t.stored_bytes
+        lines.append(f"{ns_label(t.namespace)}  {plural(t.entries, 'entry', 'entries')} · "
+                     f"token blocks {format_bytes(t.referenced_bytes)} referenced, "
+                     f"{format_bytes(t.stored_bytes)} stored (saves {format_bytes(saved)})")
+        walk([(e, None) for e in t.ends] + [("", b) for b in t.branches], "", t.n_tokens)
+    text = "\n".join(lines)
+    if ascii_only:
+        text = text.replace("–", "-").replace("·", "-").replace("●", "*")
+    return text

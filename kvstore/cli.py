@@ -1,0 +1,705 @@
+"""The ``kvstore`` command line: look after a cache root like git, restic or pip would.
+
+Every command takes ``--root`` (default ``$KVSTORE_ROOT``, else the user cache
+dir); only ``init`` (and ``demo``/``serve``, which need somewhere to write) may
+create one. Reporting commands print aligned human output, or with ``--json``
+one JSON object whose schema is documented in ``docs/CLI.md``. A user mistake
+prints one ``kvstore: error: …`` line and exits 2; a check that finds a problem
+exits 1. Heavy modules (mlx, the store) are imported inside the commands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+from . import _human as H
+
+if TYPE_CHECKING:
+    from .schema import Manifest, Namespace
+    from .store import Store
+
+__all__ = ["cli", "main"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class UserError(Exception):
+    """A mistake of the caller: one line on stderr, exit status 2."""
+
+
+class Unavailable(UserError):
+    """A subcommand whose backend is not part of this build."""
+
+
+@dataclasses.dataclass
+class Options:
+    """Options shared by every command (given before or after the subcommand)."""
+
+    root: Path | None = None
+    quiet: bool = False
+    debug: bool = False
+
+    def resolved_root(self) -> Path:
+        from .store import default_root
+
+        return self.root if self.root is not None else default_root()
+
+
+# --- shared options ---------------------------------------------------------------
+
+
+def _set(name: str) -> Callable[[click.Context, click.Parameter, Any], None]:
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+        if value:  # a subcommand's own flag overrides, an absent one does not reset
+            setattr(ctx.ensure_object(Options), name, value)
+
+    return callback
+
+
+def common(f: F) -> F:
+    """``--root``, ``--quiet`` and ``--debug``, accepted by the group and every command."""
+    f = click.option("--debug", is_flag=True, expose_value=False, is_eager=True,
+                     callback=_set("debug"),
+                     help="Show the full traceback of an error.")(f)
+    f = click.option("-q", "--quiet", is_flag=True, expose_value=False, callback=_set("quiet"),
+                     help="No progress bars or chatter; errors still go to stderr.")(f)
+    f = click.option("--root", type=click.Path(path_type=Path), expose_value=False,
+                     callback=_set("root"), metavar="DIR",
+                     help="Cache root (default: $KVSTORE_ROOT, else the user cache dir).")(f)
+    return f
+
+
+json_option = click.option("--json", "as_json", is_flag=True,
+                           help="Print one JSON object (schema in docs/CLI.md).")
+
+
+class ByteSize(click.ParamType):  # type: ignore[type-arg]
+    """A byte count such as ``10G``, ``500MiB``, ``1.5GB`` or ``1048576``."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return H.parse_size(str(value))
+        except H.SizeError as e:
+            self.fail(str(e), param, ctx)
+
+
+def opts() -> Options:
+    return click.get_current_context().ensure_object(Options)
+
+
+def emit(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2))
+
+
+@contextmanager
+def open_store(create: bool = False, **kwargs: Any) -> Iterator[Store]:
+    from .store import Store
+
+    with Store.open(opts().resolved_root(), create=create, **kwargs) as store:
+        yield store
+
+
+def method(store: Store, name: str, command: str) -> Callable[..., Any]:
+    """``store.<name>``, or a clear Unavailable error when this build's Store lacks it."""
+    fn = getattr(store, name, None)
+    if not callable(fn):
+        raise Unavailable(f"'kvstore {command}' is not available in this version "
+                          f"(Store.{name} is missing)")
+    return fn  # type: ignore[no-any-return]
+
+
+def backend(module: str, attr: str, command: str) -> Callable[..., Any]:
+    """``module.attr``, or a clear Unavailable error when it is not part of this build."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is None or not module.startswith(e.name):
+            raise
+        raise Unavailable(f"'kvstore {command}' is not available in this version "
+                          f"({module} is missing)") from e
+    fn = getattr(mod, attr, None)
+    if not callable(fn):
+        raise Unavailable(f"'kvstore {command}' is not available in this version "
+                          f"({module}.{attr} is missing)")
+    return fn  # type: ignore[no-any-return]
+
+
+def progress_enabled() -> bool:
+    """Bars only for a person watching: both streams a terminal and no --quiet."""
+    if opts().quiet or not (sys.stdout.isatty() and sys.stderr.isatty()):
+        return False
+    return importlib.util.find_spec("tqdm") is not None
+
+
+@contextmanager
+def progress(total: int | None, desc: str, unit: str = "it") -> Iterator[Callable[[int], None]]:
+    """A tqdm bar on stderr (or a no-op); yields ``advance(n)``."""
+    if not progress_enabled():
+        yield lambda n: None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit=unit, leave=False, file=sys.stderr,
+               unit_scale=unit == "B", dynamic_ncols=True)
+    try:
+        yield bar.update
+    finally:
+        bar.close()
+
+
+def call_with_progress(fn: Callable[..., Any], desc: str, **kwargs: Any) -> Any:
+    """Call a backend, giving it a progress callback when its signature takes one."""
+    params = inspect.signature(fn).parameters
+    if "progress" not in params:
+        return fn(**kwargs)
+    with progress(None, desc) as advance:
+        return fn(progress=advance if progress_enabled() else None, **kwargs)
+
+
+
+
+
+# --- namespaces and entries -----------------------------------------------------------
+
+
+
+
+def ns_matches(ns: Namespace, wanted: str | None) -> bool:
+    """``MODEL`` matches every ns of a model, ``MODEL/NS`` one (model ids may hold ``/``)."""
+    return wanted is None or wanted in (ns.model_id, H.ns_label(ns))
+
+
+def manifests(store: Store, ids: Sequence[str]) -> dict[str, Manifest]:
+    from .schema import decode_manifest
+
+    out: dict[str, Manifest] = {}
+    with store.index.read() as txn:
+        for i in ids:
+            raw = store.index.get_manifest(bytes.fromhex(i), txn)
+            if raw is not None:
+                out[i] = decode_manifest(raw)
+    return out
+
+
+def unique_bytes(store: Store, ms: dict[str, Manifest]) -> dict[str, int]:
+    """Bytes of the blocks only this entry references (refcount 1)."""
+    out: dict[str, int] = {}
+    with store.index.read() as txn:
+        for i, m in ms.items():
+            total = 0
+            for d in dict.fromkeys((*m.token_blocks, *m.state_blocks)):
+                ref = store.index.get_ref(d, txn)
+                if ref is not None and ref.refcount == 1:
+                    total += ref.size
+            out[i] = total
+    return out
+
+
+
+def resolve_all(store: Store, ids: Sequence[str]) -> list[str]:
+    """Full ids for every argument, before anything is changed."""
+    return list(dict.fromkeys(store.resolve(i) for i in ids))
+
+
+# --- the group -------------------------------------------------------------------------
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="kvstore", prog_name="kvstore", message="%(prog)s %(version)s")
+@common
+def cli() -> None:
+    """A persistent, shared, deduplicated KV-cache store for MLX language models.
+
+    Start with 'kvstore demo', then 'kvstore ls' and 'kvstore tree'. The cache root is
+    --root, else $KVSTORE_ROOT, else the user cache dir.
+    """
+
+
+@cli.command()
+@click.option("--hash", "algo", type=click.Choice(["blake3", "sha256"]), default=None,
+              help="Block digest algorithm (default blake3); fixed when the root is created.")
+@click.option("--block-tokens", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Tokens per token block (default 256); fixed when the root is created.")
+@json_option
+@common
+def init(algo: str | None, block_tokens: int | None, as_json: bool) -> None:
+    """Create a cache root.
+
+    On an existing root, checks that --hash and --block-tokens match its settings.
+    """
+    root = opts().resolved_root()
+    existed = (root / "index" / "data.mdb").exists()
+    with open_store(create=True, hash=algo, block_tokens=block_tokens) as store:
+        s = store.settings
+    if as_json:
+        emit({"root": str(root), "created": not existed, "hash": s.hash,
+              "block_tokens": s.block_tokens, "state_block_bytes": s.state_block_bytes})
+    elif not opts().quiet:
+        what = "Kvstore root already exists at" if existed else "Created kvstore root at"
+        click.echo(f"{what} {root} ({s.hash}, {s.block_tokens} tokens per block)")
+
+
+@cli.command()
+@json_option
+@common
+def stats(as_json: bool) -> None:
+    """Show sizes, dedup ratio, budget and hit rate.
+
+    Entries, blocks, logical vs stored bytes, the dedup ratio, the byte budget (when one
+    is recorded), unreferenced blocks awaiting compact, and the lookup hit rate.
+    """
+    with open_store() as store:
+        st = store.stats()
+        s = store.settings
+        with store.index.read() as txn:
+            zero = [r.size for _, r in store.index.iter_refs(txn) if r.refcount == 0]
+        budget = _recorded_budget(store)
+    data: dict[str, Any] = {
+        "root": str(store.root), "hash": s.hash, "block_tokens": s.block_tokens,
+        "state_block_bytes": s.state_block_bytes, "created_at": s.created_at,
+        **dataclasses.asdict(st),
+        "unreferenced_blocks": len(zero), "unreferenced_bytes": sum(zero),
+        "budget_bytes": budget,
+        "hit_rate": st.hits / st.lookups if st.lookups else None,
+    }
+    if as_json:
+        emit(data)
+        return
+    rows = [
+        ("root", str(store.root)),
+        ("settings", f"{s.hash}, {s.block_tokens} tokens per block, "
+                     f"{H.format_bytes(s.state_block_bytes)} state blocks"),
+        ("created", f"{H.format_time(s.created_at)} ({H.format_age(s.created_at)})"),
+        ("entries", H.format_count(st.entries)),
+        ("blocks", H.format_count(st.blocks)),
+        ("logical size", f"{H.format_bytes(st.logical_bytes)} (the entries stored separately)"),
+        ("stored size", H.format_bytes(st.physical_bytes)),
+        ("dedup", f"{H.format_ratio(st.dedup_ratio)} (saves "
+                  f"{H.format_bytes(max(st.logical_bytes - st.physical_bytes, 0))})"),
+    ]
+    if zero:
+        rows.append(("unreferenced", f"{H.plural(len(zero), 'block')}, {H.format_bytes(sum(zero))}"
+                                     " (freed by 'kvstore compact')"))
+    if budget is not None:
+        use = st.physical_bytes / budget if budget else 0.0
+        rows.append(("budget", f"{H.format_bytes(st.physical_bytes)} of {H.format_bytes(budget)}"
+                               f" ({use:.0%})"))
+    if st.lookups:
+        rows.append(("hit rate", f"{st.hits / st.lookups:.1%} ({H.format_count(st.hits)} of "
+                                 f"{H.plural(st.lookups, 'lookup')})"))
+    else:
+        rows.append(("hit rate", "no lookups recorded"))
+    width = max(len(k) for k, _ in rows)
+    click.echo("\n".join(f"{k.ljust(width)}  {v}" for k, v in rows))
+
+
+def _recorded_budget(store: Store) -> int | None:
+    """The byte budget the store enforces, when it has one.
+
+    A root records no budget of its own (a budget is given per process, to
+    ``Store.open(max_bytes=)``, ``kvstore serve --max-bytes`` or ``kvstore compact``),
+    so this is None unless the store was opened with one.
+    """
+    v = getattr(store, "max_bytes", None)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+_SORTS: dict[str, Callable[[Any], Any]] = {
+    "last-access": lambda e: e.last_access,
+    "size": lambda e: e.logical_bytes,
+    "tokens": lambda e: e.n_tokens,
+    "hits": lambda e: e.hits,
+    "created": lambda e: e.created_at,
+}
+
+
+@cli.command(name="ls")
+@click.option("--sort", "sort_key", type=click.Choice(list(_SORTS)), default="last-access",
+              show_default=True, help="Order of the entries (largest / most recent first).")
+@click.option("--reverse", is_flag=True, help="Reverse the order.")
+@click.option("--namespace", metavar="MODEL[/NS]", default=None,
+              help="Only entries of this model (and namespace).")
+@json_option
+@common
+def ls_(sort_key: str, reverse: bool, namespace: str | None, as_json: bool) -> None:
+    """List the stored entries.
+
+    Columns: short id, namespace (model/ns), tokens, logical size, unique bytes (blocks
+    no other entry references), last access, hits and eviction priority.
+    """
+    with open_store() as store:
+        items = [e for e in store.entries() if ns_matches(e.namespace, namespace)]
+        items.sort(key=_SORTS[sort_key], reverse=not reverse)
+        uniq = unique_bytes(store, manifests(store, [e.id for e in items]))
+    if as_json:
+        emit({"root": str(store.root),
+              "entries": [H.entry_json(e, uniq.get(e.id, 0)) for e in items]})
+        return
+    if not items:
+        click.echo("no entries" + (f" in namespace {namespace!r}" if namespace else ""))
+        return
+    headers = ("ID", "NAMESPACE", "TOKENS", "SIZE", "UNIQUE", "LAST ACCESS", "HITS", "PRIORITY")
+    rows = [(H.short_id(e.id), H.ns_label(e.namespace), H.format_count(e.n_tokens),
+             H.format_bytes(e.logical_bytes), H.format_bytes(uniq.get(e.id, 0)),
+             H.format_age(e.last_access), str(e.hits), e.priority) for e in items]
+    click.echo(H.table(headers, rows, right=(2, 3, 4, 6)))
+
+
+@cli.command()
+@click.argument("entry")
+@click.option("--tokens", "all_tokens", is_flag=True, help="Print every token, not the first 16.")
+@json_option
+@common
+def show(entry: str, all_tokens: bool, as_json: bool) -> None:
+    """Show one entry's manifest.
+
+    ENTRY is a full id or a unique prefix of one (at least 4 hex chars).
+    """
+    from . import prefix as P
+
+    with open_store() as store:
+        eid = store.resolve(entry)
+        m = store.manifest(eid)
+        rec = next((e for e in store.entries() if e.id == eid), None)
+        uniq = unique_bytes(store, {eid: m})[eid]
+        with store.index.read() as txn:
+            refs = {d: store.index.get_ref(d, txn) for d in (*m.token_blocks, *m.state_blocks)}
+    tokens = list(P.tokens_from_le(m.tokens))
+    if as_json:
+        emit(H.manifest_json(eid, m, tokens, rec, uniq, refs))
+    else:
+        click.echo("\n".join(H.manifest_lines(eid, m, tokens, rec, uniq, refs,
+                                              all_tokens=all_tokens)))
+
+
+
+
+
+
+
+
+
+@cli.command()
+@click.option("--namespace", metavar="MODEL[/NS]", default=None,
+              help="Only entries of this model (and namespace).")
+@json_option
+@common
+def tree(namespace: str | None, as_json: bool) -> None:
+    """Show which entries share leading token blocks.
+
+    One tree per namespace: each line is a run of token blocks shared by the same
+    entries, with its token range, block count and bytes.
+    """
+    with open_store() as store:
+        entries = [e for e in store.entries() if ns_matches(e.namespace, namespace)]
+        forest = H.build_forest(entries, manifests(store, [e.id for e in entries]))
+    if as_json:
+        emit({"root": str(store.root), "namespaces": [t.to_json() for t in forest]})
+    elif not forest:
+        click.echo("no entries" + (f" in namespace {namespace!r}" if namespace else ""))
+    else:
+        click.echo(H.render_forest(forest, ascii_only=not _can_draw()))
+
+
+def _can_draw() -> bool:
+    try:
+        "└─│├".encode(sys.stdout.encoding or "ascii")
+        return True
+    except (UnicodeEncodeError, LookupError):
+        return False
+
+
+@cli.command()
+@click.argument("entries", nargs=-1, required=True, metavar="ENTRY...")
+@json_option
+@common
+def rm(entries: tuple[str, ...], as_json: bool) -> None:
+    """Remove entries by id or unique prefix.
+
+    Every ENTRY is checked before anything is removed. Blocks no longer referenced
+    are deleted by 'kvstore compact' after the grace period.
+    """
+    with open_store() as store:
+        ids = resolve_all(store, entries)  # every id checked before anything is removed
+        ms = manifests(store, ids)
+        uniq = unique_bytes(store, ms)
+        removed = [i for i in ids if store.delete(i)]
+    freed = sum(uniq[i] for i in removed)
+    if as_json:
+        emit({"root": str(store.root),
+              "removed": [{"id": i, "n_tokens": ms[i].n_tokens, "unique_bytes": uniq[i]}
+                          for i in removed],
+              "unreferenced_bytes": freed})
+        return
+    if opts().quiet:
+        return
+    for i in removed:
+        click.echo(f"removed {H.short_id(i)} ({H.plural(ms[i].n_tokens, 'token')}, "
+                   f"{H.format_bytes(uniq[i])} unique)")
+    if freed:
+        click.echo(f"{H.format_bytes(freed)} of blocks are now unreferenced; "
+                   "'kvstore compact' deletes them after the grace period")
+
+
+@cli.command()
+@click.option("--max-bytes", type=ByteSize(), default=None, metavar="SIZE",
+              help="Evict least recently used entries until the root fits (e.g. 10G, 500MiB).")
+@click.option("--namespace-max-bytes", type=ByteSize(), default=None, metavar="SIZE",
+              help="Also cap each namespace at SIZE.")
+@click.option("--grace", type=click.FloatRange(min=0), default=600.0, show_default=True,
+              metavar="SECONDS", help="Keep unreferenced blocks and temp files this long.")
+@click.option("--dry-run", is_flag=True, help="Report what would be removed; change nothing.")
+@json_option
+@common
+def compact(max_bytes: int | None, namespace_max_bytes: int | None, grace: float,
+            dry_run: bool, as_json: bool) -> None:
+    """Evict over budget, delete unreferenced blocks.
+
+    Evicts least recently used entries above --max-bytes (and --namespace-max-bytes),
+    deletes blocks unreferenced for longer than --grace, orphan block files and stale
+    temp files.
+    """
+    with open_store() as store:
+        run = method(store, "compact", "compact")
+        report = call_with_progress(run, "compact", max_bytes=max_bytes,
+                                    namespace_max_bytes=namespace_max_bytes, grace=grace,
+                                    dry_run=dry_run)
+    data = H.report_dict(report)
+    if as_json:
+        emit({"root": str(store.root), "dry_run": dry_run, "report": data})
+        return
+    if opts().quiet and not dry_run:
+        return
+    lines = H.render_report(data, skip_empty=True, skip=("dry_run",))
+    if dry_run:
+        click.echo("dry run: nothing was changed; compact would do this:")
+    click.echo("\n".join(lines))
+
+
+@cli.command()
+@click.option("--read-data", is_flag=True, help="Also hash every block file (reads all data).")
+@click.option("--repair", is_flag=True,
+              help="Move corrupt blocks to quarantine/ and drop the entries that need them.")
+@json_option
+@common
+def verify(read_data: bool, repair: bool, as_json: bool) -> None:
+    """Check the index against the block files.
+
+    Exits 1 when a problem is found (0 when the store is sound).
+    """
+    with open_store() as store:
+        run = method(store, "verify", "verify")
+        report = call_with_progress(run, "verify", read_data=read_data,
+                                    repair=repair)
+    data = H.report_dict(report)
+    sound = bool(getattr(report, "sound", data.get("sound", False)))
+    if as_json:
+        emit({"root": str(store.root), "sound": sound, "report": data})
+    elif sound:
+        if not opts().quiet:
+            checked = [H.plural(data[k], w) for k, w in (("entries", "entry"), ("blocks", "block"))
+                       if isinstance(data.get(k), int)]
+            if data.get("bytes_hashed"):
+                checked.append(f"{H.format_bytes(data['bytes_hashed'])} hashed")
+            click.echo(f"ok: the store is sound (checked {', '.join(checked)})")
+            notes = H.render_report(data, skip_empty=True,
+                                    skip=("entries", "blocks", "bytes_hashed"))
+            if notes:
+                click.echo("\n".join(notes))
+    else:
+        click.echo("\n".join(H.render_report(data, skip_empty=True)))
+        hint = "" if repair else "; 'kvstore verify --repair' can fix it"
+        click.echo(f"kvstore: verify found problems in {store.root}{hint}", err=True)
+    if not sound:
+        click.get_current_context().exit(1)
+
+
+@cli.command(name="import")
+@click.argument("files", nargs=-1, required=True, metavar="FILE...",
+                type=click.Path(path_type=Path))
+@json_option
+@common
+def import_(files: tuple[Path, ...], as_json: bool) -> None:
+    """Import mlx-bun cache files into the root.
+
+    Accepts v3/v4 single files and v5 manifest files (with blocks/ beside them).
+    """
+    for f in files:
+        if not f.is_file():
+            raise UserError(f"{f}: no such file" if not f.exists() else f"{f}: not a file")
+    done: list[tuple[Path, Any]] = []
+    with open_store() as store, progress(len(files), "import", "file") as advance:
+        run = method(store, "import_file", "import")
+        for f in files:
+            done.append((f, run(f)))
+            advance(1)
+    if as_json:
+        emit({"root": str(store.root),
+              "imported": [{"file": str(f), **H.report_dict(info)} for f, info in done]})
+    elif not opts().quiet:
+        for f, info in done:
+            click.echo(f"imported {f} -> {H.short_id(info.id)} "
+                       f"({H.plural(info.n_tokens, 'token')}, {H.format_bytes(info.logical_bytes)}"
+                       f", {H.format_bytes(info.new_bytes)} new)")
+
+
+@cli.command()
+@click.argument("entry")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["v3", "v5"]), default="v3", show_default=True,
+              help="v3: one self-contained file; v5: a manifest file plus blocks/ beside it.")
+@json_option
+@common
+def export(entry: str, path: Path, fmt: str, as_json: bool) -> None:
+    """Write one entry as an mlx-bun cache file.
+
+    ENTRY is an id or a unique prefix of one.
+    """
+    with open_store() as store:
+        run = method(store, "export", "export")
+        eid = store.resolve(entry)
+        n_tokens = store.manifest(eid).n_tokens
+        with progress(None, "export") as advance:
+            run(eid, path, format=fmt)
+            advance(1)
+    size = path.stat().st_size if path.is_file() else None
+    if as_json:
+        emit({"root": str(store.root), "id": eid, "path": str(path), "format": fmt,
+              "n_tokens": n_tokens, "file_bytes": size})
+    elif not opts().quiet:
+        what = f", {H.format_bytes(size)}" if size is not None else ""
+        click.echo(f"exported {H.short_id(eid)} to {path} ({fmt}, "
+                   f"{H.plural(n_tokens, 'token')}{what})")
+
+
+@cli.command(name="inspect")
+@click.argument("file", type=click.Path(path_type=Path))
+@click.option("--tokens", "all_tokens", is_flag=True, help="Print every token, not the first 16.")
+@json_option
+@common
+def inspect_(file: Path, all_tokens: bool, as_json: bool) -> None:
+    """Describe an mlx-bun cache file.
+
+    Prints the prefix, the header, each layer's kind and fields and each tensor's
+    shape, dtype and size; reads no tensor data.
+    """
+    read_header = backend("kvstore.codecs.v3", "read_header", "inspect")
+    if file.is_dir():
+        raise UserError(f"{file}: is a directory, not a cache file")
+    info = read_header(file)
+    if as_json:
+        emit({"path": str(file), "file_bytes": info.file_size,
+              "format_version": info.format_version, "header_len": info.header_len,
+              "data_start": info.data_start, "header_hash": info.header_hash_hex,
+              "header": info.header})
+    else:
+        click.echo("\n".join(H.header_lines(info, all_tokens=all_tokens)))
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--quick", is_flag=True, help="A short run (seconds), for a smoke test.")
+@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
+              metavar="FILE", help="Also write the results as JSON to FILE.")
+@common
+@click.pass_context
+def bench(ctx: click.Context, quick: bool, json_file: Path | None) -> int:
+    """Measure save, lookup and restore speed.
+
+    Options not listed here are passed to the benchmark unchanged.
+    """
+    run = backend("kvstore.bench", "main", "bench")
+    argv = [*(["--quick"] if quick else []), *(["--json", str(json_file)] if json_file else [])]
+    o = opts()
+    if o.root is not None:
+        argv += ["--root", str(o.root)]
+    if o.quiet:
+        argv.append("--quiet")
+    return int(run([*argv, *ctx.args]) or 0)
+
+
+@cli.command()
+@common
+def demo() -> int:
+    """Try kvstore on a tiny local model.
+
+    Runs a tiny random-weight model (no download) twice and shows the second run
+    restoring its prompt cache from the store.
+    """
+    run_demo = backend("kvstore.demo", "run_demo", "demo")
+    return int(run_demo(opts().resolved_root(), quiet=opts().quiet) or 0)
+
+
+@cli.command(add_help_option=False,
+             context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@common
+@click.pass_context
+def serve(ctx: click.Context) -> int:
+    """Run mlx-lm's server with the persistent cache.
+
+    Every mlx_lm.server option works; see 'kvstore serve --help'.
+    """
+    serve_main = backend("kvstore.serve", "serve_main", "serve")
+    root = opts().root
+    argv = [*(["--root", str(root)] if root is not None else []), *ctx.args]
+    return int(serve_main(argv) or 0)
+
+
+# --- entry point ----------------------------------------------------------------------
+
+
+def _oserror_line(e: OSError) -> str:
+    if e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return str(e)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 1 a check failed, 2 an error)."""
+    from .errors import KVStoreError
+
+    state = Options()
+    try:
+        rv = cli.main(args=list(argv) if argv is not None else None, prog_name="kvstore",
+                      standalone_mode=False, obj=state)
+    except click.UsageError as e:
+        where = e.ctx.command_path if e.ctx is not None else "kvstore"
+        click.echo(f"kvstore: error: {e.format_message()} (see '{where} --help')", err=True)
+        return 2
+    except click.ClickException as e:
+        click.echo(f"kvstore: error: {e.format_message()}", err=True)
+        return e.exit_code
+    except click.Abort:
+        click.echo("kvstore: aborted", err=True)
+        return 130
+    except BrokenPipeError:  # `kvstore ls | head`: the reader left, nothing to report
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    except (KVStoreError, UserError, OSError) as e:
+        if state.debug:
+            traceback.print_exc()
+        line = _oserror_line(e) if isinstance(e, OSError) and not isinstance(e, KVStoreError) \
+            else str(e)
+        click.echo(f"kvstore: error: {line}", err=True)
+        return 2
+    except KeyboardInterrupt:
+        click.echo("kvstore: interrupted", err=True)
+        return 130
+    return rv if isinstance(rv, int) else 0

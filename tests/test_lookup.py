@@ -1,0 +1,95 @@
+"""Lookup against a brute-force model of its semantics, and its bounded cost."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+from factories import arrays_cache, prefix_cache
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvstore
+from kvstore import schema
+from kvstore import store as store_mod
+
+NS = kvstore.Namespace(model_id="lookup")
+seqs = st.lists(st.integers(0, 2), min_size=1, max_size=14)
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _expected(entries: list[tuple[list[int], bool]], q: list[int]) -> tuple[int, bool]:
+    best, exact = 0, False
+    for toks, trimmable in entries:
+        if trimmable:
+            length = min(_lcp(toks, q), len(q))
+        else:
+            length = len(toks) if _lcp(toks, q) == len(toks) else 0
+        is_exact = toks == q
+        if (length, is_exact) > (best, exact):
+            best, exact = length, is_exact and length == len(q)
+    return best, exact
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    stored=st.lists(st.tuples(seqs, st.booleans()), min_size=1, max_size=12),
+    queries=st.lists(seqs, min_size=1, max_size=6),
+)
+def test_lookup_matches_the_model(
+    stored: list[tuple[list[int], bool]], queries: list[list[int]]
+) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        with kvstore.Store.open(Path(d), namespace=NS, block_tokens=4, durable=False) as s:
+            kept: dict[tuple[int, ...], bool] = {}
+            for toks, trimmable in stored:
+                if tuple(toks) in kept:  # same tokens again: the first save stays
+                    continue
+                cache = [prefix_cache(toks)] if trimmable else [arrays_cache(len(toks))]
+                s.save(toks, cache)
+                kept[tuple(toks)] = trimmable
+            entries = [(list(t), tr) for t, tr in kept.items()]
+            for q in queries + [e[0] for e in entries]:
+                m = s.lookup(q)
+                want, exact = _expected(entries, q)
+                got = (m.length, m.exact) if m else (0, False)
+                assert got == (want, exact), (q, entries, m)
+                if m is not None:
+                    man = s.manifest(m.entry_id)
+                    toks = list(store_mod.P.tokens_from_le(man.tokens))
+                    assert toks[: m.length] == q[: m.length]
+
+
+def test_lookup_work_is_bounded_by_the_query_not_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """300 entries share a system prompt; a lookup decodes at most a few manifests."""
+    system = list(range(40))
+    with kvstore.Store.open(tmp_path / "r", namespace=NS, block_tokens=16, durable=False) as s:
+        for i in range(300):
+            toks = system + [1000 + i, 2000 + i % 17, 3000 + i]
+            s.save(toks, [prefix_cache(toks)])
+        decodes = 0
+        real = schema.decode_manifest
+
+        def counting(data: bytes) -> schema.Manifest:
+            nonlocal decodes
+            decodes += 1
+            return real(data)
+
+        monkeypatch.setattr(store_mod, "decode_manifest", counting)
+        for i in (0, 150, 299):
+            q = system + [1000 + i, 2000 + i % 17, 3000 + i, 5, 6]
+            m = s.lookup(q)
+            assert m is not None and m.length == 43
+        q = system + [999_999]
+        m = s.lookup(q)
+        assert m is not None and m.length == 40
+        assert decodes <= 3 * 2 * store_mod._SCAN
