@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import platformdirs
@@ -41,6 +41,9 @@ from .schema import (
     iter_tensor_specs,
 )
 from .writer import place, write_blocks
+
+if TYPE_CHECKING:
+    from .gc import CompactReport, VerifyReport
 
 CODEC_PROVIDER = "kvstore-mlx/1"
 ROOT_FORMAT = 1
@@ -129,6 +132,9 @@ def _leaves(layers: Sequence[Layer]) -> Iterator[Layer]:
 class Store:
     """A cache root: save caches, find the longest stored prefix, restore it."""
 
+    max_bytes: int | None = None  # byte budget enforced after each save (Store.open)
+    gc_grace: float = 600.0  # seconds a zero-ref block waits before that enforcement unlinks it
+
     def __init__(
         self,
         root: Path,
@@ -164,12 +170,19 @@ class Store:
         create: bool = True,
         verify_reads: bool = False,
         map_size: int | None = None,
+        max_bytes: int | None = None,
+        gc_grace: float | None = None,
     ) -> Store:
         """Open (and, with ``create``, make) the root.
 
         ``hash`` and ``block_tokens`` are fixed when a root is created; passing
         other values for an existing root is a :class:`RootSettingsError`.
+        With ``max_bytes`` every save that takes the live bytes over it evicts
+        least-recently-used entries until they fit (see :mod:`kvstore.gc`);
+        ``gc_grace`` (default 600 s) is the grace that eviction honours.
         """
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         path = Path(root) if root is not None else default_root()
         if hash is not None and hash not in ALGORITHMS:
             raise RootSettingsError(f"unknown hash {hash!r}; choose from {', '.join(ALGORITHMS)}")
@@ -217,9 +230,13 @@ class Store:
                     raise RootSettingsError(
                         f"{path} was created with {name}={have!r}, not {want!r}"
                     )
-        return cls(
+        store = cls(
             path, index, settings, namespace=namespace, durable=durable, verify_reads=verify_reads
         )
+        store.max_bytes = max_bytes
+        if gc_grace is not None:
+            store.gc_grace = gc_grace
+        return store
 
     def close(self) -> None:
         self.index.close()
@@ -351,6 +368,10 @@ class Store:
         crash_point("before_commit")
         created = self.index.commit_save(plan)
         crash_point("after_commit")
+        if created and self.max_bytes is not None:
+            from .gc import enforce_budget
+
+            enforce_budget(self, self.max_bytes, grace=self.gc_grace)
         if not created:  # a concurrent save of the same tokens won
             with self.index.read() as txn:
                 existing = self.index.find_exact(xkey, txn)
@@ -576,6 +597,30 @@ class Store:
                 os.close(fd)
         return list(P.tokens_from_le(m.tokens)), cache, atts
 
+    def import_file(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        verify: bool = True,
+        namespace: Namespace | None = None,
+    ) -> EntryInfo:
+        """Store an mlx-bun v3/v4/v5 file as an entry; see :func:`kvstore.bridge.import_file`."""
+        from .bridge import import_file
+
+        return import_file(self, path, verify=verify, namespace=namespace)
+
+    def export(
+        self,
+        entry_id: str | bytes,
+        path: str | os.PathLike[str],
+        *,
+        format: Literal["v3", "v5"] = "v3",
+    ) -> Path:
+        """Write an entry as an mlx-bun file; see :func:`kvstore.bridge.export_entry`."""
+        from .bridge import export_entry
+
+        return export_entry(self, entry_id, path, format=format)
+
     def restore(
         self, tokens: Any, *, namespace: Namespace | None = None, verify: bool | None = None
     ) -> tuple[list[Any] | None, int]:
@@ -646,6 +691,26 @@ class Store:
                 hits=rec.hits,
                 priority=_PRIORITY_NAMES.get(rec.priority, "assistant"),
             )
+
+    def compact(
+        self,
+        *,
+        max_bytes: int | None = None,
+        namespace_max_bytes: int | None = None,
+        grace: float = 600.0,
+        dry_run: bool = False,
+    ) -> CompactReport:
+        """Evict above the byte budgets, delete expired garbage; see :func:`kvstore.gc.compact`."""
+        from .gc import compact
+
+        return compact(self, max_bytes=max_bytes, namespace_max_bytes=namespace_max_bytes,
+                       grace=grace, dry_run=dry_run)
+
+    def verify(self, *, read_data: bool = False, repair: bool = False) -> VerifyReport:
+        """Check refcounts, blocks and keys; see :func:`kvstore.gc.verify`."""
+        from .gc import verify
+
+        return verify(self, read_data=read_data, repair=repair)
 
     def stats(self) -> Stats:
         """Entries, blocks, logical vs physical bytes and the dedup ratio."""

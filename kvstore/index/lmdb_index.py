@@ -43,12 +43,25 @@ class EntryRecord(msgspec.Struct, kw_only=True):
 
 
 class Totals(msgspec.Struct, kw_only=True):
+    """Running totals, updated in the transaction that changes what they count.
+
+    ``physical_bytes`` is the size of every block with a refs record, referenced
+    or not; ``zero_bytes`` the part of it held by blocks whose refcount is zero
+    (garbage waiting for its grace period), so live bytes are the difference.
+    """
+
     entries: int = 0
     blocks: int = 0
     logical_bytes: int = 0
     physical_bytes: int = 0
     hits: int = 0
     lookups: int = 0
+    zero_bytes: int = 0
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the blocks some manifest references."""
+        return self.physical_bytes - self.zero_bytes
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,22 @@ _totals_dec = msgspec.msgpack.Decoder(Totals)
 
 _lock = threading.Lock()
 _ENVS: dict[str, tuple[int, lmdb.Environment, int]] = {}
+# Environments inherited across fork. A child must never use them, and must never
+# close them either: closing an fd of lock.mdb drops every POSIX lock this process
+# holds on it, including the one its own fresh environment took, after which a
+# newly starting process would think it is alone and reset the reader table.
+# So the child keeps them referenced (never deallocated) and opens its own.
+_INHERITED: list[lmdb.Environment] = []
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at fork time
+    _INHERITED.extend(env for _, env, _ in _ENVS.values())
+    _ENVS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _open_env(path: Path, *, durable: bool, map_size: int, readonly: bool) -> lmdb.Environment:
@@ -152,12 +181,16 @@ class Index:
         self._opts = dict(durable=durable, map_size=map_size, readonly=readonly)
         self._pid = -1
         self._env: lmdb.Environment | None = None
+        self._stale: list[lmdb.Environment] = []  # inherited across fork, kept open
         self._dbs: dict[str, Any] = {}
         self._ensure()
 
     def _ensure(self) -> lmdb.Environment:
         if self._env is not None and self._pid == os.getpid():
             return self._env
+        if self._env is not None:  # inherited from the parent: keep it, never close it
+            self._stale.append(self._env)
+            self._env = None
         try:
             env = _open_env(self.path, **self._opts)  # type: ignore[arg-type]
             ro = bool(self._opts["readonly"])
@@ -177,25 +210,46 @@ class Index:
 
     # --- transactions ------------------------------------------------------
 
-    @contextmanager
-    def read(self) -> Iterator[lmdb.Transaction]:
+    def _begin(self, *, write: bool) -> lmdb.Transaction:
         env = self._ensure()
         try:
-            with env.begin(buffers=False) as txn:
+            return env.begin(write=write, buffers=False)
+        except lmdb.MapResizedError:
+            env.set_mapsize(0)  # another process grew the map: adopt its size
+            return env.begin(write=write, buffers=False)
+
+    @contextmanager
+    def read(self) -> Iterator[lmdb.Transaction]:
+        try:
+            with self._begin(write=False) as txn:
                 yield txn
         except lmdb.Error as e:
             raise IndexStoreError(f"{self.path}: {e}") from e
 
     @contextmanager
     def write(self) -> Iterator[lmdb.Transaction]:
-        env = self._ensure()
+        """One write transaction; aborted (nothing visible) on any exception.
+
+        A full map or a full disk is a :class:`StoreFullError`; LMDB aborts the
+        transaction, so the index stays as it was before it.
+        """
         try:
-            with env.begin(write=True) as txn:
+            with self._begin(write=True) as txn:
                 yield txn
         except lmdb.MapFullError as e:
-            raise StoreFullError(f"{self.path}: the index map is full; run kvstore compact") from e
+            raise StoreFullError(
+                f"{self.path}: the index map is full; run kvstore compact"
+            ) from e
+        except lmdb.DiskError as e:
+            raise StoreFullError(f"{self.path}: no space left for the index: {e}") from e
         except lmdb.Error as e:
+            if "quota" in str(e).lower():
+                raise StoreFullError(f"{self.path}: disk quota exceeded: {e}") from e
             raise IndexStoreError(f"{self.path}: {e}") from e
+
+    def reader_check(self) -> int:
+        """Clear reader slots left by dead processes; returns how many."""
+        return int(self._ensure().reader_check())
 
     def db(self, name: str) -> Any:
         self._ensure()
@@ -289,21 +343,36 @@ class Index:
     # --- writes ------------------------------------------------------------------
 
     def touch_entry(self, digest: bytes, *, hit: bool) -> None:
-        """Record an access (restore) of an entry: last access, hits."""
-        with self.write() as txn:
-            rec = self.get_entry(digest, txn)
-            if rec is None:
-                return
-            rec.last_access = now_ms()
-            rec.hits += int(hit)
-            txn.put(digest, _enc.encode(rec), db=self.db("entries"))
+        """Record an access (restore) of an entry: last access, hits.
+
+        Best effort: on a full map or disk the stamp is skipped, the restore stands.
+        """
+        try:
+            with self.write() as txn:
+                rec = self.get_entry(digest, txn)
+                if rec is None:
+                    return
+                rec.last_access = now_ms()
+                rec.hits += int(hit)
+                txn.put(digest, _enc.encode(rec), db=self.db("entries"))
+        except StoreFullError:
+            return
 
     def commit_save(self, plan: SavePlan, *, before_commit: Callable[[], None] | None = None) -> bool:
-        """Commit one save in one write transaction; False when the exact entry existed."""
+        """Commit one save in one write transaction; False when the exact entry existed.
+
+        Blocks with no refs record, or with a refcount of zero, are passed to
+        ``plan.ensure_block`` first: a GC may have unlinked them since the save
+        wrote them (it unlinks only records it removes in the same transaction,
+        but a GC killed between its unlink and its commit leaves a zero record
+        whose file is gone). Blocks with a positive refcount are never unlinked.
+        """
         with self.write() as txn:
             existing = self.find_exact(plan.exact_key, txn)
             if existing is not None and self.get_manifest(existing, txn) is not None:
                 return False
+            if self.get_manifest(plan.digest, txn) is not None:
+                return False  # the very same manifest is already committed
             t = self.totals(txn)
             refs = self.db("refs")
             for d, size in plan.blocks.items():
@@ -315,6 +384,9 @@ class Index:
                     t.physical_bytes += size
                 else:
                     old = _unpack_ref(raw)
+                    if old.refcount == 0:
+                        plan.ensure_block(d)
+                        t.zero_bytes -= old.size
                     ref = RefInfo(old.refcount + 1, old.size, 0)
                 txn.put(d, _pack_ref(ref), db=refs)
             txn.put(plan.digest, plan.manifest, db=self.db("manifests"))
@@ -336,21 +408,28 @@ class Index:
         digest: bytes,
         plan: DeletePlan,
     ) -> list[bytes]:
-        """Drop an entry and its references inside ``txn``; returns blocks now at zero."""
+        """Drop an entry and its references inside ``txn``; returns blocks now at zero.
+
+        A no-op (returns ``[]``) when the manifest is already gone, so two
+        processes deleting the same entry never drop its references twice.
+        """
+        if self.get_manifest(digest, txn) is None:
+            return []
         rec = self.get_entry(digest, txn)
         t = self.totals(txn)
         refs = self.db("refs")
         zeroed: list[bytes] = []
         stamp = now_ms()
-        for d in plan.blocks:
+        for d in dict.fromkeys(plan.blocks):
             raw = txn.get(d, db=refs)
-            if raw is None:
+            if raw is None or _unpack_ref(raw).refcount == 0:
                 continue
             old = _unpack_ref(raw)
-            count = max(old.refcount - 1, 0)
+            count = old.refcount - 1
             txn.put(d, _pack_ref(RefInfo(count, old.size, stamp if count == 0 else 0)), db=refs)
             if count == 0:
                 zeroed.append(d)
+                t.zero_bytes += old.size
         prefix = self.db("prefix")
         for k, v in plan.prefix_items:
             txn.delete(k, v, db=prefix)
@@ -374,6 +453,8 @@ class Index:
         t = self.totals(txn)
         t.blocks -= 1
         t.physical_bytes -= ref.size
+        if ref.refcount == 0:
+            t.zero_bytes -= ref.size
         self._put_totals(txn, t)
         return ref
 

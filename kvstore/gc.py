@@ -1,0 +1,726 @@
+"""Garbage collection, the byte budget, and verification of a shared root.
+
+Many processes share one root, so every step here is a short LMDB write
+transaction that re-checks what it acts on; nothing relies on a snapshot taken
+earlier staying true.
+
+**Unlinking.** A block file is unlinked only inside the write transaction that
+removes its refs record (or, for an orphan, that sees it has none). LMDB has
+one writer at a time, so a save commits either before (its reference is seen
+and the block is kept) or after (it finds no record and rewrites the file in
+its own transaction, see ``Index.commit_save``). A process killed between the
+unlink and the commit leaves a zero-refcount record whose file is gone; saves
+treat a zero record like a missing one, compact drops it, verify lists it
+under ``dangling_refs``. The grace period is therefore not needed for
+correctness; it spares the rewrite of blocks a save is about to reuse, and
+gives readers holding an older snapshot time to open their files.
+
+**Budget.** Bytes are counted per block, once, however many entries share it:
+``live`` bytes are the blocks some manifest references, ``physical`` bytes add
+the zero-refcount blocks still waiting for their grace. Evicting an entry
+frees only the blocks whose refcount falls to zero, so the planner simulates
+the refcounts and keeps evicting until the *live* bytes are within the
+budget. The blocks it zeroes are unlinked in the eviction's own transaction
+when the grace allows it (grace 0), otherwise by a later compact once the
+grace has passed: with a grace ``g``, physical bytes stay within
+``max_bytes`` plus the garbage of the last ``g`` seconds, and within
+``max_bytes`` exactly with ``g = 0``. A per-namespace budget counts, for each
+namespace, the distinct blocks its own entries reference (a block shared by
+two namespaces counts in both).
+
+**Order.** Victims are chosen as mlx-lm's ``LRUPromptCache.CacheOrder.pop``
+does, so the disk tier behaves like the memory tier in front of it: one
+least-recently-used queue per priority (assistant, user, system); take from the
+lowest class whose queue is at least as long as the next class's, else move up.
+A restore counts as an access (``Store.load`` stamps ``last_access``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import prefix as P
+from ._crash import crash_point
+from .errors import KVStoreError
+from .index import EntryRecord, RefInfo, Totals, now_ms
+from .layout import manifest_block_sizes
+from .schema import Manifest, decode_manifest, iter_tensor_specs
+
+if TYPE_CHECKING:
+    from .store import Store
+
+DEFAULT_GRACE = 600.0  # seconds
+TMP_MAX_AGE = 24 * 3600.0  # a temp file this old is stale even if its pid looks alive
+_BATCH = 256  # blocks or entries per write transaction: keeps the writer lock short
+_ROUNDS = 8  # budget passes before giving up on a store that concurrent saves keep filling
+
+
+@dataclass
+class CompactReport:
+    """What one compact did (or, with ``dry_run``, would do)."""
+
+    evicted: list[str] = field(default_factory=list)  # entry ids, in eviction order
+    freed_blocks: int = 0  # block files unlinked with their refs record
+    freed_bytes: int = 0
+    orphans_removed: int = 0  # block files that had no refs record
+    orphan_bytes: int = 0
+    tmp_removed: int = 0  # stale files of tmp/
+    physical_before: int = 0
+    physical_after: int = 0
+    live_after: int = 0
+    dry_run: bool = False
+
+    @property
+    def evicted_entries(self) -> int:
+        return len(self.evicted)
+
+
+@dataclass
+class VerifyReport:
+    """What verify found (and, with ``repair``, fixed).
+
+    ``sound`` is True only when nothing is wrong: every referenced block is on
+    disk with the right size (and, with ``read_data``, the right digest), the
+    stored refcounts equal the counts recomputed from the manifests, every key
+    points at a manifest, and the totals add up. ``orphans`` (block files with
+    no refs record) and ``dangling_refs`` (zero-refcount records whose file is
+    gone) are leftovers of a crash or of a save still in flight: they can never
+    serve wrong bytes, so they do not make a store unsound; ``clean`` also
+    requires there be none.
+    """
+
+    entries: int = 0
+    blocks: int = 0
+    bytes_hashed: int = 0
+    missing_blocks: list[str] = field(default_factory=list)
+    corrupt_blocks: list[str] = field(default_factory=list)
+    bad_manifests: list[str] = field(default_factory=list)
+    # (block, stored, counted); stored is -1 when the refs record is missing
+    refcount_drift: list[tuple[str, int, int]] = field(default_factory=list)
+    size_drift: list[tuple[str, int, int]] = field(default_factory=list)  # block, stored, expected
+    dangling_keys: int = 0  # prefix/exact keys and entry records naming no manifest
+    missing_entry_records: list[str] = field(default_factory=list)
+    totals_drift: list[tuple[str, int, int]] = field(default_factory=list)  # field, stored, counted
+    orphans: list[str] = field(default_factory=list)
+    dangling_refs: list[str] = field(default_factory=list)
+    repaired: bool = False
+    quarantined: list[str] = field(default_factory=list)
+    dropped_entries: list[str] = field(default_factory=list)
+    orphans_removed: int = 0
+
+    @property
+    def sound(self) -> bool:
+        return not (
+            self.missing_blocks
+            or self.corrupt_blocks
+            or self.bad_manifests
+            or self.refcount_drift
+            or self.size_drift
+            or self.dangling_keys
+            or self.missing_entry_records
+            or self.totals_drift
+        )
+
+    @property
+    def clean(self) -> bool:
+        return self.sound and not self.orphans and not self.dangling_refs
+
+
+# --- helpers -------------------------------------------------------------------------
+
+
+def manifest_blocks(m: Manifest) -> dict[bytes, int]:
+    """Distinct block digests of a manifest with their expected sizes.
+
+    Raises ManifestError-like ``ValueError`` when the digest lists and the
+    tensor specs disagree.
+    """
+    specs = iter_tensor_specs(m.layers) + [t for a in m.attachments for t in a.tensors]
+    tok, state = manifest_block_sizes(
+        specs, m.n_tokens, m.block_tokens, m.state_bytes, m.state_block_bytes
+    )
+    if len(tok) != len(m.token_blocks) or len(state) != len(m.state_blocks):
+        raise ValueError(
+            f"manifest lists {len(m.token_blocks)}+{len(m.state_blocks)} blocks, "
+            f"its tensors need {len(tok)}+{len(state)}"
+        )
+    out: dict[bytes, int] = {}
+    for d, size in zip((*m.token_blocks, *m.state_blocks), (*tok, *state), strict=True):
+        if out.setdefault(bytes(d), size) != size:
+            raise ValueError(f"block {bytes(d).hex()} listed with two sizes")
+    return out
+
+
+def _cutoff_ms(grace: float) -> int:
+    return now_ms() - int(grace * 1000)
+
+
+def _batches(items: list[Any], n: int = _BATCH) -> Iterator[list[Any]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class EvictionOrder:
+    """mlx-lm's ``CacheOrder``: per-priority LRU queues and its balance rule."""
+
+    def __init__(self, rows: Iterable[tuple[bytes, EntryRecord]]) -> None:
+        by_class: dict[int, list[tuple[int, bytes]]] = {0: [], 1: [], 2: []}
+        for d, rec in rows:
+            by_class[min(max(rec.priority, 0), 2)].append((rec.last_access, d))
+        self._lrus = [deque(d for _, d in sorted(by_class[p])) for p in (0, 1, 2)]
+
+    def pop(self, skip: set[bytes] | None = None) -> bytes | None:
+        """The next victim, or None when every queue is empty."""
+        while True:
+            d = self._pop()
+            if d is None or skip is None or d not in skip:
+                return d
+
+    def _pop(self) -> bytes | None:
+        lrus = self._lrus
+        for i in range(len(lrus) - 1):
+            if lrus[i] and len(lrus[i]) >= len(lrus[i + 1]):
+                return lrus[i].popleft()
+        for q in reversed(lrus):  # only the last is non-empty by now, if any
+            if q:
+                return q.popleft()
+        return None
+
+
+# --- the budget ------------------------------------------------------------------------
+
+
+@dataclass
+class _Snapshot:
+    entries: dict[bytes, EntryRecord]
+    refs: dict[bytes, RefInfo]
+    totals: Totals
+
+
+def _snapshot(store: Store) -> _Snapshot:
+    with store.index.read() as txn:
+        return _Snapshot(
+            entries=dict(store.index.iter_entries(txn)),
+            refs=dict(store.index.iter_refs(txn)),
+            totals=store.index.totals(txn),
+        )
+
+
+def _blocks_of(store: Store, digest: bytes) -> list[bytes]:
+    with store.index.read() as txn:
+        raw = store.index.get_manifest(digest, txn)
+    if raw is None:
+        return []
+    m = decode_manifest(raw)
+    return list(dict.fromkeys(bytes(d) for d in (*m.token_blocks, *m.state_blocks)))
+
+
+def plan_evictions(
+    store: Store, max_bytes: int | None, namespace_max_bytes: int | None
+) -> tuple[list[bytes], int]:
+    """Victims (in order) that bring live bytes within the budgets; and live bytes after."""
+    snap = _snapshot(store)
+    counts = {d: r.refcount for d, r in snap.refs.items()}
+    sizes = {d: r.size for d, r in snap.refs.items()}
+    live = sum(sizes[d] for d, c in counts.items() if c > 0)
+    victims: list[bytes] = []
+    chosen: set[bytes] = set()
+    blocks_cache: dict[bytes, list[bytes]] = {}
+
+    def blocks(d: bytes) -> list[bytes]:
+        if d not in blocks_cache:
+            blocks_cache[d] = _blocks_of(store, d)
+        return blocks_cache[d]
+
+    def evict(d: bytes) -> None:
+        nonlocal live
+        victims.append(d)
+        chosen.add(d)
+        for b in blocks(d):
+            if counts.get(b, 0) > 0:
+                counts[b] -= 1
+                if counts[b] == 0:
+                    live -= sizes[b]
+
+    if namespace_max_bytes is not None:
+        by_ns: dict[str, list[tuple[bytes, EntryRecord]]] = {}
+        for d, rec in snap.entries.items():
+            by_ns.setdefault(rec.namespace, []).append((d, rec))
+        for rows in by_ns.values():
+            ns_count: dict[bytes, int] = {}
+            for d, _ in rows:
+                for b in blocks(d):
+                    ns_count[b] = ns_count.get(b, 0) + 1
+            ns_bytes = sum(sizes.get(b, 0) for b in ns_count)
+            order = EvictionOrder(rows)
+            while ns_bytes > namespace_max_bytes:
+                v = order.pop(chosen)
+                if v is None:
+                    break
+                evict(v)
+                for b in blocks(v):
+                    ns_count[b] -= 1
+                    if ns_count[b] == 0:
+                        ns_bytes -= sizes.get(b, 0)
+    if max_bytes is not None and live > max_bytes:
+        order = EvictionOrder(snap.entries.items())
+        while live > max_bytes:
+            v = order.pop(chosen)
+            if v is None:
+                break
+            evict(v)
+    return victims, live
+
+
+def _evict(store: Store, victims: list[bytes], cutoff: int, report: CompactReport) -> None:
+    """Remove the victims in short transactions; unlink what they zero if the grace allows."""
+    idx = store.index
+    for batch in _batches(victims, 64):
+        with idx.write() as txn:
+            zeroed: list[bytes] = []
+            for d in batch:
+                raw = idx.get_manifest(d, txn)
+                if raw is None:
+                    continue  # deleted meanwhile by another process
+                zeroed += idx.remove_entry(txn, d, store.delete_plan(decode_manifest(raw), d))
+                report.evicted.append(d.hex())
+            crash_point("delete_before_commit")
+            _unlink_zero(store, txn, zeroed, cutoff, report)
+
+
+def _unlink_zero(
+    store: Store, txn: Any, digests: Iterable[bytes], cutoff: int, report: CompactReport
+) -> None:
+    """Inside ``txn``: unlink each block still at refcount zero since before ``cutoff``."""
+    idx = store.index
+    for d in digests:
+        ref = idx.get_ref(d, txn)
+        if ref is None or ref.refcount != 0 or ref.zero_since > cutoff:
+            continue
+        crash_point("gc_before_unlink")
+        if store.blocks.delete(d):
+            report.freed_blocks += 1
+            report.freed_bytes += ref.size
+        crash_point("gc_after_unlink")
+        idx.drop_ref(txn, d)
+
+
+def enforce_budget(store: Store, max_bytes: int, *, grace: float) -> CompactReport | None:
+    """Evict until live bytes are within ``max_bytes``; None when already within.
+
+    Cheap when within budget (one read of the totals); called after each save
+    of a store opened with ``max_bytes``.
+    """
+    t = store.index.totals()
+    if t.live_bytes <= max_bytes and t.physical_bytes <= max_bytes:
+        return None
+    report = CompactReport(physical_before=t.physical_bytes)
+    cutoff = _cutoff_ms(grace)
+    _sweep_zero_refs(store, cutoff, report)
+    _apply_budget(store, max_bytes, None, grace, report)
+    after = store.index.totals()
+    report.physical_after, report.live_after = after.physical_bytes, after.live_bytes
+    return report
+
+
+def _apply_budget(
+    store: Store,
+    max_bytes: int | None,
+    namespace_max_bytes: int | None,
+    grace: float,
+    report: CompactReport,
+) -> None:
+    for _ in range(_ROUNDS):
+        victims, _ = plan_evictions(store, max_bytes, namespace_max_bytes)
+        if not victims:
+            return
+        _evict(store, victims, _cutoff_ms(grace), report)
+
+
+# --- sweeping ------------------------------------------------------------------------------
+
+
+def _sweep_zero_refs(store: Store, cutoff: int, report: CompactReport, dry: bool = False) -> None:
+    with store.index.read() as txn:
+        due = [
+            (d, r)
+            for d, r in store.index.iter_refs(txn)
+            if r.refcount == 0 and r.zero_since <= cutoff
+        ]
+    if dry:
+        report.freed_blocks += len(due)
+        report.freed_bytes += sum(r.size for _, r in due)
+        return
+    for batch in _batches([d for d, _ in due]):
+        with store.index.write() as txn:
+            _unlink_zero(store, txn, batch, cutoff, report)
+
+
+def _block_files(store: Store) -> Iterator[tuple[bytes, os.stat_result]]:
+    for d in store.blocks:
+        try:
+            yield d, store.blocks.path(d).stat()
+        except FileNotFoundError:
+            continue
+
+
+def _sweep_orphans(store: Store, cutoff: int, report: CompactReport, dry: bool = False) -> None:
+    """Unlink block files with no refs record, last touched before ``cutoff``."""
+    idx = store.index
+    files = [(d, st) for d, st in _block_files(store) if st.st_mtime * 1000 <= cutoff]
+    with idx.read() as txn:
+        cands = [(d, st) for d, st in files if idx.get_ref(d, txn) is None]
+    if dry:
+        report.orphans_removed += len(cands)
+        report.orphan_bytes += sum(st.st_size for _, st in cands)
+        return
+    for batch in _batches(cands):
+        with idx.write() as txn:
+            for d, _ in batch:
+                if idx.get_ref(d, txn) is not None:
+                    continue  # a save committed it meanwhile
+                try:
+                    st = store.blocks.path(d).stat()
+                except FileNotFoundError:
+                    continue
+                if st.st_mtime * 1000 > cutoff:
+                    continue  # freshened by a save meanwhile
+                crash_point("gc_before_unlink")
+                if store.blocks.delete(d):
+                    report.orphans_removed += 1
+                    report.orphan_bytes += st.st_size
+                crash_point("gc_after_unlink")
+
+
+def _sweep_tmp(store: Store, grace: float, report: CompactReport, dry: bool = False) -> None:
+    """Unlink temp files older than the grace whose writer is gone.
+
+    A temp file lives from ``write_tmp`` to ``publish``; its name starts with
+    the writer's pid, and a file of a live writer is kept (unless absurdly old)
+    so that compaction never makes a save fail.
+    """
+    now = time.time()
+    try:
+        it = list(os.scandir(store.blocks.tmp_dir))
+    except FileNotFoundError:
+        return
+    for e in it:
+        try:
+            st = e.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        age = now - st.st_mtime
+        if age < grace or not e.is_file(follow_symlinks=False):
+            continue
+        head = e.name.split("-", 1)[0]
+        if age < TMP_MAX_AGE and head.isdigit() and _pid_alive(int(head)):
+            continue
+        if dry:
+            report.tmp_removed += 1
+            continue
+        try:
+            os.unlink(e.path)
+            report.tmp_removed += 1
+        except FileNotFoundError:
+            pass
+
+
+def compact(
+    store: Store,
+    *,
+    max_bytes: int | None = None,
+    namespace_max_bytes: int | None = None,
+    grace: float = DEFAULT_GRACE,
+    dry_run: bool = False,
+) -> CompactReport:
+    """Evict above the budgets, then delete expired garbage: zero-ref blocks, orphans, temps.
+
+    ``grace`` (seconds) protects zero-refcount blocks, orphan block files and
+    temp files younger than it. ``namespace_max_bytes`` applies to each
+    namespace separately. With ``dry_run`` nothing is written; the report says
+    what would go (the evictions' own freed blocks are counted once grace 0
+    would unlink them).
+    """
+    if grace < 0:
+        raise ValueError(f"grace must be >= 0 seconds, got {grace}")
+    for name, v in (("max_bytes", max_bytes), ("namespace_max_bytes", namespace_max_bytes)):
+        if v is not None and v < 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+    store.index.reader_check()
+    before = store.index.totals()
+    report = CompactReport(physical_before=before.physical_bytes, dry_run=dry_run)
+    if dry_run:
+        victims, live = plan_evictions(store, max_bytes, namespace_max_bytes)
+        report.evicted = [v.hex() for v in victims]
+        _sweep_zero_refs(store, _cutoff_ms(grace), report, dry=True)
+        # with grace 0 every zero-ref block goes, the evictions' too: live bytes remain
+        report.physical_after = live if grace == 0 else before.physical_bytes - report.freed_bytes
+        report.live_after = live
+        _sweep_orphans(store, _cutoff_ms(grace), report, dry=True)
+        _sweep_tmp(store, grace, report, dry=True)
+        return report
+    if max_bytes is not None or namespace_max_bytes is not None:
+        _apply_budget(store, max_bytes, namespace_max_bytes, grace, report)
+    _sweep_zero_refs(store, _cutoff_ms(grace), report)
+    _sweep_orphans(store, _cutoff_ms(grace), report)
+    _sweep_tmp(store, grace, report)
+    after = store.index.totals()
+    report.physical_after, report.live_after = after.physical_bytes, after.live_bytes
+    return report
+
+
+# --- verify -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Scan:
+    manifests: set[bytes] = field(default_factory=set)
+    needs: dict[bytes, set[bytes]] = field(default_factory=dict)  # manifest -> its blocks
+    counted: dict[bytes, int] = field(default_factory=dict)
+    expected: dict[bytes, int] = field(default_factory=dict)
+    refs: dict[bytes, RefInfo] = field(default_factory=dict)
+    bad: set[bytes] = field(default_factory=set)  # undecodable manifests
+
+
+def _scan(store: Store, txn: Any, report: VerifyReport) -> _Scan:
+    idx = store.index
+    s = _Scan()
+    for k, v in txn.cursor(db=idx.db("manifests")):
+        d = bytes(k)
+        s.manifests.add(d)
+        try:
+            blocks = manifest_blocks(decode_manifest(bytes(v)))
+        except (KVStoreError, ValueError):
+            s.bad.add(d)
+            report.bad_manifests.append(d.hex())
+            continue
+        s.needs[d] = set(blocks)
+        for b, size in blocks.items():
+            s.counted[b] = s.counted.get(b, 0) + 1
+            if s.expected.setdefault(b, size) != size:
+                report.bad_manifests.append(d.hex())
+    s.refs = dict(idx.iter_refs(txn))
+    entries = dict(idx.iter_entries(txn))
+    report.entries = len(entries)
+    report.blocks = len(s.refs)
+    for d in s.manifests - entries.keys():
+        report.missing_entry_records.append(d.hex())
+    report.dangling_keys += len(entries.keys() - s.manifests)
+    for _, v in txn.cursor(db=idx.db("prefix")):
+        if P.split_value(bytes(v))[2] not in s.manifests:
+            report.dangling_keys += 1
+    for _, v in txn.cursor(db=idx.db("exact")):
+        if bytes(v) not in s.manifests:
+            report.dangling_keys += 1
+    for b, n in s.counted.items():
+        ref = s.refs.get(b)
+        if ref is None or ref.refcount != n:
+            report.refcount_drift.append((b.hex(), ref.refcount if ref else -1, n))
+        elif ref.size != s.expected[b]:
+            report.size_drift.append((b.hex(), ref.size, s.expected[b]))
+    for b, ref in s.refs.items():
+        if b not in s.counted and ref.refcount != 0:
+            report.refcount_drift.append((b.hex(), ref.refcount, 0))
+    t = idx.totals(txn)
+    counted_totals = {
+        "entries": len(entries),
+        "logical_bytes": sum(r.logical_bytes for r in entries.values()),
+        "blocks": len(s.refs),
+        "physical_bytes": sum(r.size for r in s.refs.values()),
+        "zero_bytes": sum(r.size for r in s.refs.values() if r.refcount == 0),
+    }
+    for name, n in counted_totals.items():
+        if getattr(t, name) != n:
+            report.totals_drift.append((name, getattr(t, name), n))
+    return s
+
+
+def _check_file(store: Store, d: bytes, size: int, read_data: bool) -> tuple[str, int]:
+    """('ok' | 'missing' | 'corrupt', bytes hashed) for one block file."""
+    got = store.blocks.size(d)
+    if got is None:
+        return "missing", 0
+    if got != size:
+        return "corrupt", 0
+    if read_data:
+        try:
+            ok = store.blocks.hash_file(d) == d
+        except FileNotFoundError:
+            return "missing", 0
+        return ("ok" if ok else "corrupt"), got
+    return "ok", 0
+
+
+def verify(store: Store, *, read_data: bool = False, repair: bool = False) -> VerifyReport:
+    """Check the index against the manifests and the block files; optionally repair.
+
+    Repair quarantines corrupt blocks, drops the entries that need a missing or
+    corrupt block (with their prefix keys), rebuilds refcounts and totals from
+    the surviving manifests, removes dangling keys, dangling zero records and
+    orphan block files, all in one write transaction.
+    """
+    report = VerifyReport()
+    with store.index.read() as txn:
+        s = _scan(store, txn, report)
+    referenced = {b for b, n in s.counted.items() if n > 0}
+    bad_blocks: dict[bytes, str] = {}
+    for b in sorted(set(s.refs) | referenced):
+        size = s.expected.get(b, s.refs[b].size if b in s.refs else 0)
+        state, hashed = _check_file(store, b, size, read_data)
+        report.bytes_hashed += hashed
+        if state == "ok":
+            continue
+        if b in referenced:
+            bad_blocks[b] = state
+        elif state == "missing":
+            report.dangling_refs.append(b.hex())
+        else:
+            bad_blocks[b] = state  # garbage, but corrupt: quarantine it too
+    if bad_blocks:  # a concurrent evict + GC may have removed some since the snapshot
+        with store.index.read() as txn:
+            for b in list(bad_blocks):
+                ref = store.index.get_ref(b, txn)
+                if bad_blocks[b] == "missing" and (ref is None or ref.refcount == 0):
+                    del bad_blocks[b]
+    report.missing_blocks = sorted(b.hex() for b, st in bad_blocks.items() if st == "missing")
+    report.corrupt_blocks = sorted(b.hex() for b, st in bad_blocks.items() if st == "corrupt")
+    report.orphans = sorted(d.hex() for d, _ in _block_files(store) if d not in s.refs)
+    if repair:
+        _repair(store, set(bad_blocks), read_data, report)
+    return report
+
+
+def _repair(store: Store, suspects: set[bytes], read_data: bool, report: VerifyReport) -> None:
+    idx = store.index
+    with idx.write() as txn:
+        scan = _scan(store, txn, VerifyReport())  # current state, under the writer lock
+        bad: set[bytes] = set()
+        for b in suspects:
+            size = scan.expected.get(b, scan.refs[b].size if b in scan.refs else 0)
+            state, _ = _check_file(store, b, size, read_data)
+            if state == "ok":
+                continue
+            bad.add(b)
+            if state == "corrupt" and store.blocks.quarantine(b) is not None:
+                report.quarantined.append(b.hex())
+        # drop the entries that need a bad block, and the undecodable manifests
+        for d in sorted(scan.manifests):
+            if d in scan.bad:
+                txn.delete(d, db=idx.db("manifests"))
+                txn.delete(d, db=idx.db("entries"))
+                report.dropped_entries.append(d.hex())
+            elif scan.needs[d] & bad:
+                m = decode_manifest(idx.get_manifest(d, txn) or b"")
+                idx.remove_entry(txn, d, store.delete_plan(m, d))
+                report.dropped_entries.append(d.hex())
+        _rebuild(store, txn, bad, report)
+    report.repaired = True
+
+
+def _rebuild(store: Store, txn: Any, bad: set[bytes], report: VerifyReport) -> None:
+    """Recount refs from the manifests in ``txn``; fix keys, records and totals."""
+    idx = store.index
+    manifests: dict[bytes, dict[bytes, int]] = {}
+    for k, v in txn.cursor(db=idx.db("manifests")):
+        manifests[bytes(k)] = manifest_blocks(decode_manifest(bytes(v)))
+    counted: dict[bytes, tuple[int, int]] = {}
+    for blocks in manifests.values():
+        for b, size in blocks.items():
+            n, _ = counted.get(b, (0, size))
+            counted[b] = (n + 1, size)
+    stamp = now_ms()
+    refs_db = idx.db("refs")
+    for b, ref in list(idx.iter_refs(txn)):
+        if b in bad or (b not in counted and not store.blocks.exists(b)):
+            txn.delete(b, db=refs_db)  # quarantined, or a zero record whose file is gone
+            continue
+        n, size = counted.get(b, (0, ref.size))
+        if (n, size) != (ref.refcount, ref.size):
+            zero_since = (ref.zero_since or stamp) if n == 0 else 0
+            idx.put_ref(txn, b, RefInfo(n, size, zero_since))
+    for b, (n, size) in counted.items():
+        if idx.get_ref(b, txn) is None:
+            idx.put_ref(txn, b, RefInfo(n, size, 0))
+    # keys and records that name no manifest
+    for name in ("prefix", "exact"):
+        db = idx.db(name)
+        stale = [
+            (bytes(k), bytes(v))
+            for k, v in txn.cursor(db=db)
+            if (P.split_value(bytes(v))[2] if name == "prefix" else bytes(v)) not in manifests
+        ]
+        for k, v in stale:
+            txn.delete(k, v, db=db) if name == "prefix" else txn.delete(k, db=db)
+    entries = dict(idx.iter_entries(txn))
+    for d in entries.keys() - manifests.keys():
+        txn.delete(d, db=idx.db("entries"))
+        del entries[d]
+    for d in manifests.keys() - entries.keys():
+        entries[d] = _entry_from_manifest(decode_manifest(idx.get_manifest(d, txn) or b""))
+        txn.put(d, _entry_enc(entries[d]), db=idx.db("entries"))
+    # orphan files: nothing references them; a save in flight rewrites in its commit
+    for d, _ in list(_block_files(store)):
+        if idx.get_ref(d, txn) is None and store.blocks.delete(d):
+            report.orphans_removed += 1
+    refs = dict(idx.iter_refs(txn))
+    t = idx.totals(txn)
+    t.entries = len(entries)
+    t.logical_bytes = sum(r.logical_bytes for r in entries.values())
+    t.blocks = len(refs)
+    t.physical_bytes = sum(r.size for r in refs.values())
+    t.zero_bytes = sum(r.size for r in refs.values() if r.refcount == 0)
+    idx.put_totals(txn, t)
+
+
+def _entry_from_manifest(m: Manifest) -> EntryRecord:
+    import msgspec
+
+    blocks = manifest_blocks(m)
+    sizes = [blocks[bytes(d)] for d in (*m.token_blocks, *m.state_blocks)]
+    return EntryRecord(
+        namespace=msgspec.json.encode(m.namespace).decode(),
+        n_tokens=m.n_tokens,
+        logical_bytes=sum(sizes),
+        created_at=m.created_at,
+        last_access=m.created_at,
+    )
+
+
+def _entry_enc(rec: EntryRecord) -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode(rec)
+
+
+def quarantine_path(store: Store, digest: bytes) -> Path:
+    """Where repair moves a corrupt block."""
+    return store.blocks.quarantine_dir / digest.hex()
+
+
+__all__ = [
+    "DEFAULT_GRACE",
+    "CompactReport",
+    "EvictionOrder",
+    "VerifyReport",
+    "compact",
+    "enforce_budget",
+    "manifest_blocks",
+    "plan_evictions",
+    "verify",
+]

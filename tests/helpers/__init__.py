@@ -1,0 +1,1 @@
+"""Shared helpers of the GC, verify, crash and concurrency tests."""

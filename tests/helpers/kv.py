@@ -1,0 +1,105 @@
+"""Deterministic tiny KV caches (B1 H2 D8) whose rows depend on their token only.
+
+Equal token prefixes give equal rows (as a causal model does), so entries share
+blocks, and any process can rebuild the exact tensors a restore must return.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+import kvstore
+from kvstore.schema import decode_manifest
+
+NS = kvstore.Namespace(model_id="tiny-gc", config_fingerprint="cfg", tokenizer_hash="tok")
+H, D = 2, 8
+T = 16  # block_tokens of every test root
+
+
+def rows(tokens: Sequence[int], salt: int) -> mx.array:
+    """[1, H, len, D] float16 integers < 2039 (exact in fp16), a function of each token."""
+    t = mx.array(list(tokens), dtype=mx.int32).reshape(1, 1, -1, 1)
+    h = mx.arange(H, dtype=mx.int32).reshape(1, H, 1, 1)
+    d = mx.arange(D, dtype=mx.int32).reshape(1, 1, 1, D)
+    return ((t * 131 + h * 17 + d * 7 + salt) % 2039).astype(mx.float16)
+
+
+def make_cache(tokens: Sequence[int]) -> list[Any]:
+    c = KVCache()
+    c.update_and_fetch(rows(tokens, 0), rows(tokens, 1000))
+    return [c]
+
+
+def matches(cache: list[Any], tokens: Sequence[int], length: int) -> bool:
+    """True when ``cache`` holds exactly the rows of ``tokens[:length]``."""
+    if len(cache) != 1:
+        return False
+    c = cache[0]
+    k, v = c.keys, c.values
+    if k is None or v is None:
+        return False
+    if c.offset != length or k.shape[2] < length:
+        return False
+    want = tokens[:length]
+    return bool(
+        mx.array_equal(k[:, :, :length], rows(want, 0)).item()
+        and mx.array_equal(v[:, :, :length], rows(want, 1000)).item()
+    )
+
+
+def tokens_for(seed: int, n: int, shared: int = 0) -> list[int]:
+    """``shared`` tokens common to every seed, then ``n - shared`` seed-specific ones."""
+    r = random.Random(seed)
+    return list(range(1, shared + 1)) + [r.randrange(1, 30000) for _ in range(n - shared)]
+
+
+def open_store(root: Path | str, **kw: Any) -> kvstore.Store:
+    return kvstore.Store.open(root, namespace=NS, block_tokens=T, durable=False, **kw)
+
+
+WORKER = Path(__file__).resolve().parent / "worker.py"
+
+
+def run_worker(
+    cmd: str, args: dict[str, Any], *, crash_at: str | None = None, timeout: float = 120.0
+) -> tuple[int, dict[str, Any] | None, str]:
+    """Run ``worker.py cmd`` to completion: (return code, its JSON output or None, stderr)."""
+    proc = start_worker(cmd, args, crash_at=crash_at)
+    out, err = proc.communicate(timeout=timeout)
+    line = out.strip().splitlines()[-1] if out.strip() else ""
+    return proc.returncode, (json.loads(line) if line else None), err
+
+
+def start_worker(cmd: str, args: dict[str, Any], *, crash_at: str | None = None) -> Any:
+    env = dict(os.environ)
+    env.pop("KVSTORE_CRASH_AT", None)
+    if crash_at:
+        env["KVSTORE_CRASH_AT"] = crash_at
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), cmd, json.dumps(args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def sound_store(s: kvstore.Store, *, read_data: bool = True) -> None:
+    """Assert verify passes and no manifest references a missing block."""
+    r = s.verify(read_data=read_data)
+    assert r.sound, r
+    with s.index.read() as txn:
+        for _, raw in txn.cursor(db=s.index.db("manifests")):
+            m = decode_manifest(bytes(raw))
+            for d in (*m.token_blocks, *m.state_blocks):
+                assert s.blocks.exists(d), f"manifest references missing block {d.hex()}"
