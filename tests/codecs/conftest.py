@@ -14,7 +14,9 @@ SAMPLES = VECTORS / "mlx-bun-v3"
 @pytest.fixture(scope="session")
 def vectors_dir() -> Path:
     if not VECTORS.is_dir():
-        pytest.skip(f"test vectors not found at {VECTORS}")
+        # The vectors ship in shared/ beside the checkout; without them these
+        # tests would check nothing, so their absence is a failure, not a skip.
+        pytest.fail(f"test vectors not found at {VECTORS} (shared/ must sit beside the repo)")
     return VECTORS
 
 
