@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import hashlib
 import logging
 import os
@@ -124,7 +125,7 @@ def fingerprint_model(model: Any) -> str:
     if samples:
         values = mx.concatenate(samples)
         mx.eval(values)
-        h.update(memoryview(values).tobytes())
+        h.update(memoryview(values).tobytes())  # type: ignore[arg-type]
     return h.hexdigest()
 
 
@@ -138,7 +139,7 @@ def _local_dir(path: Any) -> Path | None:
     try:
         from mlx_lm.utils import hf_repo_to_path
 
-        cached = Path(hf_repo_to_path(str(path)))
+        cached = Path(hf_repo_to_path(str(path)))  # type: ignore[no-untyped-call]
     except Exception:  # not a repo id, or not in the local HF cache: no network here
         return None
     return cached if cached.is_dir() else None
@@ -200,21 +201,39 @@ class _Job:
     namespace: Namespace
     tokens: list[int]
     cache: list[Any]
-    cache_type: str
+    cache_type: str  # "assistant", "user" or "system", as mlx-lm's server names them
     nbytes: int
+
+
+def _register_exit_flush(fn: Callable[[], None]) -> None:
+    """Run `fn` at interpreter exit, before ``concurrent.futures`` shuts its pools.
+
+    Plain ``atexit`` runs after ``threading``'s exit hooks, when thread pools
+    (which the store may use to write blocks) refuse new work; ``threading``'s
+    own hook list runs first, in reverse order of registration.
+    """
+    import concurrent.futures.thread  # noqa: F401  (its hook must be registered before ours)
+
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(fn)
+    except RuntimeError:
+        atexit.register(fn)
 
 
 def _cache_arrays(prompt_cache: Sequence[Any]) -> list[mx.array]:
     arrays: list[mx.array] = []
     for c in prompt_cache:
-        state = c.state
-        arrays.extend(v for _, v in tree_flatten(state) if isinstance(v, mx.array))
+        leaves: Any = tree_flatten(c.state)
+        arrays.extend(v for _, v in leaves if isinstance(v, mx.array))
     return arrays
 
 
 def _cached_tokens(prompt_cache: Sequence[Any], n_tokens: int) -> int:
     """How many tokens the cache holds: the attention layers' offset, else `n_tokens`."""
-    offsets = []
+    offsets: list[int] = []
     for c in prompt_cache:
         layers = getattr(c, "caches", None) or (c,)
         offsets.extend(int(x.offset) for x in layers if isinstance(getattr(x, "offset", None), int))
@@ -228,6 +247,8 @@ class PersistentPromptCache:
     ``insert_cache`` takes ownership of the cache it is given (as mlx-lm's does)
     and also queues it for the store. Prompts shorter than `min_tokens` stay in
     memory only; queued snapshots above `queue_bytes` are shed oldest first.
+    With `disk_budget`, the worker asks the store to compact the root down to
+    that many bytes whenever a save takes it above.
     """
 
     def __init__(
@@ -240,8 +261,10 @@ class PersistentPromptCache:
         queue_bytes: int = 1 << 30,
         ns: str = "default",
         exit_timeout: float | None = 60.0,
+        disk_budget: int | None = None,
     ) -> None:
         self.store = store
+        self.disk_budget = disk_budget
         self.min_tokens = min_tokens
         self.queue_bytes = queue_bytes
         self.ns = ns
@@ -262,7 +285,7 @@ class PersistentPromptCache:
                 obj.close(timeout=exit_timeout)
 
         self._atexit: Callable[[], None] = _flush_at_exit
-        atexit.register(_flush_at_exit)
+        _register_exit_flush(_flush_at_exit)
 
     # --- LRUPromptCache's interface -------------------------------------------
 
@@ -286,7 +309,7 @@ class PersistentPromptCache:
 
     def stats_by_type(self) -> dict[str, dict[str, int]]:
         """Memory-tier entries and bytes per cache type, as mlx-lm reports them."""
-        return dict(self._memory.stats_by_type())
+        return dict(self._memory.stats_by_type())  # type: ignore[no-untyped-call]
 
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         """Evict memory-tier entries down to the limits (the disk tier is not touched)."""
@@ -467,7 +490,7 @@ class PersistentPromptCache:
                     job.tokens,
                     job.cache,
                     metadata={"cache_type": job.cache_type},
-                    priority=job.cache_type,
+                    priority=job.cache_type,  # type: ignore[arg-type]
                     namespace=job.namespace,
                 )
             except Exception:
@@ -482,10 +505,25 @@ class PersistentPromptCache:
                     "logical_bytes_saved": int(info.logical_bytes),
                 }
             del job
+            if "saved" in outcome and self.disk_budget is not None:
+                self._enforce_budget(self.disk_budget)
             with self._cond:
                 self._counts.update(outcome)
                 self._inflight = False
                 self._cond.notify_all()
+
+    def _enforce_budget(self, budget: int) -> None:
+        compact = getattr(self.store, "compact", None)
+        if compact is None:
+            if not self._counts["no_compact_warned"]:
+                self._count("no_compact_warned")
+                logger.warning("kvstore: this Store has no compact(); disk budget not enforced")
+            return
+        try:
+            if self.store.stats().physical_bytes > budget:
+                compact(max_bytes=budget)
+        except Exception:
+            logger.warning("kvstore: compacting to the disk budget failed", exc_info=True)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._cond:
@@ -505,7 +543,8 @@ class PersistentPromptCache:
             worker = self._worker
         if worker is not None and drained:
             worker.join(timeout)
-        atexit.unregister(self._atexit)
+        with contextlib.suppress(Exception):
+            atexit.unregister(self._atexit)
         return drained
 
     def __enter__(self) -> PersistentPromptCache:
