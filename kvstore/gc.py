@@ -288,7 +288,7 @@ def plan_evictions(
     return victims, live
 
 
-def _evict(store: Store, victims: list[bytes], cutoff: int, report: CompactReport) -> None:
+def _evict(store: Store, victims: list[bytes], grace: float, report: CompactReport) -> None:
     """Remove the victims in short transactions; unlink what they zero if the grace allows."""
     idx = store.index
     for batch in _batches(victims, 64):
@@ -301,7 +301,8 @@ def _evict(store: Store, victims: list[bytes], cutoff: int, report: CompactRepor
                 zeroed += idx.remove_entry(txn, d, store.delete_plan(decode_manifest(raw), d))
                 report.evicted.append(d.hex())
             crash_point("delete_before_commit")
-            _unlink_zero(store, txn, zeroed, cutoff, report)
+            # the cutoff is taken after remove_entry stamped zero_since, so grace 0 frees now
+            _unlink_zero(store, txn, zeroed, _cutoff_ms(grace), report)
 
 
 def _unlink_zero(
@@ -350,7 +351,7 @@ def _apply_budget(
         victims, _ = plan_evictions(store, max_bytes, namespace_max_bytes)
         if not victims:
             return
-        _evict(store, victims, _cutoff_ms(grace), report)
+        _evict(store, victims, grace, report)
 
 
 # --- sweeping ------------------------------------------------------------------------------
