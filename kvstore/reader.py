@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .layout import block_rows, geometry, spec_nbytes
+from .blocks.store import io_pool
+from .errors import CorruptBlockError
+from .layout import block_rows, geometry, itemsize, spec_nbytes
 from .schema import TensorSpec
 
 _ST_DTYPE = {
@@ -37,16 +39,32 @@ _ST_DTYPE = {
     "float64": "F64",
 }
 _ZEROS = bytes(1 << 20)
+_IOV_MAX = 1024
+_PARALLEL_BYTES = 1 << 20  # smaller tensors are read on the caller's thread
+_THREADS = max(2, min(4, os.cpu_count() or 2))  # reads in flight per tensor
 
 
 @dataclass(frozen=True)
 class Run:
-    """``length`` bytes at ``dst`` of the stream: from ``fd`` at ``src``, or zeros (fd -1)."""
+    """``count`` pieces of ``length`` bytes of the stream, the i-th at ``dst + i*stride``.
+
+    Piece i comes from ``fd`` at ``src + i*src_stride``, or is zeros (fd -1).
+    A run is one tensor's share of one block: its ``outer`` runs of rows sit
+    back to back in the block file, so a whole-block run is one ``preadv``.
+    """
 
     dst: int
     length: int
     fd: int
     src: int
+    count: int = 1
+    stride: int = 0
+    src_stride: int = 0
+
+    @property
+    def end(self) -> int:
+        """One past the last byte of the stream the run fills."""
+        return self.dst + (self.count - 1) * self.stride + self.length
 
 
 @dataclass(frozen=True)
@@ -94,20 +112,18 @@ def plan_runs(
             cap = w.capacity if w.capacity is not None else length
             shape = list(s.shape)
             shape[s.token_axis] = cap
-            for o in range(g.outer):
-                base = o * cap * g.row_bytes
-                for b in range(n_blocks):
-                    r0 = b * block_tokens
-                    take = min(length - r0, block_tokens)
-                    if take <= 0:
-                        break
-                    rows_b = block_rows(b, n_tokens, block_tokens)
-                    src = before[id(s)][b] + o * rows_b * g.row_bytes
-                    runs.append(Run(base + r0 * g.row_bytes, take * g.row_bytes, token_fds[b], src))
-                if cap > length:
-                    runs.append(
-                        Run(base + length * g.row_bytes, (cap - length) * g.row_bytes, -1, 0)
-                    )
+            stride = cap * g.row_bytes
+            for b in range(n_blocks):
+                r0 = b * block_tokens
+                take = min(length - r0, block_tokens)
+                if take <= 0:
+                    break
+                rows_b = block_rows(b, n_tokens, block_tokens)
+                runs.append(Run(r0 * g.row_bytes, take * g.row_bytes, token_fds[b],
+                                before[id(s)][b], g.outer, stride, rows_b * g.row_bytes))
+            if cap > length:
+                runs.append(Run(length * g.row_bytes, (cap - length) * g.row_bytes, -1, 0,
+                                g.outer, stride))
         else:
             shape = list(s.shape)
             assert s.state_offset is not None
@@ -135,8 +151,6 @@ class BlockStream(io.RawIOBase):
             n = 1
             for d in shape:
                 n *= d
-            from .layout import itemsize
-
             nbytes = n * itemsize(dtype)
             header[f"{i:06d}"] = {
                 "dtype": _ST_DTYPE[dtype],
@@ -150,7 +164,6 @@ class BlockStream(io.RawIOBase):
         self._head = len(raw).to_bytes(8, "little") + raw
         self._size = len(self._head) + offset
         self._pos = 0
-        self._run_dsts = [[r.dst for r in runs] for runs in self._runs]
 
     def readable(self) -> bool:
         return True
@@ -192,26 +205,95 @@ class BlockStream(io.RawIOBase):
         return done
 
     def _fill(self, t: int, a: int, b: int, out: memoryview) -> None:
-        """Bytes ``[a, b)`` of tensor ``t`` into ``out[0 : b-a]``."""
-        runs = self._runs[t]
-        i = max(bisect.bisect_right(self._run_dsts[t], a) - 1, 0)
-        while i < len(runs) and runs[i].dst < b:
-            r = runs[i]
-            lo, hi = max(a, r.dst), min(b, r.dst + r.length)
-            if lo < hi:
-                dst = out[lo - a : hi - a]
-                if r.fd < 0:
-                    for z in range(0, hi - lo, len(_ZEROS)):
-                        piece = dst[z : z + len(_ZEROS)]
-                        piece[:] = _ZEROS[: len(piece)]
-                else:
-                    src = r.src + (lo - r.dst)
-                    got = os.preadv(r.fd, [dst], src)
-                    if got != hi - lo:
-                        from .errors import CorruptBlockError
+        """Bytes ``[a, b)`` of tensor ``t`` into ``out[0 : b-a]``.
 
-                        raise CorruptBlockError(f"fd {r.fd}", f"{hi - lo} bytes", f"{got}")
-            i += 1
+        The reads are gathered into one ``preadv`` per (run, block) — many
+        iovecs, each straight into the array's memory — and spread over the
+        I/O threads (``preadv`` releases the GIL); the spare rows are zeroed
+        meanwhile on this thread.
+        """
+        reads: list[_Read] = []
+        zeros: list[memoryview] = []
+        for r in self._runs[t]:
+            if r.end <= a or r.dst >= b or r.length == 0:
+                continue
+            if a <= r.dst and r.end <= b:  # the common case: the whole run
+                starts = (range(r.dst, r.dst + r.count * r.stride, r.stride)
+                          if r.count > 1 else (r.dst,))
+                views = [out[d - a : d - a + r.length] for d in starts]
+                if r.fd < 0:
+                    zeros.extend(views)
+                elif r.src_stride == r.length or r.count == 1:
+                    reads.append(_Read(r.fd, r.src, views))
+                else:
+                    reads.extend(_Read(r.fd, r.src + i * r.src_stride, [v])
+                                 for i, v in enumerate(views))
+                continue
+            for i in range(r.count):
+                d0 = r.dst + i * r.stride
+                lo, hi = max(a, d0), min(b, d0 + r.length)
+                if lo >= hi:
+                    continue
+                view = out[lo - a : hi - a]
+                if r.fd < 0:
+                    zeros.append(view)
+                else:
+                    reads.append(_Read(r.fd, r.src + i * r.src_stride + (lo - d0), [view]))
+        _run_reads(reads, zeros)
+
+
+@dataclass
+class _Read:
+    """One ``preadv``: consecutive bytes of ``fd`` from ``offset`` into ``views``."""
+
+    fd: int
+    offset: int
+    views: list[memoryview]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(v) for v in self.views)
+
+    def run(self) -> None:
+        pos = self.offset
+        for i in range(0, len(self.views), _IOV_MAX):
+            batch = self.views[i : i + _IOV_MAX]
+            want = sum(len(v) for v in batch)
+            got = os.preadv(self.fd, batch, pos)
+            if got != want:  # a regular file reads short only at its end: truncated
+                raise CorruptBlockError(f"fd {self.fd}", f"{want} bytes at {pos}", f"{got}")
+            pos += got
+
+
+def _run_group(group: list[_Read]) -> None:
+    for job in group:
+        job.run()
+
+
+def _run_reads(reads: list[_Read], zeros: list[memoryview]) -> None:
+    """Run the reads over the I/O threads and this one; zero the spare rows meanwhile."""
+    total = sum(r.nbytes for r in reads)
+    futures = []
+    if len(reads) > 1 and total >= _PARALLEL_BYTES:
+        n = min(_THREADS, len(reads))
+        groups: list[list[_Read]] = [[] for _ in range(n)]
+        loads = [0] * n
+        for job in sorted(reads, key=lambda r: -r.nbytes):  # biggest first, to the lightest
+            k = loads.index(min(loads))
+            groups[k].append(job)
+            loads[k] += job.nbytes
+        pool = io_pool()
+        futures = [pool.submit(_run_group, g) for g in groups[1:]]
+        reads = groups[0]
+    try:
+        for z in zeros:
+            for off in range(0, len(z), len(_ZEROS)):
+                piece = z[off : off + len(_ZEROS)]
+                piece[:] = _ZEROS[: len(piece)]
+        _run_group(reads)
+    finally:
+        for f in futures:
+            f.result()
 
 
 def load_arrays(

@@ -8,11 +8,15 @@ into place; the fan-out directories are fsynced once per batch.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
 import os
 import secrets
-from collections.abc import Iterable, Iterator, Sequence
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import BlockNotFoundError, CorruptBlockError, StoreFullError
@@ -42,6 +46,49 @@ def _write_all(fd: int, pieces: Sequence[Buffer]) -> int:
             break
         pending = rest + pending[_IOV_MAX:]
     return total
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_sync_file_range = _load_sync_file_range()
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def io_pool() -> ThreadPoolExecutor:
+    """The process's block I/O threads (hashing, pwritev/preadv and fsync release the GIL).
+
+    One pool per process, made again after a fork: creating threads per save
+    or restore costs more than a small one's work.
+    """
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():
+            workers = max(2, min(8, os.cpu_count() or 2))
+            _POOL = (os.getpid(), ThreadPoolExecutor(workers, thread_name_prefix="kvstore-io"))
+        return _POOL[1]
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing ``fd``'s dirty pages now (Linux; a hint only).
+
+    The device then works while the caller hashes and copies the next blocks,
+    and the fsync that follows mostly finds the data already on its way.
+    """
+    if _sync_file_range is not None:
+        _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 class BlockStore:
@@ -81,16 +128,25 @@ class BlockStore:
 
     # --- writes ----------------------------------------------------------
 
-    def write_tmp(self, pieces: Sequence[Buffer]) -> Path:
-        """Write ``pieces`` to a new temp file (fsynced when durable); returns its path."""
+    def write_tmp(self, pieces: Sequence[Buffer], *, sync: bool | None = None) -> Path:
+        """Write ``pieces`` to a new temp file; returns its path.
+
+        With ``sync`` (default: the root's durability) the file is fsynced
+        before this returns. ``sync=False`` on a durable root starts the
+        file's writeback without waiting for it, so a caller writing many
+        blocks can fsync them together afterwards (:meth:`sync_file`).
+        """
+        sync = self.durable if sync is None else sync
         name = f"{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}.tmp"
         tmp = self.tmp_dir / name
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 _write_all(fd, pieces)
-                if self.durable:
+                if sync:
                     os.fsync(fd)
+                elif self.durable:
+                    _start_writeback(fd)
             finally:
                 os.close(fd)
         except OSError as e:
@@ -99,6 +155,14 @@ class BlockStore:
                 raise StoreFullError(f"{self.root}: no space left writing a block") from e
             raise
         return tmp
+
+    def sync_file(self, path: Path) -> None:
+        """fsync a file written with ``write_tmp(..., sync=False)``."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def publish(self, tmp: Path, digest: bytes) -> tuple[bool, Path]:
         """Link a temp file into place as ``digest``; never replaces an existing block.
