@@ -1,0 +1,181 @@
+"""The store bridge: mlx-bun v3/v4/v5 files in and out of a :class:`~kvstore.Store`.
+
+An imported file becomes an ordinary entry: its tensors are cut into the
+store's own blocks and deduplicated like any save, its attachments go into the
+manifest's attachments, and its namespace is the header's identity (modelId,
+configFingerprint, tokenizerHash, ns) unless the caller passes another.
+
+What the manifest has no field for is kept in its string metadata, under keys
+named ``mlx-bun.*``, so that exporting the entry back as v3 reproduces an
+imported v3/v4 file byte for byte:
+
+``mlx-bun.createdAt``
+    the header's ``createdAt`` (ms since the epoch, decimal). An export writes
+    it back; an entry saved from mlx-lm caches exports its manifest's
+    ``created_at`` instead.
+``mlx-bun.formatVersion``
+    the file's ``formatVersion`` (informational: a v3 export is v4 exactly
+    when the entry has attachments).
+``mlx-bun.blockBytes``
+    v5 files only: the largest block the file lists. Cutting every tensor at
+    that size gives back the file's own blocks, so it is a v5 export's default.
+``mlx-bun.identity``
+    ``"none"`` when the header carried no modelId; an export then writes no
+    identity fields either (otherwise it writes the entry's namespace).
+
+The store names an entry by (namespace, tokens): importing a file whose tokens
+are already stored in that namespace returns the existing entry, as a second
+save of the same tokens does. Import under another ``namespace`` to keep both.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from mlx_lm.models import cache as _cache
+
+from .codecs.v3 import load_v3, save_v3
+from .codecs.v5file import DEFAULT_BLOCK_BYTES, save_v5
+from .schema import Layer, Namespace, RotatingLayer
+
+if TYPE_CHECKING:
+    from .store import EntryInfo, Store
+
+__all__ = [
+    "BLOCK_BYTES_KEY",
+    "CREATED_AT_KEY",
+    "FORMAT_VERSION_KEY",
+    "IDENTITY_KEY",
+    "export_entry",
+    "import_file",
+]
+
+CREATED_AT_KEY = "mlx-bun.createdAt"
+FORMAT_VERSION_KEY = "mlx-bun.formatVersion"
+BLOCK_BYTES_KEY = "mlx-bun.blockBytes"
+IDENTITY_KEY = "mlx-bun.identity"
+
+_C: Any = _cache  # mlx-lm ships no type hints
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _largest_block(header: dict[str, Any]) -> int | None:
+    """The largest block a v5 header lists (its writer's block size, or an upper bound)."""
+    sizes = [
+        int(b["bytes"])
+        for group in (header.get("caches", []), header.get("attachments", []))
+        for entry in group
+        for slot in entry.get("tensors", [])
+        for b in slot.get("blocks", [])
+    ]
+    return max(sizes) if sizes else None
+
+
+def _file_metadata(h: dict[str, Any], format_version: int) -> dict[str, str]:
+    meta = {FORMAT_VERSION_KEY: str(format_version)}
+    if _is_int(h.get("createdAt")):
+        meta[CREATED_AT_KEY] = str(h["createdAt"])
+    if format_version == 5:
+        largest = _largest_block(h)
+        if largest is not None:
+            meta[BLOCK_BYTES_KEY] = str(largest)
+    if not isinstance(h.get("modelId"), str):
+        meta[IDENTITY_KEY] = "none"
+    return meta
+
+
+def import_file(
+    store: Store,
+    path: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+    namespace: Namespace | None = None,
+) -> EntryInfo:
+    """Put an mlx-bun v3/v4/v5 file into ``store`` as one entry.
+
+    The whole file is read (and, with ``verify``, every tensor or v5 block hash
+    checked) before anything is written, so a malformed file raises its
+    :class:`~kvstore.errors.FileFormatError` and leaves the store unchanged.
+    The entry's namespace is ``namespace``, else the header's identity, else
+    the store's default (:class:`~kvstore.errors.NamespaceRequiredError` when
+    there is none).
+    """
+    loaded = load_v3(path, verify=verify)
+    return store.save(
+        loaded.tokens,
+        loaded.cache,
+        namespace=namespace or loaded.namespace,
+        metadata=_file_metadata(loaded.header, loaded.format_version),
+        attachments=loaded.attachments,
+    )
+
+
+def _restore_ring_positions(layers: Sequence[Layer], cache: list[Any]) -> None:
+    """Give rotating layers back the offset and ring index their records hold.
+
+    A full-entry load asks each codec for ``n_tokens`` tokens, and the rotating
+    codec trims a ring whose offset exceeds that (serving a prefix). mlx-bun
+    files may carry a ring offset above the token count (the ``mixed`` sample:
+    offset 500, 300 tokens); the stored state is the record's, so put it back.
+    """
+    for record, obj in zip(layers, cache, strict=True):
+        if isinstance(record, RotatingLayer) and type(obj) is _C.RotatingKVCache:
+            obj.offset = record.offset
+            obj._idx = record.idx
+
+
+def _created_at(metadata: dict[str, str], default: int) -> int:
+    raw = metadata.get(CREATED_AT_KEY, "")
+    return int(raw) if raw.isdigit() else default
+
+
+def export_entry(
+    store: Store,
+    entry_id: str | bytes,
+    path: str | os.PathLike[str],
+    *,
+    format: Literal["v3", "v5"] = "v3",
+    block_bytes: int | None = None,
+    verify: bool | None = None,
+) -> Path:
+    """Write one entry as an mlx-bun file and return its path.
+
+    ``format="v3"`` writes a monolithic file (formatVersion 4 when the entry
+    has attachments); ``"v5"`` writes a header file plus SHA-256 blocks in
+    ``<dir of path>/blocks/``, cut at ``block_bytes`` (default: the imported
+    file's block size, else mlx-bun's 32 KiB). ``entry_id`` may be a unique
+    hex prefix. ``verify`` checks every store block's digest while reading.
+    """
+    if format not in ("v3", "v5"):
+        raise ValueError(f"format must be 'v3' or 'v5', not {format!r}")
+    eid = store.resolve(entry_id) if isinstance(entry_id, str) else entry_id
+    m = store.manifest(eid)
+    tokens, cache, attachments = store.load_entry(eid, verify=verify)
+    _restore_ring_positions(m.layers, cache)
+    ns = None if m.metadata.get(IDENTITY_KEY) == "none" else m.namespace
+    created_at = _created_at(m.metadata, m.created_at)
+    out = Path(path)
+    if format == "v3":
+        save_v3(
+            out, tokens, cache, namespace=ns, attachments=attachments or None, created_at=created_at
+        )
+    else:
+        if block_bytes is None:
+            raw = m.metadata.get(BLOCK_BYTES_KEY, "")
+            block_bytes = int(raw) if raw.isdigit() else DEFAULT_BLOCK_BYTES
+        save_v5(
+            out,
+            tokens,
+            cache,
+            namespace=ns,
+            attachments=attachments or None,
+            created_at=created_at,
+            block_bytes=block_bytes,
+        )
+    return out
