@@ -292,8 +292,8 @@ def _evict(store: Store, victims: list[bytes], grace: float, report: CompactRepo
     """Remove the victims in short transactions; unlink what they zero if the grace allows."""
     idx = store.index
     for batch in _batches(victims, 64):
+        zeroed: list[bytes] = []
         with idx.write() as txn:
-            zeroed: list[bytes] = []
             for d in batch:
                 raw = idx.get_manifest(d, txn)
                 if raw is None:
@@ -301,8 +301,12 @@ def _evict(store: Store, victims: list[bytes], grace: float, report: CompactRepo
                 zeroed += idx.remove_entry(txn, d, store.delete_plan(decode_manifest(raw), d))
                 report.evicted.append(d.hex())
             crash_point("delete_before_commit")
-            # the cutoff is taken after remove_entry stamped zero_since, so grace 0 frees now
-            _unlink_zero(store, txn, zeroed, _cutoff_ms(grace), report)
+        # Unlink in a transaction of its own: were it the eviction's, a crash after
+        # the unlink would abort the eviction and leave live manifests without files.
+        # The cutoff is taken after remove_entry stamped zero_since: grace 0 frees now.
+        if zeroed:
+            with idx.write() as txn:
+                _unlink_zero(store, txn, zeroed, _cutoff_ms(grace), report)
 
 
 def _unlink_zero(
