@@ -31,7 +31,6 @@ save of the same tokens does. Import under another ``namespace`` to keep both.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -39,7 +38,7 @@ from mlx_lm.models import cache as _cache
 
 from .codecs.v3 import load_v3, save_v3
 from .codecs.v5file import DEFAULT_BLOCK_BYTES, save_v5
-from .schema import Layer, Namespace, RotatingLayer
+from .schema import Namespace
 
 if TYPE_CHECKING:
     from .store import EntryInfo, Store
@@ -116,20 +115,6 @@ def import_file(
     )
 
 
-def _restore_ring_positions(layers: Sequence[Layer], cache: list[Any]) -> None:
-    """Give rotating layers back the offset and ring index their records hold.
-
-    A full-entry load asks each codec for ``n_tokens`` tokens, and the rotating
-    codec trims a ring whose offset exceeds that (serving a prefix). mlx-bun
-    files may carry a ring offset above the token count (the ``mixed`` sample:
-    offset 500, 300 tokens); the stored state is the record's, so put it back.
-    """
-    for record, obj in zip(layers, cache, strict=True):
-        if isinstance(record, RotatingLayer) and type(obj) is _C.RotatingKVCache:
-            obj.offset = record.offset
-            obj._idx = record.idx
-
-
 def _created_at(metadata: dict[str, str], default: int) -> int:
     raw = metadata.get(CREATED_AT_KEY, "")
     return int(raw) if raw.isdigit() else default
@@ -157,7 +142,6 @@ def export_entry(
     eid = store.resolve(entry_id) if isinstance(entry_id, str) else entry_id
     m = store.manifest(eid)
     tokens, cache, attachments = store.load_entry(eid, verify=verify)
-    _restore_ring_positions(m.layers, cache)
     ns = None if m.metadata.get(IDENTITY_KEY) == "none" else m.namespace
     created_at = _created_at(m.metadata, m.created_at)
     out = Path(path)

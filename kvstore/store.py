@@ -564,7 +564,9 @@ class Store:
         pos = 0
         for layer in m.layers:
             count = len(iter_tensor_specs((layer,)))
-            out.append(codec_for_record(layer).load(layer, arrays[pos : pos + count], length))
+            codec = codec_for_record(layer)
+            drop = m.n_tokens - length
+            out.append(codec.load(layer, arrays[pos : pos + count], length, drop=drop))
             pos += count
         atts = []
         for a in m.attachments:

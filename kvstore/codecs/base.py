@@ -64,11 +64,13 @@ class Codec(ABC):
         """The record and arrays of ``cache``; arrays need not be evaluated."""
 
     @abstractmethod
-    def load(self, record: Any, arrays: list[mx.array], n_tokens: int) -> Any:
+    def load(self, record: Any, arrays: list[mx.array], n_tokens: int, *, drop: int = 0) -> Any:
         """Rebuild a cache holding ``n_tokens`` tokens.
 
         Token-axis arrays arrive with :meth:`token_capacity` rows on their
         token axis (the first ``n_tokens`` filled); state arrays whole.
+        ``drop`` is how many of the entry's last tokens a prefix restore leaves
+        out: a trimmable codec whose state is not token-aligned trims that many.
         """
 
     def trimmable(self, record: Any) -> bool:

@@ -66,7 +66,7 @@ class KVCodec(Codec):
             (_live(cache, cache.keys, n, True), _live(cache, cache.values, n, True)),
         )
 
-    def load(self, record: Any, arrays: list[mx.array], n_tokens: int) -> Any:
+    def load(self, record: Any, arrays: list[mx.array], n_tokens: int, *, drop: int = 0) -> Any:
         obj = C.KVCache()
         obj.keys, obj.values = arrays
         obj.offset = n_tokens
@@ -95,7 +95,7 @@ class QuantizedCodec(Codec):
         )
         return leaf(rec, tuple(parts))
 
-    def load(self, record: Any, arrays: list[mx.array], n_tokens: int) -> Any:
+    def load(self, record: Any, arrays: list[mx.array], n_tokens: int, *, drop: int = 0) -> Any:
         obj = C.QuantizedKVCache(group_size=record.group_size, bits=record.bits)
         half = len(arrays) // 2
         obj.keys, obj.values = tuple(arrays[:half]), tuple(arrays[half:])
@@ -132,13 +132,13 @@ class RotatingCodec(Codec):
             rec, (_live(cache, cache.keys, rows, False), _live(cache, cache.values, rows, False))
         )
 
-    def load(self, record: Any, arrays: list[mx.array], n_tokens: int) -> Any:
+    def load(self, record: Any, arrays: list[mx.array], n_tokens: int, *, drop: int = 0) -> Any:
         obj = C.RotatingKVCache(max_size=record.max_size, keep=record.keep)
         obj.keys, obj.values = arrays
         obj.offset = record.offset
         obj._idx = record.idx
-        if n_tokens < record.offset:
-            obj.trim(record.offset - n_tokens)
+        if drop:
+            obj.trim(drop)
         return _keep_extra(obj, record)
 
     def trimmable(self, record: Any) -> bool:
@@ -169,7 +169,7 @@ class ChunkedCodec(Codec):
             rec, (_live(cache, cache.keys, rows, token), _live(cache, cache.values, rows, token))
         )
 
-    def load(self, record: Any, arrays: list[mx.array], n_tokens: int) -> Any:
+    def load(self, record: Any, arrays: list[mx.array], n_tokens: int, *, drop: int = 0) -> Any:
         obj = C.ChunkedKVCache(record.chunk_size)
         obj.keys, obj.values = arrays
         obj.start_position = record.start_position
@@ -217,7 +217,7 @@ class ArraysCodec(Codec):
         )
         return leaf(rec, tuple(parts))
 
-    def load(self, record: Any, arrays: list[mx.array], n_tokens: int) -> Any:
+    def load(self, record: Any, arrays: list[mx.array], n_tokens: int, *, drop: int = 0) -> Any:
         cls = _arrays_classes().get(record.cls, C.ArraysCache)
         obj = cls.__new__(cls)
         it = iter(arrays)
@@ -239,7 +239,7 @@ class ListCodec(Codec):
         rec = ListLayer(children=tuple(s.record for s in snaps), extra=_extra(cache))
         return Snapshot(rec, tensors)
 
-    def load(self, record: Any, arrays: list[mx.array], n_tokens: int) -> Any:
+    def load(self, record: Any, arrays: list[mx.array], n_tokens: int, *, drop: int = 0) -> Any:
         from ..schema import iter_tensor_specs
 
         children = []
@@ -247,7 +247,7 @@ class ListCodec(Codec):
         for child in record.children:
             count = len(iter_tensor_specs((child,)))
             children.append(
-                codec_for_record(child).load(child, arrays[pos : pos + count], n_tokens)
+                codec_for_record(child).load(child, arrays[pos : pos + count], n_tokens, drop=drop)
             )
             pos += count
         return _keep_extra(C.CacheList(*children), record)

@@ -45,7 +45,7 @@ class RawCodec(Codec):
         )
         return leaf(rec, tuple(TensorData(t) for t in cache.tensors))
 
-    def load(self, record: Any, arrays: list[mx.array], n_tokens: int) -> Any:
+    def load(self, record: Any, arrays: list[mx.array], n_tokens: int, *, drop: int = 0) -> Any:
         return RawCache(
             source_kind=record.source_kind,
             fields=record.fields,
