@@ -247,8 +247,7 @@ class PersistentPromptCache:
     ``insert_cache`` takes ownership of the cache it is given (as mlx-lm's does)
     and also queues it for the store. Prompts shorter than `min_tokens` stay in
     memory only; queued snapshots above `queue_bytes` are shed oldest first.
-    With `disk_budget`, the worker asks the store to compact the root down to
-    that many bytes whenever a save takes it above.
+    The disk budget is the store's (``Store.open(max_bytes=...)``).
     """
 
     def __init__(
@@ -261,10 +260,8 @@ class PersistentPromptCache:
         queue_bytes: int = 1 << 30,
         ns: str = "default",
         exit_timeout: float | None = 60.0,
-        disk_budget: int | None = None,
     ) -> None:
         self.store = store
-        self.disk_budget = disk_budget
         self.min_tokens = min_tokens
         self.queue_bytes = queue_bytes
         self.ns = ns
@@ -505,25 +502,10 @@ class PersistentPromptCache:
                     "logical_bytes_saved": int(info.logical_bytes),
                 }
             del job
-            if "saved" in outcome and self.disk_budget is not None:
-                self._enforce_budget(self.disk_budget)
             with self._cond:
                 self._counts.update(outcome)
                 self._inflight = False
                 self._cond.notify_all()
-
-    def _enforce_budget(self, budget: int) -> None:
-        compact = getattr(self.store, "compact", None)
-        if compact is None:
-            if not self._counts["no_compact_warned"]:
-                self._count("no_compact_warned")
-                logger.warning("kvstore: this Store has no compact(); disk budget not enforced")
-            return
-        try:
-            if self.store.stats().physical_bytes > budget:
-                compact(max_bytes=budget)
-        except Exception:
-            logger.warning("kvstore: compacting to the disk budget failed", exc_info=True)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._cond:

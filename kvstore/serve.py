@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         type=parse_size,
         default=None,
         help="disk budget of the root; least recently used entries are evicted "
-        "above it (needs Store.compact)",
+        "above it after each save",
     )
     g.add_argument(
         "--min-tokens",
@@ -128,7 +128,7 @@ def serve_main(argv: list[str]) -> int:
     root = ours.root if ours.root is not None else default_root()
     made: list[PersistentPromptCache] = []
     code: int = 0
-    with Store.open(root, durable=not ours.no_durable) as store:
+    with Store.open(root, durable=not ours.no_durable, max_bytes=ours.max_bytes) as store:
 
         def factory(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:
             cache = PersistentPromptCache(
@@ -138,7 +138,6 @@ def serve_main(argv: list[str]) -> int:
                 min_tokens=ours.min_tokens,
                 queue_bytes=ours.queue_bytes,
                 ns=ours.namespace,
-                disk_budget=ours.max_bytes,
             )
             made.append(cache)
             return cache

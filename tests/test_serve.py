@@ -1,0 +1,147 @@
+"""``kvstore serve``: mlx-lm's HTTP server with the persistent prompt cache."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import mlx_lm.server
+import pytest
+
+from kvstore.serve import parse_size, serve_main
+from kvstore.tiny import make_tiny_model, sample_text
+
+
+def test_parse_size() -> None:
+    assert parse_size("1024") == 1024
+    assert parse_size("512M") == 512 << 20
+    assert parse_size("2GB") == 2 << 30
+    assert parse_size("1.5KiB") == 1536
+
+
+def test_help_lists_both_option_sets_and_touches_no_root(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVSTORE_ROOT", str(tmp_path / "root"))
+    original = mlx_lm.server.LRUPromptCache
+    assert serve_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--min-tokens" in out and "--root" in out  # ours
+    assert "--prompt-cache-size" in out and "--model" in out  # mlx-lm's
+    assert mlx_lm.server.LRUPromptCache is original
+    assert not (tmp_path / "root").exists()
+
+
+def test_bad_mlx_lm_option_is_a_usage_error(tmp_path: Path) -> None:
+    original = mlx_lm.server.LRUPromptCache
+    assert serve_main(["--root", str(tmp_path / "r"), "--port", "not-a-port"]) == 2
+    assert mlx_lm.server.LRUPromptCache is original
+
+
+# --- end to end over HTTP --------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def _server(args: list[str], log: Path) -> Iterator[int]:
+    port = _free_port()
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [*args, "--host", "127.0.0.1", "--port", str(port), "--log-level", "INFO"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                    break
+                except (urllib.error.URLError, ConnectionError):
+                    assert proc.poll() is None, log.read_text()
+                    assert time.monotonic() < deadline, log.read_text()
+                    time.sleep(0.2)
+            yield port
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode in (0, -signal.SIGTERM), log.read_text()
+
+
+def _chat(port: int, system: str, user: str) -> dict[str, Any]:
+    body = {
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": 16,
+        "temperature": 0.0,
+    }
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return dict(json.loads(r.read()))
+
+
+@pytest.mark.slow
+def test_second_server_reuses_the_first_ones_cache(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "model", "llama")
+    root = tmp_path / "root"
+    ours = [
+        sys.executable,
+        "-m",
+        "kvstore.serve",
+        "--model",
+        str(model),
+        "--root",
+        str(root),
+        "--min-tokens",
+        "16",
+    ]
+    system = sample_text(500, seed=3)
+
+    with _server(ours, tmp_path / "a.log") as port:
+        first = _chat(port, system, "Which planet is closest to the sun?")
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert "kvstore: PersistStats(pending=0" in (tmp_path / "a.log").read_text()
+
+    question = "What is the capital of France?"
+    with _server(ours, tmp_path / "b.log") as port:  # cold process, same root
+        second = _chat(port, system, question)
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 500 < cached < second["usage"]["prompt_tokens"]
+
+    plain = [
+        sys.executable,
+        "-m",
+        "mlx_lm",
+        "server",
+        "--model",
+        str(model),
+        "--prompt-cache-size",
+        "0",
+    ]
+    with _server(plain, tmp_path / "c.log") as port:
+        baseline = _chat(port, system, question)
+    assert baseline["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["choices"][0]["message"] == baseline["choices"][0]["message"]
+    assert second["usage"]["completion_tokens"] == baseline["usage"]["completion_tokens"]
