@@ -28,6 +28,7 @@ from .errors import (
 )
 from .index import DeletePlan, EntryRecord, Index, SavePlan, now_ms
 from .layout import manifest_block_sizes, n_token_blocks
+from .lookup import Match, find, prefix_items, trimmable
 from .reader import Want, load_arrays, plan_runs
 from .schema import (
     Attachment,
@@ -50,7 +51,6 @@ ROOT_FORMAT = 1
 DEFAULT_BLOCK_TOKENS = 256
 DEFAULT_STATE_BLOCK = 4 << 20
 PRIORITIES = {"assistant": 0, "user": 1, "system": 2}
-_SCAN = 8  # prefix values examined on each side of a lookup's probe
 
 
 class RootSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,17 +83,6 @@ class Entry:
     last_access: int
     hits: int
     priority: str
-
-
-@dataclass(frozen=True)
-class Match:
-    """The longest usable stored prefix of a query."""
-
-    entry_id: str
-    length: int
-    exact: bool
-    trimmable: bool
-    n_tokens: int  # the entry's own length (>= length)
 
 
 @dataclass(frozen=True)
@@ -316,7 +305,7 @@ class Store:
         n_layers = len(cache)
         layers, blockset = place(snaps, n, self.block_tokens, self.settings.state_block_bytes)
         new_bytes = write_blocks(self.blocks, blockset)
-        trimmable = all(codec_for_record(layer).trimmable(layer) for layer in layers[:n_layers])
+        can_trim = trimmable(layers[:n_layers])
         manifest = Manifest(
             namespace=ns,
             codec=CODEC_PROVIDER,
@@ -340,7 +329,7 @@ class Store:
         h = new_hasher(self.settings.hash)
         h.update(encoded)
         digest = h.digest()
-        items = _prefix_items(keys, toks, T, trimmable, digest, algo)
+        items = prefix_items(keys, toks, T, can_trim, digest, algo)
         logical = blockset.logical_bytes()
         stamp = now_ms()
         pieces = blockset.by_digest()
@@ -392,83 +381,8 @@ class Store:
         q_le = P.tokens_le(q)
         depth = len(q) // T
         keys = P.chain(self._c0(ns), q_le, T, self.settings.hash, depth)
-        algo = self.settings.hash
         with self.index.read() as txn:
-            for k in range(depth, -1, -1):
-                best = None
-                if self.index.has_prefix(keys[k], txn):
-                    best = self._best_at(txn, keys[k], k, q)
-                if self.index.has_prefix(P.state_key(keys[k], algo), txn):
-                    best = self._best_exact(txn, keys, k, q, q_le, best)
-                if best is not None:
-                    return best
-        return None
-
-    def _best_exact(
-        self,
-        txn: Any,
-        keys: list[bytes],
-        k: int,
-        q: Sequence[int],
-        q_le: bytes,
-        best: Match | None,
-    ) -> Match | None:
-        """The longest entry within block ``k`` whose tokens are exactly a prefix of ``q``."""
-        T, algo = self.block_tokens, self.settings.hash
-        floor = max(k * T - 1, best.length if best is not None else 0)  # exclusive
-        if best is not None and not best.exact and best.length == len(q):
-            floor -= 1  # an exact entry of the same length is better
-        for length in range(min(len(q), (k + 1) * T - 1), floor, -1):
-            digest = self.index.find_exact(P.exact_key_for(keys, q_le, length, T, algo), txn)
-            if digest is None:
-                continue
-            raw = self.index.get_manifest(digest, txn)
-            if raw is None:
-                continue
-            layers = decode_manifest(raw).layers
-            trimmable = all(codec_for_record(layer).trimmable(layer) for layer in layers)
-            return Match(digest.hex(), length, length == len(q), trimmable, length)
-        return best
-
-    def _best_at(self, txn: Any, key: bytes, k: int, q: Sequence[int]) -> Match | None:
-        """The best candidate stored under ``c_k`` (entries sharing the first kT tokens)."""
-        T = self.block_tokens
-        base = k * T
-        cap = min(T, P.TAIL)
-        qtail = list(q[base : base + T])
-        probe = P.encode_tail(qtail[:cap]) or b"\0"  # LMDB refuses an empty value
-        before, after = self.index.neighbors(key, probe, _SCAN, txn)
-        best: Match | None = None
-        for v in after + before:
-            etail, trimmable, digest = P.split_value(v)
-            lcp = P.common_prefix(etail, qtail)
-            n_entry = base + len(etail)
-            if len(etail) == cap:  # the entry goes on past what the value holds
-                if lcp == cap or not trimmable:
-                    raw = self.index.get_manifest(digest, txn)
-                    if raw is None:
-                        continue
-                    m = decode_manifest(raw)
-                    etail = list(P.tokens_from_le(m.tokens[4 * base : 4 * (base + T)]))
-                    lcp = P.common_prefix(etail, qtail)
-                    n_entry = m.n_tokens
-                else:
-                    rec = self.index.get_entry(digest, txn)
-                    if rec is None:
-                        continue
-                    n_entry = rec.n_tokens
-            if trimmable:
-                length = min(base + lcp, len(q), n_entry)
-            elif lcp == len(etail) and n_entry <= len(q) and n_entry - base == len(etail):
-                length = n_entry
-            else:
-                continue
-            if length <= 0:
-                continue
-            exact = n_entry == len(q) == length
-            if best is None or (length, exact) > (best.length, best.exact):
-                best = Match(digest.hex(), length, exact, trimmable, n_entry)
-        return best
+            return find(self.index, txn, keys, q, q_le, T, self.settings.hash)
 
     # --- load --------------------------------------------------------------------------------
 
@@ -668,10 +582,10 @@ class Store:
         T = m.block_tokens
         c0 = P.root_key(m.namespace, m.codec, T, m.hash)
         keys = P.chain(c0, m.tokens, T, m.hash, m.n_tokens // T)
-        trimmable = all(codec_for_record(layer).trimmable(layer) for layer in m.layers)
+        can_trim = trimmable(m.layers)
         return DeletePlan(
             blocks=list(dict.fromkeys((*m.token_blocks, *m.state_blocks))),
-            prefix_items=_prefix_items(keys, toks, T, trimmable, digest, m.hash),
+            prefix_items=prefix_items(keys, toks, T, can_trim, digest, m.hash),
             exact_key=P.exact_key_for(keys, m.tokens, m.n_tokens, T, m.hash),
         )
 
@@ -705,8 +619,13 @@ class Store:
         """Evict above the byte budgets, delete expired garbage; see :func:`kvstore.gc.compact`."""
         from .gc import compact
 
-        return compact(self, max_bytes=max_bytes, namespace_max_bytes=namespace_max_bytes,
-                       grace=grace, dry_run=dry_run)
+        return compact(
+            self,
+            max_bytes=max_bytes,
+            namespace_max_bytes=namespace_max_bytes,
+            grace=grace,
+            dry_run=dry_run,
+        )
 
     def verify(self, *, read_data: bool = False, repair: bool = False) -> VerifyReport:
         """Check refcounts, blocks and keys; see :func:`kvstore.gc.verify`."""
@@ -721,17 +640,6 @@ class Store:
         return Stats(
             t.entries, t.blocks, t.logical_bytes, t.physical_bytes, ratio, t.lookups, t.hits
         )
-
-
-def _prefix_items(
-    keys: list[bytes], toks: Sequence[int], T: int, trimmable: bool, digest: bytes, algo: str
-) -> list[tuple[bytes, bytes]]:
-    """The prefix-db values of an entry: every depth when trimmable, else its last one."""
-    if not trimmable:
-        return [(P.state_key(keys[-1], algo), digest)]
-    return [
-        (key, P.prefix_value(toks[k * T : (k + 1) * T], True, digest)) for k, key in enumerate(keys)
-    ]
 
 
 def _attachment_snapshot(a: AttachmentData) -> Any:

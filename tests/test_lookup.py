@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvstore
+from kvstore import lookup as lookup_mod
 from kvstore import schema
 from kvstore import store as store_mod
 
@@ -84,7 +85,7 @@ def test_lookup_work_is_bounded_by_the_query_not_the_store(
             decodes += 1
             return real(data)
 
-        monkeypatch.setattr(store_mod, "decode_manifest", counting)
+        monkeypatch.setattr(lookup_mod, "decode_manifest", counting)
         for i in (0, 150, 299):
             q = system + [1000 + i, 2000 + i % 17, 3000 + i, 5, 6]
             m = s.lookup(q)
@@ -92,4 +93,4 @@ def test_lookup_work_is_bounded_by_the_query_not_the_store(
         q = system + [999_999]
         m = s.lookup(q)
         assert m is not None and m.length == 40
-        assert decodes <= 3 * 2 * store_mod._SCAN
+        assert decodes <= 3 * 2 * lookup_mod.SCAN

@@ -1,0 +1,127 @@
+"""Finding the longest usable stored prefix of a query in the index.
+
+Trimmable entries are listed under every chain key ``c_k`` they reach, with
+their next tokens as a sorted value: the entry sharing the longest extension
+of the query sits next to the query's own position, one seek away.
+Non-trimmable entries serve only their exact length; they are found through
+the exact keys of each length within the block where the query's chain ends.
+Either way the work is bounded by the query, never by the number of entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import prefix as P
+from .codecs import codec_for_record
+from .index import Index
+from .schema import Layer, decode_manifest
+
+SCAN = 8  # prefix values examined on each side of a lookup's probe
+
+
+@dataclass(frozen=True)
+class Match:
+    """The longest usable stored prefix of a query."""
+
+    entry_id: str
+    length: int
+    exact: bool  # the entry's tokens are exactly the query
+    trimmable: bool
+    n_tokens: int  # the entry's own length (>= length)
+
+
+def trimmable(layers: Sequence[Layer]) -> bool:
+    """Whether every layer of an entry can serve a shorter prefix."""
+    return all(codec_for_record(layer).trimmable(layer) for layer in layers)
+
+
+def prefix_items(
+    keys: list[bytes], toks: Sequence[int], T: int, can_trim: bool, digest: bytes, algo: str
+) -> list[tuple[bytes, bytes]]:
+    """The prefix-db values of an entry: every depth when trimmable, else its last one."""
+    if not can_trim:
+        return [(P.state_key(keys[-1], algo), digest)]
+    return [
+        (key, P.prefix_value(toks[k * T : (k + 1) * T], True, digest)) for k, key in enumerate(keys)
+    ]
+
+
+def find(
+    index: Index, txn: Any, keys: list[bytes], q: Sequence[int], q_le: bytes, T: int, algo: str
+) -> Match | None:
+    """The best match for query ``q`` given its chain ``keys`` (one per full block, plus c_0)."""
+    for k in range(len(keys) - 1, -1, -1):
+        best = None
+        if index.has_prefix(keys[k], txn):
+            best = _best_trimmable(index, txn, keys[k], k, q, T)
+        if index.has_prefix(P.state_key(keys[k], algo), txn):
+            best = _best_exact(index, txn, keys, k, q, q_le, T, algo, best)
+        if best is not None:
+            return best
+    return None
+
+
+def _best_trimmable(
+    index: Index, txn: Any, key: bytes, k: int, q: Sequence[int], T: int
+) -> Match | None:
+    """The trimmable entry under ``c_k`` sharing the longest extension of ``q``."""
+    base = k * T
+    cap = min(T, P.TAIL)
+    qtail = list(q[base : base + T])
+    probe = P.encode_tail(qtail[:cap]) or b"\0"  # LMDB refuses an empty value
+    before, after = index.neighbors(key, probe, SCAN, txn)
+    best: Match | None = None
+    for v in after + before:
+        etail, _, digest = P.split_value(v)
+        lcp = P.common_prefix(etail, qtail)
+        n_entry = base + len(etail)
+        if len(etail) == cap:  # the entry goes on past what the value holds
+            if lcp == cap:  # and so may the match: compare the entry's own tokens
+                raw = index.get_manifest(digest, txn)
+                if raw is None:
+                    continue
+                m = decode_manifest(raw)
+                lcp = P.common_prefix(P.tokens_from_le(m.tokens[4 * base : 4 * (base + T)]), qtail)
+                n_entry = m.n_tokens
+            else:
+                rec = index.get_entry(digest, txn)
+                if rec is None:
+                    continue
+                n_entry = rec.n_tokens
+        length = min(base + lcp, len(q), n_entry)
+        if length <= 0:
+            continue
+        exact = n_entry == len(q) == length
+        if best is None or (length, exact) > (best.length, best.exact):
+            best = Match(digest.hex(), length, exact, True, n_entry)
+    return best
+
+
+def _best_exact(
+    index: Index,
+    txn: Any,
+    keys: list[bytes],
+    k: int,
+    q: Sequence[int],
+    q_le: bytes,
+    T: int,
+    algo: str,
+    best: Match | None,
+) -> Match | None:
+    """The longest entry ending in block ``k`` whose tokens are exactly a prefix of ``q``."""
+    floor = max(k * T - 1, best.length if best is not None else 0)  # exclusive
+    if best is not None and not best.exact and best.length == len(q):
+        floor -= 1  # an exact entry of the same length is better
+    for length in range(min(len(q), (k + 1) * T - 1), floor, -1):
+        digest = index.find_exact(P.exact_key_for(keys, q_le, length, T, algo), txn)
+        if digest is None:
+            continue
+        raw = index.get_manifest(digest, txn)
+        if raw is None:
+            continue
+        can_trim = trimmable(decode_manifest(raw).layers)
+        return Match(digest.hex(), length, length == len(q), can_trim, length)
+    return best
