@@ -62,7 +62,10 @@ class _Chat:
         self.cache = PersistentPromptCache(store, min_tokens=64)
 
     def tokens(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        ids = self.tokenizer.apply_chat_template(  # type: ignore[no-untyped-call]
+            messages, add_generation_prompt=True
+        )
+        return list(ids)
 
     def _first_token(self, cache: list[Any], rest: list[int]) -> tuple[Any, float]:
         from mlx_lm.generate import generate_step
