@@ -221,15 +221,19 @@ def resolve_all(store: Store, ids: Sequence[str]) -> list[str]:
 # --- the group -------------------------------------------------------------------------
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+             invoke_without_command=True)
 @click.version_option(package_name="kvstore", prog_name="kvstore", message="%(prog)s %(version)s")
 @common
-def cli() -> None:
+@click.pass_context
+def cli(ctx: click.Context) -> None:
     """A persistent, shared, deduplicated KV-cache store for MLX language models.
 
     Start with 'kvstore demo', then 'kvstore ls' and 'kvstore tree'. The cache root is
     --root, else $KVSTORE_ROOT, else the user cache dir.
     """
+    if ctx.invoked_subcommand is None:  # a bare `kvstore`: the help, like git and pip
+        click.echo(ctx.get_help())
 
 
 @cli.command()

@@ -1,0 +1,75 @@
+"""``kvstore --help`` and every subcommand's ``--help``: options with one-line descriptions.
+
+The top level runs as a subprocess; the subcommands' help, which only click
+renders, runs in-process through ``kvstore.cli.main`` to keep this fast.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from cli_helpers import Result, run_many
+
+from kvstore.cli import main
+
+COMMANDS = {
+    "init": ["--hash", "--block-tokens", "--json"],
+    "stats": ["--json"],
+    "ls": ["--sort", "--namespace", "--reverse", "--json"],
+    "show": ["--tokens", "--json"],
+    "tree": ["--namespace", "--json"],
+    "rm": ["--json"],
+    "compact": ["--max-bytes", "--namespace-max-bytes", "--grace", "--dry-run", "--json"],
+    "verify": ["--read-data", "--repair", "--json"],
+    "import": ["--json"],
+    "export": ["--format", "--json"],
+    "inspect": ["--tokens", "--json"],
+    "bench": ["--quick", "--json"],
+    "demo": [],
+}
+COMMON = ["--root", "--quiet", "--debug", "--help"]
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[tuple[str, ...], Result]:
+    return run_many([("--help",), (), ("--version",)])
+
+
+def test_top_level_help_lists_every_subcommand_with_a_description(
+    helps: dict[tuple[str, ...], Result],
+) -> None:
+    r = helps[("--help",)]
+    assert r.code == 0 and r.err == ""
+    for name in [*COMMANDS, "serve"]:
+        line = re.search(rf"^  {name}\s+(\S.*)$", r.out, re.M)
+        assert line is not None, f"{name} missing from:\n{r.out}"
+        assert not line.group(1).endswith("..."), line.group(0)  # not cut short
+    for opt in COMMON:
+        assert opt in r.out
+
+
+def test_bare_kvstore_prints_the_help(helps: dict[tuple[str, ...], Result]) -> None:
+    r = helps[()]
+    assert r.code == 0
+    assert "Commands:" in r.out and "ls" in r.out
+
+
+def test_version(helps: dict[tuple[str, ...], Result]) -> None:
+    r = helps[("--version",)]
+    assert r.code == 0
+    assert re.fullmatch(r"kvstore \d+\.\d+\.\d+\S*\n", r.out)
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_subcommand_help_lists_its_options(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"Usage: kvstore {command}")
+    for opt in COMMANDS[command] + COMMON:
+        m = re.search(rf"^\s+(?:-\w, )?{re.escape(opt)}\b(.*)$", out, re.M)
+        assert m is not None, f"{opt} missing from:\n{out}"
+        described = m.group(1).strip() or out[m.end():].lstrip("\n").split("\n")[0].strip()
+        assert described, f"{opt} has no description"
