@@ -1,0 +1,7 @@
+"""``python -m kvstore.bench``."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

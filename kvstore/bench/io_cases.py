@@ -1,0 +1,253 @@
+"""Disk cases: save, restore, multi-turn, shared system prompt — kvstore vs mlx-lm's file."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as _mlx_cache
+
+from ..schema import Namespace
+from ..store import Store
+from .common import (
+    Config,
+    Row,
+    block_files,
+    cache_bytes,
+    decode_step,
+    disk_usage,
+    drop_from_page_cache,
+    fsync_path,
+    grow,
+    interleave,
+    make_cache,
+    median,
+    read_all,
+    settle,
+)
+
+NS = Namespace(model_id="kvstore-bench", config_fingerprint="synthetic")
+MLX = "mlx-lm save_prompt_cache"
+MLX_LOAD = "mlx-lm load_prompt_cache"
+
+# mlx-lm's cache module is untyped: typed handles for what the cases use
+KVCache: Any = _mlx_cache.KVCache
+save_prompt_cache: Any = _mlx_cache.save_prompt_cache
+load_prompt_cache: Any = _mlx_cache.load_prompt_cache
+
+
+
+def tokens_for(n: int, *, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(32000) for _ in range(n)]
+
+
+def _label(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def _mlx_save(path: Path, cache: list[Any], durable: bool) -> None:
+    save_prompt_cache(str(path), cache)
+    if durable:
+        fsync_path(path)
+
+
+def save_rows(cfg: Config, scratch: Path, n: int, cache: list[Any]) -> list[Row]:
+    """Save into a fresh root each rep (no dedup), durable and not, vs one safetensors file."""
+    toks = tokens_for(n, seed=n)
+    nbytes = cache_bytes(cache)
+
+    def kv(durable: bool) -> float:
+        root = Path(tempfile.mkdtemp(prefix="save-", dir=scratch))
+        store = Store.open(root, namespace=NS, durable=durable)
+        try:
+            t = _clock()
+            store.save(toks, cache)
+            return _clock() - t
+        finally:
+            store.close()
+            shutil.rmtree(root)
+
+    def ml(durable: bool) -> float:
+        path = scratch / "save.safetensors"
+        try:
+            t = _clock()
+            _mlx_save(path, cache, durable)
+            return _clock() - t
+        finally:
+            path.unlink(missing_ok=True)
+
+    res = interleave(
+        {
+            "kv_d": lambda: kv(True),
+            "ml_d": lambda: ml(True),
+            "kv_n": lambda: kv(False),
+            "ml_n": lambda: ml(False),
+        },
+        cfg.reps,
+        before=settle,
+    )
+    gb = nbytes / 1e9
+    lab = _label(n)
+    return [
+        Row("save", f"save {lab} durable", "s", median(res["kv_d"]), median(res["ml_d"]),
+            MLX + " + fsync", "speedup", extra={"gb": gb}),
+        Row("save", f"save {lab} non-durable", "s", median(res["kv_n"]), median(res["ml_n"]),
+            MLX, "speedup", extra={"gb": gb}),
+    ]
+
+
+def _clock() -> float:
+    import time
+
+    return time.perf_counter()
+
+
+class SavedPair:
+    """One cache saved both ways: a kvstore root and a safetensors file, both synced."""
+
+    def __init__(self, scratch: Path, n: int, cache: list[Any]) -> None:
+        self.n = n
+        self.tokens = tokens_for(n, seed=n)
+        self.root = Path(tempfile.mkdtemp(prefix=f"restore-{n}-", dir=scratch))
+        with Store.open(self.root, namespace=NS) as store:
+            store.save(self.tokens, cache)
+        self.file = self.root.parent / f"{self.root.name}.safetensors"
+        _mlx_save(self.file, cache, True)
+        self.bytes = cache_bytes(cache)
+        self.store = Store.open(self.root, namespace=NS, create=False)
+
+    def kv_restore(self, *, verify: bool = False) -> float:
+        t = _clock()
+        cache, length = self.store.restore(self.tokens, verify=verify)
+        assert cache is not None and length == self.n, "the benchmark entry went missing"
+        decode_step(cache)
+        return _clock() - t
+
+    def mlx_restore(self) -> float:
+        t = _clock()
+        cache = load_prompt_cache(str(self.file))
+        mx.eval([c.state for c in cache])
+        decode_step(cache)
+        return _clock() - t
+
+    def warm(self) -> None:
+        read_all([*block_files(self.root), self.file])
+
+    def drop(self) -> None:
+        drop_from_page_cache([*block_files(self.root), self.file])
+
+    def remove(self) -> None:
+        self.store.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.file.unlink(missing_ok=True)
+
+
+def restore_rows(cfg: Config, pair: SavedPair) -> list[Row]:
+    """Restore to ready-to-decode from the page cache, after eviction, and verified."""
+    lab = _label(pair.n)
+    gb = pair.bytes / 1e9
+    pair.warm()
+    warm = interleave({"kv": pair.kv_restore, "ml": pair.mlx_restore}, cfg.reps)
+    ver = interleave({"kv": lambda: pair.kv_restore(verify=True), "ml": pair.mlx_restore},
+                     cfg.reps)
+    cold = interleave({"kv": pair.kv_restore, "ml": pair.mlx_restore}, cfg.reps,
+                      before=pair.drop)
+    pair.warm()
+    return [
+        Row("restore", f"restore {lab} page cache", "s", median(warm["kv"]), median(warm["ml"]),
+            MLX_LOAD, "speedup", extra={"gb": gb}),
+        Row("restore", f"restore {lab} after eviction", "s", median(cold["kv"]),
+            median(cold["ml"]), MLX_LOAD, "speedup", extra={"gb": gb}),
+        Row("restore", f"restore {lab} verify=True (page cache)", "s", median(ver["kv"]),
+            median(ver["ml"]), MLX_LOAD + " (no verification)", "speedup", extra={"gb": gb}),
+    ]
+
+
+def multiturn_rows(cfg: Config, scratch: Path) -> list[Row]:
+    """A conversation growing by ``turn_tokens`` a turn: kvstore vs re-saving the whole file."""
+    cache = [KVCache() for _ in range(cfg.layers)]
+    toks = tokens_for(cfg.turns * cfg.turn_tokens, seed=99)
+    root = Path(tempfile.mkdtemp(prefix="turns-", dir=scratch))
+    path = scratch / "turns.safetensors"
+    kv_t = ml_t = 0.0
+    kv_bytes = ml_bytes = 0
+    try:
+        with Store.open(root, namespace=NS) as store:
+            for turn in range(cfg.turns):
+                grow(cache, cfg, cfg.turn_tokens, seed=1000 + turn)
+                n = (turn + 1) * cfg.turn_tokens
+
+                def kv(n: int = n) -> float:
+                    nonlocal kv_bytes
+                    t = _clock()
+                    info = store.save(toks[:n], cache)
+                    dt = _clock() - t
+                    kv_bytes += info.new_bytes
+                    return dt
+
+                def ml() -> float:
+                    nonlocal ml_bytes
+                    t = _clock()
+                    _mlx_save(path, cache, True)
+                    dt = _clock() - t
+                    ml_bytes += path.stat().st_size
+                    return dt
+
+                settle()
+                if turn % 2:
+                    kv_t += kv()
+                    settle()
+                    ml_t += ml()
+                else:
+                    ml_t += ml()
+                    settle()
+                    kv_t += kv()
+        unique = cache_bytes(cache)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        path.unlink(missing_ok=True)
+    label = f"{cfg.turns} turns x {cfg.turn_tokens} tokens"
+    return [
+        Row("multiturn", f"multi-turn total save time ({label})", "s", kv_t, ml_t,
+            MLX + " + fsync of the whole cache each turn", "speedup"),
+        Row("multiturn", "multi-turn bytes written", "B", kv_bytes, ml_bytes,
+            MLX + " of the whole cache each turn", "fraction"),
+        Row("multiturn", "multi-turn bytes written vs unique KV bytes", "B", kv_bytes, unique,
+            "unique KV bytes of the final cache", "fraction"),
+    ]
+
+
+def shared_rows(cfg: Config, scratch: Path) -> list[Row]:
+    """Many sessions sharing a system prompt: bytes on disk, kvstore vs a file per session."""
+    sys_toks = tokens_for(cfg.system_tokens, seed=7)
+    sys_cache = make_cache(cfg, cfg.system_tokens, seed=7)
+    sys_kv = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in sys_cache]
+    root = Path(tempfile.mkdtemp(prefix="shared-", dir=scratch))
+    path = scratch / "session.safetensors"
+    file_bytes = 0
+    try:
+        with Store.open(root, namespace=NS, durable=False) as store:
+            for s in range(cfg.sessions):
+                cache = [KVCache() for _ in range(cfg.layers)]
+                for c, (k, v) in zip(cache, sys_kv, strict=True):
+                    c.update_and_fetch(k, v)
+                grow(cache, cfg, cfg.session_tokens, seed=5000 + s)
+                toks = sys_toks + tokens_for(cfg.session_tokens, seed=5000 + s)
+                store.save(toks, cache, priority="user")
+                save_prompt_cache(str(path), cache)
+                file_bytes += os.stat(path).st_blocks * 512
+                path.unlink()
+        os.sync()
+        kv_bytes = disk_usage(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        path.unlink(missing_ok=True)
+    label = f"{cfg.sessions} sessions, {cfg.system_tokens}+{cfg.session_tokens} tokens"
+    return [Row("shared", f"shared system prompt: bytes on disk ({label})", "B", kv_bytes,
+                file_bytes, "one " + MLX + " file per session", "fraction")]

@@ -1,0 +1,117 @@
+"""The results table, the targets of issue #6, and the JSON written for tracking."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .common import Row
+
+
+def human(value: float, unit: str) -> str:
+    """A figure with its unit, scaled for reading (ms, MiB, ...)."""
+    if unit == "s":
+        if value < 1e-3:
+            return f"{value * 1e6:.0f} µs"
+        if value < 1:
+            return f"{value * 1e3:.1f} ms"
+        return f"{value:.2f} s"
+    if unit == "B":
+        for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if value >= size:
+                return f"{value / size:.2f} {name}"
+        return f"{value:.0f} B"
+    return f"{value:.2f} {unit}"
+
+
+def ratio_text(row: Row) -> str:
+    if row.ratio_kind == "speedup":
+        return f"{row.ratio:.2f}x faster" if row.ratio >= 1 else f"{row.ratio:.2f}x (slower)"
+    return f"{row.ratio:.3f}x"
+
+
+def table(rows: Sequence[Row]) -> str:
+    """A Markdown table: every row with both figures and their ratio."""
+    out = ["| case | kvstore | baseline | ratio | baseline is |", "|---|---:|---:|---:|---|"]
+    for r in rows:
+        out.append(f"| {r.name} | {human(r.kvstore, r.unit)} | {human(r.baseline, r.unit)} "
+                   f"| {ratio_text(r)} | {r.baseline_label} |")
+    return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target of the issue, checked against the rows of a run."""
+
+    name: str
+    want: str
+    got: str
+    met: bool | None  # None: the run did not measure it (e.g. --quick)
+
+
+def _find(rows: Sequence[Row], pred: Callable[[Row], bool]) -> list[Row]:
+    return [r for r in rows if pred(r)]
+
+
+def targets(rows: Sequence[Row]) -> list[Target]:
+    """Every target of issue #6 that this run's rows can decide."""
+    out: list[Target] = []
+
+    def each(prefix: str, name: str, want: float, higher: bool = True) -> None:
+        found = _find(rows, lambda r: r.name.startswith(prefix))
+        if not found:
+            out.append(Target(name, f">= {want}x", "not measured", None))
+        for r in found:
+            ok = r.ratio >= want if higher else r.ratio <= want
+            sign = ">=" if higher else "<="
+            out.append(Target(f"{name}: {r.name}", f"{sign} {want}x", f"{r.ratio:.2f}x", ok))
+
+    each("save", "save speed", 0.9)
+    for r in _find(rows, lambda r: r.name.startswith("restore") and r.name.endswith("page cache")):
+        out.append(Target(f"restore from page cache: {r.name}", ">= 1.0x", f"{r.ratio:.2f}x",
+                          r.ratio >= 1.0))
+    for r in _find(rows, lambda r: "after eviction" in r.name):
+        out.append(Target(f"restore after eviction: {r.name}", ">= 0.9x", f"{r.ratio:.2f}x",
+                          r.ratio >= 0.9))
+    for r in _find(rows, lambda r: r.name == "multi-turn bytes written vs unique KV bytes"):
+        out.append(Target("multi-turn bytes written / unique bytes", "<= 1.1x",
+                          f"{r.ratio:.3f}x", r.ratio <= 1.1))
+    for r in _find(rows, lambda r: r.name.startswith("multi-turn total save time")):
+        out.append(Target("multi-turn total save time", ">= 5x faster", f"{r.ratio:.2f}x",
+                          r.ratio >= 5))
+    for r in _find(rows, lambda r: r.name.startswith("shared system prompt")):
+        out.append(Target("shared system prompt bytes on disk", "<= 0.25x", f"{r.ratio:.3f}x",
+                          r.ratio <= 0.25))
+    p99 = _find(rows, lambda r: r.name.startswith("lookup p99"))
+    p50 = _find(rows, lambda r: r.name.startswith("lookup p50"))
+    at100k = [r for r in p99 if r.extra.get("entries") == 100_000]
+    if at100k:
+        v = at100k[0].kvstore
+        out.append(Target("lookup p99 at 100k entries", "< 2 ms", f"{v * 1e3:.2f} ms", v < 2e-3))
+    elif p99:
+        big = max(p99, key=lambda r: r.extra.get("entries", 0))
+        out.append(Target("lookup p99 at 100k entries", "< 2 ms",
+                          f"not measured ({big.kvstore * 1e3:.2f} ms at "
+                          f"{int(big.extra['entries'])} entries)", None))
+    if len(p50) >= 2:
+        lo = min(p50, key=lambda r: r.extra.get("entries", 0))
+        hi = max(p50, key=lambda r: r.extra.get("entries", 0))
+        growth = hi.kvstore / lo.kvstore
+        n_hi, n_lo = int(hi.extra["entries"]), int(lo.extra["entries"])
+        measured = n_hi == 100_000 and n_lo == 1000
+        out.append(Target(f"lookup p50 at {n_hi} / p50 at {n_lo} entries", "<= 1.5x",
+                          f"{growth:.2f}x", (growth <= 1.5) if measured else None))
+    ttft = _find(rows, lambda r: r.group == "ttft")
+    at4k = [r for r in ttft if r.name.startswith("time to first token, 4096 ")]
+    if at4k:
+        out.append(Target("restore TTFT vs recompute at 4k tokens", ">= 20x",
+                          f"{at4k[0].ratio:.1f}x", at4k[0].ratio >= 20))
+    return out
+
+
+def targets_table(ts: Sequence[Target]) -> str:
+    out = ["| target | wanted | got | met |", "|---|---|---|---|"]
+    for t in ts:
+        met = "yes" if t.met else ("n/a" if t.met is None else "**no**")
+        out.append(f"| {t.name} | {t.want} | {t.got} | {met} |")
+    return "\n".join(out)

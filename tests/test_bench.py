@@ -1,0 +1,51 @@
+"""The benchmark runs end to end in its smoke size and writes every row (never a timing check)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from kvstore.bench import GROUPS, main
+
+# Row names (prefixes) every run of every group must produce.
+EXPECTED = (
+    "save 600 durable",
+    "save 600 non-durable",
+    "restore 600 page cache",
+    "restore 600 after eviction",
+    "restore 600 verify=True",
+    "multi-turn total save time",
+    "multi-turn bytes written",
+    "multi-turn bytes written vs unique KV bytes",
+    "shared system prompt: bytes on disk",
+    "lookup p50, 10 entries",
+    "lookup p99, 10 entries",
+    "lookup p50, 30 entries",
+    "lookup p99, 30 entries",
+    "time to first token, 300 tokens",
+    "restore throughput, 1 process",
+    "restore throughput, 2 process",
+)
+
+
+def test_smoke_run_writes_every_row_with_both_figures(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["--config", "smoke", "--json", str(out), "--scratch", str(tmp_path)]) == 0
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    names = [r["name"] for r in rows]
+    for want in EXPECTED:
+        assert any(n.startswith(want) for n in names), f"no row {want!r} in {names}"
+    assert {r["group"] for r in rows} == set(GROUPS)
+    for r in rows:
+        for key in ("kvstore", "baseline", "ratio"):
+            assert isinstance(r[key], float | int) and math.isfinite(r[key]), (r["name"], key)
+        assert r["kvstore"] > 0 and r["baseline"] > 0, r["name"]
+        assert r["baseline_label"] and r["unit"]
+    assert doc["machine"]["nproc"] >= 1 and doc["targets"]
+    assert list(tmp_path.iterdir()) == [out], "the scratch roots were not removed"
+
+
+def test_unknown_group_is_an_error() -> None:
+    assert main(["--config", "smoke", "--only", "nope"]) == 2
