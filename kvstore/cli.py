@@ -626,15 +626,12 @@ def inspect_(file: Path, all_tokens: bool, as_json: bool) -> None:
 def bench(ctx: click.Context, quick: bool, json_file: Path | None) -> int:
     """Measure save, lookup and restore speed.
 
-    Options not listed here are passed to the benchmark unchanged.
+    Runs in temporary roots of its own. Options not listed here (--config NAME,
+    --only GROUPS, --scratch DIR) are passed to the benchmark unchanged.
     """
     run = backend("kvstore.bench", "main", "bench")
+    # the benchmark makes its own scratch roots (--scratch DIR), so --root is not passed on
     argv = [*(["--quick"] if quick else []), *(["--json", str(json_file)] if json_file else [])]
-    o = opts()
-    if o.root is not None:
-        argv += ["--root", str(o.root)]
-    if o.quiet:
-        argv.append("--quiet")
     return int(run([*argv, *ctx.args]) or 0)
 
 
