@@ -109,18 +109,22 @@ _totals_dec = msgspec.msgpack.Decoder(Totals)
 
 _lock = threading.Lock()
 _ENVS: dict[str, tuple[int, lmdb.Environment, int]] = {}
-# Environments inherited across fork. A child must never use them, and must never
-# close them either: closing an fd of lock.mdb drops every POSIX lock this process
-# holds on it, including the one its own fresh environment took, after which a
-# newly starting process would think it is alone and reset the reader table.
-# So the child keeps them referenced (never deallocated) and opens its own.
-_INHERITED: list[lmdb.Environment] = []
+# Environments inherited across fork, by path. A child must not use them, and py-lmdb
+# refuses to open the same files twice in one process, so the child closes the
+# inherited one and opens its own. The close must come first: closing any fd of
+# lock.mdb drops every POSIX lock this process holds on it, and after the fresh
+# open that would release the child's own lock (a newly starting process could
+# then think it is alone and reset the reader table). Before it, the child holds
+# none. (A transaction another thread had open at fork time would be aborted by
+# that close, clearing the parent's reader slot: fork while no thread is inside
+# a transaction, as pre-forking servers do.)
+_INHERITED: dict[str, lmdb.Environment] = {}
 
 
 def _after_fork_in_child() -> None:
     global _lock
     _lock = threading.Lock()  # another thread may have held it at fork time
-    _INHERITED.extend(env for _, env, _ in _ENVS.values())
+    _INHERITED.update((key, env) for key, (_, env, _) in _ENVS.items())
     _ENVS.clear()
 
 
@@ -135,6 +139,9 @@ def _open_env(path: Path, *, durable: bool, map_size: int, readonly: bool) -> lm
         if held and held[0] == pid:
             _ENVS[key] = (pid, held[1], held[2] + 1)
             return held[1]
+        inherited = _INHERITED.pop(key, None)
+        if inherited is not None:
+            inherited.close()  # before this process takes any lock on lock.mdb
         env = lmdb.open(
             key,
             map_size=map_size,
@@ -181,16 +188,13 @@ class Index:
         self._opts = dict(durable=durable, map_size=map_size, readonly=readonly)
         self._pid = -1
         self._env: lmdb.Environment | None = None
-        self._stale: list[lmdb.Environment] = []  # inherited across fork, kept open
         self._dbs: dict[str, Any] = {}
         self._ensure()
 
     def _ensure(self) -> lmdb.Environment:
         if self._env is not None and self._pid == os.getpid():
             return self._env
-        if self._env is not None:  # inherited from the parent: keep it, never close it
-            self._stale.append(self._env)
-            self._env = None
+        self._env = None  # inherited from the parent, if set: _open_env closes it
         try:
             env = _open_env(self.path, **self._opts)  # type: ignore[arg-type]
             ro = bool(self._opts["readonly"])
