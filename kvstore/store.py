@@ -44,7 +44,8 @@ from .schema import (
 from .writer import place, write_blocks
 
 if TYPE_CHECKING:
-    from .gc import CompactReport, VerifyReport
+    from .gc import CompactReport
+    from .verify import VerifyReport
 
 CODEC_PROVIDER = "kvstore-mlx/1"
 ROOT_FORMAT = 1
@@ -628,8 +629,8 @@ class Store:
         )
 
     def verify(self, *, read_data: bool = False, repair: bool = False) -> VerifyReport:
-        """Check refcounts, blocks and keys; see :func:`kvstore.gc.verify`."""
-        from .gc import verify
+        """Check refcounts, blocks and keys; see :func:`kvstore.verify.verify`."""
+        from .verify import verify
 
         return verify(self, read_data=read_data, repair=repair)
 
