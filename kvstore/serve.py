@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -155,12 +156,24 @@ def serve_main(argv: list[str]) -> int:
             pass
         finally:
             for cache in made:
-                stats = cache.persist_stats()
                 if not cache.close(timeout=None):
                     logger.warning("kvstore: %d snapshots were not written", cache.pending)
-                logger.info("kvstore: %s", stats)
+                logger.info("kvstore: %s", cache.persist_stats())
     return code
 
 
+def _exit_now(code: int) -> None:
+    """Exit without interpreter teardown, once everything is written and closed.
+
+    mlx-lm's server (also run on its own) can abort in teardown after a clean
+    shutdown ("terminate called without an active exception", SIGABRT); our
+    queue is drained and the store closed before this point, so skip teardown.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(serve_main(sys.argv[1:]))
+    _exit_now(serve_main(sys.argv[1:]))
