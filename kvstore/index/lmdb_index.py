@@ -338,11 +338,11 @@ class Index:
 
     def get_ref(self, digest: bytes, txn: lmdb.Transaction) -> RefInfo | None:
         v = txn.get(digest, db=self.db("refs"))
-        return _unpack_ref(v) if v is not None else None
+        return _unpack_ref(bytes(v)) if v is not None else None
 
     def iter_refs(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, RefInfo]]:
         for k, v in txn.cursor(db=self.db("refs")):
-            yield bytes(k), _unpack_ref(v)
+            yield bytes(k), _unpack_ref(bytes(v))
 
     # --- writes ------------------------------------------------------------------
 
@@ -362,7 +362,9 @@ class Index:
         except StoreFullError:
             return
 
-    def commit_save(self, plan: SavePlan, *, before_commit: Callable[[], None] | None = None) -> bool:
+    def commit_save(
+        self, plan: SavePlan, *, before_commit: Callable[[], None] | None = None
+    ) -> bool:
         """Commit one save in one write transaction; False when the exact entry existed.
 
         Blocks with no refs record, or with a refcount of zero, are passed to
@@ -387,7 +389,7 @@ class Index:
                     t.blocks += 1
                     t.physical_bytes += size
                 else:
-                    old = _unpack_ref(raw)
+                    old = _unpack_ref(bytes(raw))
                     if old.refcount == 0:
                         plan.ensure_block(d)
                         t.zero_bytes -= old.size
@@ -426,9 +428,9 @@ class Index:
         stamp = now_ms()
         for d in dict.fromkeys(plan.blocks):
             raw = txn.get(d, db=refs)
-            if raw is None or _unpack_ref(raw).refcount == 0:
+            if raw is None or _unpack_ref(bytes(raw)).refcount == 0:
                 continue
-            old = _unpack_ref(raw)
+            old = _unpack_ref(bytes(raw))
             count = old.refcount - 1
             txn.put(d, _pack_ref(RefInfo(count, old.size, stamp if count == 0 else 0)), db=refs)
             if count == 0:
@@ -452,7 +454,7 @@ class Index:
         raw = txn.get(digest, db=refs)
         if raw is None:
             return None
-        ref = _unpack_ref(raw)
+        ref = _unpack_ref(bytes(raw))
         txn.delete(digest, db=refs)
         t = self.totals(txn)
         t.blocks -= 1
