@@ -8,6 +8,7 @@ into place; the fan-out directories are fsynced once per batch.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import itertools
@@ -101,16 +102,21 @@ class BlockStore:
         self.blocks_dir = root / "blocks"
         self.tmp_dir = root / "tmp"
         self.quarantine_dir = root / "quarantine"
+        self._blocks = str(self.blocks_dir)
 
     # --- paths -----------------------------------------------------------
 
     def path(self, digest: bytes) -> Path:
         """The file of ``digest``; the digest is validated before the path is built."""
+        return Path(self._path(digest))
+
+    def _path(self, digest: bytes) -> str:
+        # a str, not a Path: the hot paths build one per block per save
         hx = check_digest(digest).hex()
-        return self.blocks_dir / hx[:2] / hx
+        return f"{self._blocks}/{hx[:2]}/{hx}"
 
     def exists(self, digest: bytes) -> bool:
-        return self.path(digest).exists()
+        return os.path.exists(self._path(digest))
 
     def size(self, digest: bytes) -> int | None:
         try:
@@ -121,7 +127,7 @@ class BlockStore:
     def freshen(self, digest: bytes) -> bool:
         """Touch an existing block's mtime (so a grace period spares it); False if missing."""
         try:
-            os.utime(self.path(digest))
+            os.utime(self._path(digest))
             return True
         except FileNotFoundError:
             return False
@@ -169,16 +175,20 @@ class BlockStore:
 
         Returns (True, fan-out dir) when this call created the block.
         """
-        final = self.path(digest)
-        final.parent.mkdir(exist_ok=True)
+        final = self._path(digest)
         try:
-            os.link(tmp, final)
+            try:
+                os.link(tmp, final)
+            except FileNotFoundError:  # the first block of its fan-out directory
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                os.link(tmp, final)
             created = True
         except FileExistsError:
             created = False
         finally:
-            tmp.unlink(missing_ok=True)
-        return created, final.parent
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        return created, Path(os.path.dirname(final))
 
     def sync_dirs(self, dirs: Iterable[Path]) -> None:
         """fsync directories so new names survive a crash (no-op when not durable)."""
