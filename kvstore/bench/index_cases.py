@@ -52,6 +52,7 @@ class LookupCorpus:
             kv = mx.array(toks.astype(np.float32)).astype(mx.bfloat16).reshape(1, 1, -1, 1)
             kv = mx.broadcast_to(kv, (1, 1, len(toks), 8))
             c.update_and_fetch(kv, kv)
+            mx.eval(c.keys, c.values)
             self.store.save(toks, [c])
             self.entries.append(toks)
 
@@ -122,7 +123,11 @@ def lookup_rows(cfg: Config, scratch: Path) -> list[Row]:
 
 
 def _tiny_model(cfg: Config, scratch: Path) -> tuple[Any, str]:
-    """A tiny random-weight llama: kvstore.tiny if present, else mlx-lm's class directly."""
+    """A tiny random-weight llama: kvstore.tiny if present, else mlx-lm's class directly.
+
+    float32: on a CPU, MLX's bfloat16 matmuls are emulated and would flatter the
+    restore side by making prefill an order of magnitude slower.
+    """
     try:
         from mlx_lm import load
 
@@ -130,7 +135,7 @@ def _tiny_model(cfg: Config, scratch: Path) -> tuple[Any, str]:
     except ImportError:  # pragma: no cover - kvstore.tiny ships with the package
         return _direct_llama(cfg), "mlx_lm.models.llama.Model (direct)"
     path = make_tiny_model(scratch / "tiny-llama", kind="llama", hidden_size=cfg.model_hidden,
-                           num_layers=cfg.model_layers, dtype="bfloat16")
+                           num_layers=cfg.model_layers, dtype="float32")
     model = load(str(path))[0]
     return model, "kvstore.tiny llama"
 
@@ -145,7 +150,6 @@ def _direct_llama(cfg: Config) -> Any:  # pragma: no cover - fallback only
         num_key_value_heads=heads // 2, rms_norm_eps=1e-5, vocab_size=768,
     )
     model = llama.Model(args)
-    model.set_dtype(mx.bfloat16)
     mx.eval(model.parameters())
     return model
 
