@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ._mxload import load_safetensors
 from .blocks.store import io_pool
 from .errors import CorruptBlockError
 from .layout import block_rows, geometry, itemsize, spec_nbytes
@@ -302,6 +303,5 @@ def load_arrays(
     """Restore the tensors in one ``mx.load`` of a :class:`BlockStream`."""
     if not shapes:
         return []
-    loaded = mx.load(BlockStream(shapes, plans), format="safetensors")  # type: ignore[arg-type]
-    assert isinstance(loaded, dict)
+    loaded = load_safetensors(BlockStream(shapes, plans))
     return [loaded[f"{i:06d}"] for i in range(len(shapes))]

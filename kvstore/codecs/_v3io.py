@@ -19,10 +19,11 @@ import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO, cast
+from typing import Any
 
 import mlx.core as mx
 
+from .._mxload import load_safetensors
 from ..errors import (
     FileFormatError,
     TensorHashMismatchError,
@@ -131,8 +132,9 @@ def check_slot(
     if end > file_size:
         if start < file_size:
             raise TruncatedFileError(
-                path, f"{where}: file is {file_size} bytes, truncated inside the tensor at "
-                f"[{start}, {end})"
+                path,
+                f"{where}: file is {file_size} bytes, truncated inside the tensor at "
+                f"[{start}, {end})",
             )
         raise TensorOutOfBoundsError(
             path, f"{where}: tensor at [{start}, {end}) lies outside the file ({file_size} bytes)"
@@ -158,8 +160,13 @@ class TensorPlan:
 
     @classmethod
     def make(
-        cls, path: str, slot: dict[str, Any], where: str, source: PieceSource,
-        capacity: int | None, verify_hash: bool,
+        cls,
+        path: str,
+        slot: dict[str, Any],
+        where: str,
+        source: PieceSource,
+        capacity: int | None,
+        verify_hash: bool,
     ) -> TensorPlan:
         """Plan ``slot``; ``capacity`` regrows axis 2 of a ``[B, H, S, D]`` tensor."""
         shape = list(slot["shape"])
@@ -175,8 +182,17 @@ class TensorPlan:
             if not isinstance(h, str) or not _HEX16.match(h):
                 raise FileFormatError(path, f"{where}: hash {h!r} is not 16 lowercase hex chars")
             expected = h
-        return cls(path, slot, where, source, shape, run, gap, expected,
-                   BunHasher() if verify_hash else None)
+        return cls(
+            path,
+            slot,
+            where,
+            source,
+            shape,
+            run,
+            gap,
+            expected,
+            BunHasher() if verify_hash else None,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -222,22 +238,26 @@ class TensorPlan:
                 self.path,
                 f"{self.where}: tensor hash mismatch at offset {self.slot['off']}: header "
                 f"{self.hash_expected}, bytes hash to {got}",
-                self.hash_expected, got,
+                self.hash_expected,
+                got,
             )
 
 
 class _SafetensorsStream(io.RawIOBase):
     """A read-only safetensors file made of a small header and the planned tensors."""
 
-    def __init__(self, plans: Sequence[TensorPlan]) -> None:
+    def __init__(self, plans: Sequence[TensorPlan], errors: list[BaseException]) -> None:
         super().__init__()
         meta: dict[str, Any] = {}
         cursor = 0
         self._spans: list[int] = []
         for i, p in enumerate(plans):
             n = p.nbytes
-            meta[f"t{i}"] = {"dtype": DTYPES[p.slot["dtype"]][1], "shape": p.shape,
-                             "data_offsets": [cursor, cursor + n]}
+            meta[f"t{i}"] = {
+                "dtype": DTYPES[p.slot["dtype"]][1],
+                "shape": p.shape,
+                "data_offsets": [cursor, cursor + n],
+            }
             self._spans.append(cursor)
             cursor += n
         text = _v3json.dumps(meta)
@@ -246,7 +266,7 @@ class _SafetensorsStream(io.RawIOBase):
         self._plans = plans
         self._size = len(self._head) + cursor
         self._pos = 0
-        self.error: BaseException | None = None
+        self._errors = errors  # the caller's list: it must hold no reference to the stream
 
     def readable(self) -> bool:
         return True
@@ -268,7 +288,8 @@ class _SafetensorsStream(io.RawIOBase):
         try:
             self._fill(dst[:n], self._pos)
         except BaseException as e:  # never let an error cross into MLX's C++
-            self.error = self.error or e
+            if not self._errors:
+                self._errors.append(e)
             dst[:n] = bytes(n)
         self._pos += n
         return n
@@ -297,16 +318,16 @@ def load_arrays(path: str, fd: int, plans: Sequence[TensorPlan], verify: bool) -
     try:
         if not plans:
             return []
-        stream = _SafetensorsStream(plans)
+        errors: list[BaseException] = []
         try:
-            loaded = mx.load(cast(BinaryIO, stream), format="safetensors")
+            loaded = load_safetensors(_SafetensorsStream(plans, errors))
         except (RuntimeError, ValueError) as e:
-            raise stream.error or FileFormatError(path, f"cannot load tensors: {e}") from e
-        assert isinstance(loaded, dict)
+            raise (
+                errors[0] if errors else FileFormatError(path, f"cannot load tensors: {e}")
+            ) from e
         arrays = [loaded[f"t{i}"] for i in range(len(plans))]
-        mx.eval(*arrays)
-        if stream.error is not None:
-            raise stream.error
+        if errors:
+            raise errors[0]
         for p in plans:
             p.check_hash()
             p.source.verify(verify)
