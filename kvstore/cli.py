@@ -659,7 +659,11 @@ def serve(ctx: click.Context) -> int:
     serve_main = backend("kvstore.serve", "serve_main", "serve")
     root = opts().root
     argv = [*(["--root", str(root)] if root is not None else []), *ctx.args]
-    return int(serve_main(argv) or 0)
+    code = int(serve_main(argv) or 0)
+    from .serve import exit_now
+
+    exit_now(code)  # mlx-lm's server can abort in interpreter teardown; all is flushed here
+    return code
 
 
 # --- entry point ----------------------------------------------------------------------

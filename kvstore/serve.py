@@ -162,7 +162,7 @@ def serve_main(argv: list[str]) -> int:
     return code
 
 
-def _exit_now(code: int) -> None:
+def exit_now(code: int) -> None:
     """Exit without interpreter teardown, once everything is written and closed.
 
     mlx-lm's server (also run on its own) can abort in teardown after a clean
@@ -176,4 +176,4 @@ def _exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
-    _exit_now(serve_main(sys.argv[1:]))
+    exit_now(serve_main(sys.argv[1:]))
