@@ -1,20 +1,58 @@
-"""kvstore: a persistent, shared, deduplicated KV-cache store for MLX models."""
+"""kvstore: a persistent, shared, deduplicated KV-cache store for MLX models.
+
+The store and the file functions import MLX and mlx-lm, which takes about a
+second; they are loaded on first use so ``kvstore --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     BlockNotFoundError,
     CacheMismatchError,
     CorruptBlockError,
     EntryNotFoundError,
+    FileFormatError,
     InvalidDigestError,
     InvalidTokensError,
     KVStoreError,
     NamespaceRequiredError,
     NotAStoreError,
     RootSettingsError,
+    StoreFullError,
     UnknownCacheTypeError,
 )
 from .schema import Namespace
-from .store import Entry, EntryInfo, Match, Stats, Store, default_root
+
+if TYPE_CHECKING:
+    from .codecs.v3 import Loaded, load_v3, save_v3
+    from .codecs.v5file import save_v5
+    from .store import Entry, EntryInfo, Match, Stats, Store, default_root
+
+_LAZY = {
+    "Entry": "store",
+    "EntryInfo": "store",
+    "Match": "store",
+    "Stats": "store",
+    "Store": "store",
+    "default_root": "store",
+    "Loaded": "codecs.v3",
+    "load_v3": "codecs.v3",
+    "save_v3": "codecs.v3",
+    "save_v5": "codecs.v5file",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BlockNotFoundError",
@@ -23,9 +61,11 @@ __all__ = [
     "Entry",
     "EntryInfo",
     "EntryNotFoundError",
+    "FileFormatError",
     "InvalidDigestError",
     "InvalidTokensError",
     "KVStoreError",
+    "Loaded",
     "Match",
     "Namespace",
     "NamespaceRequiredError",
@@ -33,6 +73,10 @@ __all__ = [
     "RootSettingsError",
     "Stats",
     "Store",
+    "StoreFullError",
     "UnknownCacheTypeError",
     "default_root",
+    "load_v3",
+    "save_v3",
+    "save_v5",
 ]
