@@ -284,8 +284,12 @@ def _run_reads(reads: list[_Read], zeros: list[memoryview]) -> None:
             groups[k].append(job)
             loads[k] += job.nbytes
         pool = io_pool()
-        futures = [pool.submit(_run_group, g) for g in groups[1:]]
         reads = groups[0]
+        for g in groups[1:]:
+            try:
+                futures.append(pool.submit(_run_group, g))
+            except RuntimeError:  # the interpreter is shutting down: read on this thread
+                reads = reads + g
     try:
         for z in zeros:
             for off in range(0, len(z), len(_ZEROS)):

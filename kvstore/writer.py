@@ -151,7 +151,12 @@ _INLINE_BYTES = 1 << 20  # below this a save hashes and writes on the caller's t
 
 def _map(fn: Callable[[_T], _R], items: Sequence[_T], nbytes: int) -> list[_R]:
     if len(items) > 1 and nbytes >= _INLINE_BYTES:
-        return list(io_pool().map(fn, items))
+        try:
+            results = io_pool().map(fn, items)
+        except RuntimeError:  # the interpreter is shutting down (a save from atexit)
+            pass
+        else:
+            return list(results)
     return [fn(x) for x in items]
 
 
