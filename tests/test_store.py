@@ -256,3 +256,28 @@ def test_token_block_layout_is_per_token_rows_of_every_tensor(store: kvstore.Sto
     v = c.values[..., 16:20, :]
     mx.eval(k, v)
     assert block1 == bytes(memoryview(k)) + bytes(memoryview(v))
+
+
+def test_save_and_restore_from_an_atexit_handler(tmp_path: Path) -> None:
+    """At exit the I/O threads refuse work; a save or restore then runs on the caller."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import atexit, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        import kvstore
+        from factories import kv_cache
+        ns = kvstore.Namespace(model_id="m")
+        s = kvstore.Store.open({str(tmp_path / "root")!r}, namespace=ns)
+        def late():
+            info = s.save(list(range(3000)), [kv_cache(3000, 1), kv_cache(3000, 2)])
+            (a, b), n = s.restore(list(range(3000)))
+            print(info.new_bytes, n, a.offset)
+        atexit.register(late)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(2 * 3000 * 2 * 2 * 32 * 2), "3000", "3000"]
