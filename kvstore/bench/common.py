@@ -310,6 +310,7 @@ def machine(scratch: Path) -> dict[str, Any]:
         "mlx": getattr(mx, "__version__", "unknown"),
         "mlx_lm": getattr(mlx_lm, "__version__", "unknown"),
         "mlx_device": str(mx.default_device()),
+        "loadavg_at_start": os.getloadavg()[0],  # other work on the machine skews the figures
     }
 
 
