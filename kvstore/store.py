@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,7 @@ CODEC_PROVIDER = "kvstore-mlx/1"
 ROOT_FORMAT = 1
 DEFAULT_BLOCK_TOKENS = 256
 DEFAULT_STATE_BLOCK = 4 << 20
+ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory
 PRIORITIES = {"assistant": 0, "user": 1, "system": 2}
 
 
@@ -142,8 +144,13 @@ class Store:
         self.durable = durable
         self.verify_reads = verify_reads
         self.blocks = BlockStore(root, settings.hash, durable=durable)
+        # Access stamps and hit counts are advisory (they order evictions), so
+        # they are batched: one index write a second at most, not one per restore.
         self._lock = threading.Lock()
-        self._pending_lookups = 0
+        self._hits: dict[bytes, int] = {}
+        self._lookups = 0
+        self._found = 0
+        self._flushed = time.monotonic()
 
     # --- opening -------------------------------------------------------------------
 
@@ -228,7 +235,29 @@ class Store:
             store.gc_grace = gc_grace
         return store
 
+    def flush_access(self) -> None:
+        """Write pending access stamps and lookup counts to the index."""
+        with self._lock:
+            hits, self._hits = self._hits, {}
+            lookups, found = self._lookups, self._found
+            self._lookups = self._found = 0
+            self._flushed = time.monotonic()
+        self.index.record_access(hits, lookups=lookups, found=found)
+
+    def _note_access(self, digest: bytes | None = None, *, found: bool | None = None) -> None:
+        """Count an entry load (``digest``) and/or a restore that ``found`` something or not."""
+        with self._lock:
+            if digest is not None:
+                self._hits[digest] = self._hits.get(digest, 0) + 1
+            if found is not None:
+                self._lookups += 1
+                self._found += found
+            due = time.monotonic() - self._flushed >= ACCESS_FLUSH_SECONDS
+        if due:
+            self.flush_access()
+
     def close(self) -> None:
+        self.flush_access()
         self.index.close()
 
     def __enter__(self) -> Store:
@@ -440,7 +469,7 @@ class Store:
         finally:
             for fd in fds.values():
                 os.close(fd)
-        self.index.touch_entry(digest, hit=True)
+        self._note_access(digest)
         return cache
 
     def _verify_fd(self, digest: bytes, fd: int) -> None:
@@ -543,12 +572,14 @@ class Store:
     ) -> tuple[list[Any] | None, int]:
         """Lookup and load; ``(None, 0)`` on a miss, also when a block is gone or corrupt."""
         match = self.lookup(tokens, namespace=namespace)
-        if match is None:
-            return None, 0
-        try:
-            return self.load(match, verify=verify), match.length
-        except (BlockNotFoundError, CorruptBlockError, EntryNotFoundError):
-            return None, 0
+        cache = None
+        if match is not None:
+            try:
+                cache = self.load(match, verify=verify)
+            except (BlockNotFoundError, CorruptBlockError, EntryNotFoundError):
+                cache = None
+        self._note_access(found=cache is not None)
+        return (cache, match.length) if cache is not None and match is not None else (None, 0)
 
     # --- entries -------------------------------------------------------------------------------
 
@@ -592,6 +623,7 @@ class Store:
 
     def entries(self, *, namespace: Namespace | None = None) -> Iterator[Entry]:
         """Every entry (or those of one namespace)."""
+        self.flush_access()
         with self.index.read() as txn:
             rows = list(self.index.iter_entries(txn))
         for digest, rec in rows:
@@ -620,6 +652,7 @@ class Store:
         """Evict above the byte budgets, delete expired garbage; see :func:`kvstore.gc.compact`."""
         from .gc import compact
 
+        self.flush_access()
         return compact(
             self,
             max_bytes=max_bytes,
@@ -632,10 +665,12 @@ class Store:
         """Check refcounts, blocks and keys; see :func:`kvstore.verify.verify`."""
         from .verify import verify
 
+        self.flush_access()
         return verify(self, read_data=read_data, repair=repair)
 
     def stats(self) -> Stats:
         """Entries, blocks, logical vs physical bytes and the dedup ratio."""
+        self.flush_access()
         t = self.index.totals()
         ratio = t.logical_bytes / t.physical_bytes if t.physical_bytes else 1.0
         return Stats(

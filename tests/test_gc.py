@@ -22,6 +22,7 @@ BLOCK = 16 * 2 * 2 * 8 * 2  # one full token block: 16 tokens, K+V, H2 D8 fp16
 def save(s: kvstore.Store, seed: int, n: int, shared: int = 0, **kw: object) -> list[int]:
     toks = tokens_for(seed, n, shared)
     s.save(toks, make_cache(toks), **kw)  # type: ignore[arg-type]
+    time.sleep(0.002)  # access stamps are in ms: keep the LRU order of saves unambiguous
     return toks
 
 

@@ -279,13 +279,6 @@ class Index:
     def _put_totals(self, txn: lmdb.Transaction, t: Totals) -> None:
         txn.put(b"totals", _enc.encode(t), db=self.db("meta"))
 
-    def count_lookup(self, hit: bool) -> None:
-        with self.write() as txn:
-            t = self.totals(txn)
-            t.lookups += 1
-            t.hits += int(hit)
-            self._put_totals(txn, t)
-
     # --- reads -----------------------------------------------------------------
 
     def get_manifest(self, digest: bytes, txn: lmdb.Transaction) -> bytes | None:
@@ -346,19 +339,29 @@ class Index:
 
     # --- writes ------------------------------------------------------------------
 
-    def touch_entry(self, digest: bytes, *, hit: bool) -> None:
-        """Record an access (restore) of an entry: last access, hits.
+    def record_access(self, hits: dict[bytes, int], *, lookups: int, found: int) -> None:
+        """Stamp accessed entries (last access now, hits) and count lookups, in one txn.
 
-        Best effort: on a full map or disk the stamp is skipped, the restore stands.
+        Best effort: on a full map or disk the stamps are dropped; the restores stand.
         """
+        if not hits and not lookups:
+            return
+        stamp = now_ms()
         try:
             with self.write() as txn:
-                rec = self.get_entry(digest, txn)
-                if rec is None:
-                    return
-                rec.last_access = now_ms()
-                rec.hits += int(hit)
-                txn.put(digest, _enc.encode(rec), db=self.db("entries"))
+                entries = self.db("entries")
+                for digest, n in hits.items():
+                    rec = self.get_entry(digest, txn)
+                    if rec is None:
+                        continue
+                    rec.last_access = stamp
+                    rec.hits += n
+                    txn.put(digest, _enc.encode(rec), db=entries)
+                if lookups:
+                    t = self.totals(txn)
+                    t.lookups += lookups
+                    t.hits += found
+                    self._put_totals(txn, t)
         except StoreFullError:
             return
 
