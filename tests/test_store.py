@@ -281,3 +281,19 @@ def test_save_and_restore_from_an_atexit_handler(tmp_path: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert out.stdout.split() == [str(2 * 3000 * 2 * 2 * 32 * 2), "3000", "3000"]
+
+
+def test_restores_are_counted_for_the_hit_rate_and_the_lru(tmp_path: Path) -> None:
+    toks = list(range(40))
+    with kvstore.Store.open(tmp_path / "root", namespace=NS, block_tokens=16) as s:
+        info = s.save(toks, [kv_cache(40, 1)])
+        created = next(s.entries()).last_access
+        assert s.restore(toks)[1] == 40
+        assert s.restore(toks[:20])[1] == 20
+        assert s.restore([9999, 9998]) == (None, 0)
+        st = s.stats()  # flushes the batched stamps first
+        assert (st.lookups, st.hits) == (3, 2)
+        (e,) = list(s.entries())
+        assert e.id == info.id and e.hits == 2 and e.last_access >= created
+    with kvstore.Store.open(tmp_path / "root", namespace=NS) as s:  # and they were written
+        assert s.stats().lookups == 3 and next(s.entries()).hits == 2
