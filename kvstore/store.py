@@ -304,11 +304,20 @@ class Store:
         metadata: dict[str, str] | None = None,
         priority: Literal["assistant", "user", "system"] = "assistant",
         attachments: Sequence[AttachmentData] = (),
+        reuse_prefix: bool = False,
     ) -> EntryInfo:
         """Store ``cache`` (a list of mlx-lm cache objects) as the state after ``tokens``.
 
         Identical blocks already on disk cost nothing; saving the same tokens
         again in the same namespace returns the existing entry.
+
+        ``reuse_prefix=True`` skips hashing the leading full token blocks that a
+        stored entry of the same namespace and layout already holds for the
+        same tokens, and references that entry's blocks instead. Use it when
+        the cache was extended from one this root saved (the next turn of a
+        conversation): its leading rows are then those very bytes. For a cache
+        computed independently the entry gets the stored rows for the shared
+        prefix, which hold the same tokens' state but may differ in the last bits.
         """
         ns = self._ns(namespace)
         toks = P.as_tokens(tokens)
@@ -334,7 +343,8 @@ class Store:
         snaps += [_attachment_snapshot(a) for a in attachments]
         n_layers = len(cache)
         layers, blockset = place(snaps, n, self.block_tokens, self.settings.state_block_bytes)
-        new_bytes = write_blocks(self.blocks, blockset)
+        known = self._reusable_prefix(toks, ns, layers[:n_layers]) if reuse_prefix else []
+        new_bytes = write_blocks(self.blocks, blockset, known)
         can_trim = trimmable(layers[:n_layers])
         manifest = Manifest(
             namespace=ns,
@@ -364,8 +374,12 @@ class Store:
         stamp = now_ms()
         pieces = blockset.by_digest()
 
+        reused = set(known)
+
         def ensure(d: bytes) -> None:
             if not self.blocks.exists(d):
+                if d in reused:  # its entry was deleted and collected meanwhile
+                    raise _PrefixGone
                 self.blocks.put(d, pieces[d])
 
         plan = SavePlan(
@@ -385,7 +399,12 @@ class Store:
             ensure_block=ensure,
         )
         crash_point("before_commit")
-        created = self.index.commit_save(plan)
+        try:
+            created = self.index.commit_save(plan)
+        except _PrefixGone:  # the transaction was aborted: save our own bytes instead
+            return self.save(
+                toks, cache, namespace=ns, metadata=meta, priority=priority, attachments=attachments
+            )
         crash_point("after_commit")
         if created and self.max_bytes is not None:
             from .gc import enforce_budget
@@ -396,6 +415,22 @@ class Store:
                 existing = self.index.find_exact(xkey, txn)
             return EntryInfo(existing.hex() if existing else digest.hex(), n, logical, new_bytes)
         return EntryInfo(digest.hex(), n, logical, new_bytes)
+
+    def _reusable_prefix(
+        self, toks: Sequence[int], ns: Namespace, layers: tuple[Layer, ...]
+    ) -> list[bytes]:
+        """Digests of the leading full token blocks a stored entry holds for these tokens."""
+        T = self.block_tokens
+        match = self.lookup(toks, namespace=ns)
+        if match is None or match.length < T:
+            return []
+        try:
+            m = self.manifest(match.entry_id)
+        except EntryNotFoundError:
+            return []
+        if _token_layout(m.layers) != _token_layout(layers):
+            return []
+        return list(m.token_blocks[: match.length // T])
 
     # --- lookup ----------------------------------------------------------------------------
 
@@ -676,6 +711,19 @@ class Store:
         return Stats(
             t.entries, t.blocks, t.logical_bytes, t.physical_bytes, ratio, t.lookups, t.hits
         )
+
+
+class _PrefixGone(Exception):
+    """A reused prefix block vanished before the commit (its entry was collected)."""
+
+
+def _token_layout(layers: Sequence[Layer]) -> list[tuple[str, int, tuple[int, ...]]]:
+    """What fixes a token block's bytes per token: each token tensor's dtype and other dims."""
+    return [
+        (s.dtype, s.token_axis, s.shape[: s.token_axis] + s.shape[s.token_axis + 1 :])
+        for s in iter_tensor_specs(tuple(layers))
+        if s.token_axis is not None
+    ]
 
 
 def _attachment_snapshot(a: AttachmentData) -> Any:

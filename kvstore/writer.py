@@ -160,7 +160,7 @@ def _map(fn: Callable[[_T], _R], items: Sequence[_T], nbytes: int) -> list[_R]:
     return [fn(x) for x in items]
 
 
-def write_blocks(store: BlockStore, bs: BlockSet) -> int:
+def write_blocks(store: BlockStore, bs: BlockSet, known: Sequence[bytes] = ()) -> int:
     """Hash every block, write the missing ones, link them in place; returns new bytes.
 
     Existing blocks are not rewritten, only freshened (so an orphan grace
@@ -168,9 +168,10 @@ def write_blocks(store: BlockStore, bs: BlockSet) -> int:
     is durable the new files are written first, each starting its writeback at
     once, and then fsynced together before any is linked into place: one
     batch of flushes the device serves in parallel, not a write-then-wait per
-    block.
+    block. ``known`` are digests the caller vouches for, for the first token
+    blocks (a reused prefix): those are neither hashed nor written.
     """
-    all_pieces = bs.token_pieces + bs.state_pieces
+    all_pieces = bs.token_pieces[len(known) :] + bs.state_pieces
     nbytes = sum(len(p) for pieces in all_pieces for p in pieces)
 
     def task(pieces: Pieces) -> tuple[Digest, Path | None]:
@@ -183,8 +184,8 @@ def write_blocks(store: BlockStore, bs: BlockSet) -> int:
         return d, store.write_tmp(pieces, sync=False)
 
     results = _map(task, all_pieces, nbytes)
-    n_tok = len(bs.token_pieces)
-    bs.token_digests = [d for d, _ in results[:n_tok]]
+    n_tok = len(bs.token_pieces) - len(known)
+    bs.token_digests = [Digest(d) for d in known] + [d for d, _ in results[:n_tok]]
     bs.state_digests = [d for d, _ in results[n_tok:]]
     fresh = [tmp for _, tmp in results if tmp is not None]
     if store.durable and fresh:

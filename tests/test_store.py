@@ -297,3 +297,59 @@ def test_restores_are_counted_for_the_hit_rate_and_the_lru(tmp_path: Path) -> No
         assert e.id == info.id and e.hits == 2 and e.last_access >= created
     with kvstore.Store.open(tmp_path / "root", namespace=NS) as s:  # and they were written
         assert s.stats().lookups == 3 and next(s.entries()).hits == 2
+
+
+def _extend(c: object, n_new: int, seed: int) -> None:
+    from factories import kv_pair
+
+    k, v = kv_pair(n_new, seed)
+    c.update_and_fetch(k, v)  # type: ignore[attr-defined]
+
+
+def test_reuse_prefix_references_the_previous_turn_without_rehashing(
+    store: kvstore.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvstore.writer as W
+
+    turn1 = list(range(40))  # two full blocks of 16 and a partial one
+    c = kv_cache(40, 1)
+    first = store.save(turn1, [c])
+    _extend(c, 30, 2)
+    turn2 = turn1 + list(range(500, 530))
+    hashed: list[int] = []
+    real = W.new_hasher
+
+    def counting(algo: str) -> object:
+        hashed.append(1)
+        return real(algo)
+
+    monkeypatch.setattr(W, "new_hasher", counting)
+    info = store.save(turn2, [c], reuse_prefix=True)
+    m1, m2 = store.manifest(first.id), store.manifest(info.id)
+    assert m2.token_blocks[:2] == m1.token_blocks[:2]  # referenced, not recomputed
+    assert len(hashed) == len(m2.token_blocks) - 2 + len(m2.state_blocks)
+    assert info.new_bytes == (70 - 32) * 2 * 2 * 32 * 2
+    (r,), n = store.restore(turn2)
+    assert n == 70 and same_bits(r.keys[..., :70, :], c.keys[..., :70, :])
+    # a different layout (dtype) is never mixed in
+    info3 = store.save(turn2 + [1], [kv_cache(71, 3, mx.float16)], reuse_prefix=True)
+    assert store.manifest(info3.id).token_blocks[0] not in m1.token_blocks
+
+
+def test_reuse_prefix_falls_back_when_the_blocks_were_collected(
+    store: kvstore.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = list(range(48))
+    old = store.save(a, [kv_cache(48, 1)])
+    gone = list(store.manifest(old.id).token_blocks[:2])
+    store.delete(old.id)
+    store.compact(grace=0)
+    assert not store.blocks.exists(gone[0])
+    # as if the entry vanished between the lookup and the commit
+    monkeypatch.setattr(kvstore.Store, "_reusable_prefix", lambda self, *a: gone)
+    c = kv_cache(48, 5)
+    info = store.save(a, [c], reuse_prefix=True)
+    assert store.manifest(info.id).token_blocks[0] != gone[0]
+    (r,), n = store.restore(a)
+    assert n == 48 and same_bits(r.keys[..., :48, :], c.keys[..., :48, :])
+    assert store.verify(read_data=True).sound
