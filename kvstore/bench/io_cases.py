@@ -170,15 +170,23 @@ def restore_rows(cfg: Config, pair: SavedPair) -> list[Row]:
 
 
 def multiturn_rows(cfg: Config, scratch: Path) -> list[Row]:
-    """A conversation growing by ``turn_tokens`` a turn: kvstore vs re-saving the whole file."""
+    """A conversation growing by ``turn_tokens`` a turn: kvstore vs re-saving the whole file.
+
+    kvstore is measured twice on roots of their own: a plain save (every block
+    hashed; existing ones not written) and ``save(reuse_prefix=True)``, which
+    references the previous turn's full blocks instead of rehashing them.
+    """
     cache = [KVCache() for _ in range(cfg.layers)]
     toks = tokens_for(cfg.turns * cfg.turn_tokens, seed=99)
     root = Path(tempfile.mkdtemp(prefix="turns-", dir=scratch))
+    root_reuse = Path(tempfile.mkdtemp(prefix="turns-reuse-", dir=scratch))
     path = scratch / "turns.safetensors"
-    kv_t = ml_t = 0.0
-    kv_bytes = ml_bytes = 0
+    kv_t = ml_t = re_t = 0.0
+    kv_bytes = ml_bytes = re_bytes = 0
     try:
-        with Store.open(root, namespace=NS) as store:
+        with Store.open(root, namespace=NS) as store, Store.open(
+            root_reuse, namespace=NS
+        ) as reuse_store:
             for turn in range(cfg.turns):
                 grow(cache, cfg, cfg.turn_tokens, seed=1000 + turn)
                 n = (turn + 1) * cfg.turn_tokens
@@ -191,6 +199,14 @@ def multiturn_rows(cfg: Config, scratch: Path) -> list[Row]:
                     kv_bytes += info.new_bytes
                     return dt
 
+                def kv_reuse(n: int = n) -> float:
+                    nonlocal re_bytes
+                    t = _clock()
+                    info = reuse_store.save(toks[:n], cache, reuse_prefix=True)
+                    dt = _clock() - t
+                    re_bytes += info.new_bytes
+                    return dt
+
                 def ml() -> float:
                     nonlocal ml_bytes
                     t = _clock()
@@ -200,22 +216,30 @@ def multiturn_rows(cfg: Config, scratch: Path) -> list[Row]:
                     return dt
 
                 settle()
-                if turn % 2:
-                    kv_t += kv()
-                    settle()
-                    ml_t += ml()
-                else:
-                    ml_t += ml()
-                    settle()
-                    kv_t += kv()
+                order = (kv, kv_reuse, ml) if turn % 2 else (ml, kv_reuse, kv)
+                for i, fn in enumerate(order):
+                    if i:
+                        settle()
+                    dt = fn()
+                    if fn is kv:
+                        kv_t += dt
+                    elif fn is kv_reuse:
+                        re_t += dt
+                    else:
+                        ml_t += dt
         unique = cache_bytes(cache)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root_reuse, ignore_errors=True)
         path.unlink(missing_ok=True)
     label = f"{cfg.turns} turns x {cfg.turn_tokens} tokens"
     return [
         Row("multiturn", f"multi-turn total save time ({label})", "s", kv_t, ml_t,
             MLX + " + fsync of the whole cache each turn", "speedup"),
+        Row("multiturn", f"multi-turn total save time, reuse_prefix=True ({label})", "s", re_t,
+            ml_t, MLX + " + fsync of the whole cache each turn", "speedup"),
+        Row("multiturn", "multi-turn bytes written, reuse_prefix=True", "B", re_bytes, ml_bytes,
+            MLX + " of the whole cache each turn", "fraction"),
         Row("multiturn", "multi-turn bytes written", "B", kv_bytes, ml_bytes,
             MLX + " of the whole cache each turn", "fraction"),
         Row("multiturn", "multi-turn bytes written vs unique KV bytes", "B", kv_bytes, unique,
