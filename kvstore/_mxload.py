@@ -1,40 +1,151 @@
-"""``mx.load`` of a Python file-like object, made safe to exit right after.
+"""Bytes into MLX in one copy: a synthetic safetensors stream for ``mx.load``.
 
-MLX reads a file-like object from its own worker thread and, once the load is
-done, drops its reader there too, which takes the GIL to release the Python
-object. If the interpreter starts finalizing while that thread still waits for
-the GIL, the thread is torn down inside a C++ destructor and the process
-aborts ("terminate called without an active exception"). So the caller keeps
-no reference to the stream and waits until the last one is gone: after that,
-MLX holds nothing that needs the GIL.
+``mx.load`` accepts a file-like object and fills its own freshly allocated
+arrays through ``readinto``. :class:`TensorStream` serves a small safetensors
+header and then each tensor's bytes from :meth:`TensorStream.fill`, which a
+subclass implements (from block files, from a v3 file…), straight into the
+array's memory.
+
+Two hazards are handled here, once. An exception must not cross into MLX's
+C++ (it would abort the process): ``readinto`` records it, fills zeros, and
+:func:`load_tensors` raises it after the load. And MLX drops its reader on a
+worker thread, taking the GIL to release the Python object; if the
+interpreter starts finalizing while that thread waits for the GIL, the thread
+is torn down inside a C++ destructor and the process aborts ("terminate called
+without an active exception"). So the stream is built inside
+:func:`load_tensors` (the caller keeps no reference) and the load returns only
+once the last reference is gone.
 """
 
 from __future__ import annotations
 
+import bisect
 import io
+import json
 import threading
 import weakref
-from typing import BinaryIO, cast
+from collections.abc import Callable, Sequence
+from typing import Any, BinaryIO, cast
 
 import mlx.core as mx
 
+from .layout import itemsize
+
 _RELEASE_TIMEOUT = 5.0  # seconds; in practice the reader is gone in microseconds
 
+ST_DTYPE = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16", "int16": "I16",
+    "uint32": "U32", "int32": "I32", "uint64": "U64", "int64": "I64",
+    "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
+}  # fmt: skip
 
-def load_safetensors(stream: io.RawIOBase) -> dict[str, mx.array]:
-    """``mx.load(stream, format="safetensors")`` that returns only once MLX let go of it.
 
-    The caller must hold no other reference to ``stream`` (pass it as a
-    temporary); the arrays come back evaluated.
+class TensorStream(io.RawIOBase):
+    """A read-only safetensors file: a header, then tensor ``i``'s bytes from ``fill``.
+
+    ``tensors`` are (mlx dtype name, shape as allocated), in order.
     """
+
+    def __init__(
+        self, tensors: Sequence[tuple[str, Sequence[int]]], errors: list[BaseException]
+    ) -> None:
+        super().__init__()
+        header: dict[str, object] = {}
+        self._starts: list[int] = []
+        offset = 0
+        for i, (dtype, shape) in enumerate(tensors):
+            n = itemsize(dtype)
+            for d in shape:
+                n *= d
+            header[_name(i)] = {
+                "dtype": ST_DTYPE[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + n],
+            }
+            self._starts.append(offset)
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._head = len(raw).to_bytes(8, "little") + raw
+        self._data = offset
+        self._size = len(self._head) + offset
+        self._pos = 0
+        self._errors = errors
+
+    def fill(self, index: int, offset: int, out: memoryview) -> None:
+        """Bytes ``[offset, offset + len(out))`` of tensor ``index`` into ``out``."""
+        raise NotImplementedError
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buf: Any) -> int:
+        dst = memoryview(buf).cast("B")
+        n = max(0, min(len(dst), self._size - self._pos))
+        try:
+            self._serve(dst[:n], self._pos)
+        except BaseException as e:  # never let an error cross into MLX's C++
+            if not self._errors:
+                self._errors.append(e)
+            dst[:n] = bytes(n)
+        self._pos += n
+        return n
+
+    def _serve(self, dst: memoryview, pos: int) -> None:
+        head = len(self._head)
+        if pos < head:
+            k = min(len(dst), head - pos)
+            dst[:k] = self._head[pos : pos + k]
+            dst, pos = dst[k:], pos + k
+        while len(dst):
+            rel = pos - head
+            i = bisect.bisect_right(self._starts, rel) - 1
+            end = self._starts[i + 1] if i + 1 < len(self._starts) else self._data
+            k = min(len(dst), end - rel)
+            self.fill(i, rel - self._starts[i], dst[:k])
+            dst, pos = dst[k:], pos + k
+
+
+def _name(i: int) -> str:
+    return f"{i:06d}"
+
+
+def load_tensors(make: Callable[[list[BaseException]], TensorStream], count: int) -> list[mx.array]:
+    """The ``count`` tensors of the stream ``make(errors)`` builds, evaluated.
+
+    Raises the first error ``fill`` raised; returns only once MLX let go of the
+    stream (see the module docstring).
+    """
+    if count == 0:
+        return []
+    errors: list[BaseException] = []
     released = threading.Event()
+    stream = make(errors)
     ref = weakref.ref(stream, lambda _: released.set())
     try:
         loaded = mx.load(cast(BinaryIO, stream), format="safetensors")
         assert isinstance(loaded, dict)
-        mx.eval(*loaded.values())
+        arrays = [loaded[_name(i)] for i in range(count)]
+        mx.eval(*arrays)
+    except Exception as e:
+        if errors:  # what went wrong in fill, not MLX's view of it
+            raise errors[0] from e
+        raise
     finally:
         del stream
         if ref() is not None:  # MLX's thread still holds it: let it finish first
             released.wait(_RELEASE_TIMEOUT)
-    return loaded
+    if errors:
+        raise errors[0]
+    return arrays

@@ -9,36 +9,18 @@ allocated with spare rows (a KVCache's step capacity); those are zeroed.
 
 from __future__ import annotations
 
-import bisect
-import io
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ._mxload import load_safetensors
+from ._mxload import TensorStream, load_tensors
 from .blocks.store import io_pool
 from .errors import CorruptBlockError
-from .layout import block_rows, geometry, itemsize, spec_nbytes
+from .layout import block_rows, geometry, spec_nbytes
 from .schema import TensorSpec
 
-_ST_DTYPE = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "uint16": "U16",
-    "int16": "I16",
-    "uint32": "U32",
-    "int32": "I32",
-    "uint64": "U64",
-    "int64": "I64",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "float32": "F32",
-    "float64": "F64",
-}
 _ZEROS = bytes(1 << 20)
 _IOV_MAX = 1024
 _PARALLEL_BYTES = 1 << 20  # smaller tensors are read on the caller's thread
@@ -139,71 +121,20 @@ def plan_runs(
     return shapes, plans
 
 
-class BlockStream(io.RawIOBase):
+class BlockStream(TensorStream):
     """A read-only safetensors file assembled on the fly from block files."""
 
-    def __init__(self, shapes: Sequence[tuple[str, list[int]]], plans: Sequence[list[Run]]):
-        super().__init__()
-        header: dict[str, object] = {}
-        offset = 0
-        self._starts: list[int] = []
+    def __init__(
+        self,
+        shapes: Sequence[tuple[str, list[int]]],
+        plans: Sequence[list[Run]],
+        errors: list[BaseException],
+    ) -> None:
+        super().__init__(shapes, errors)
         self._runs: list[list[Run]] = list(plans)
-        for i, (dtype, shape) in enumerate(shapes):
-            n = 1
-            for d in shape:
-                n *= d
-            nbytes = n * itemsize(dtype)
-            header[f"{i:06d}"] = {
-                "dtype": _ST_DTYPE[dtype],
-                "shape": shape,
-                "data_offsets": [offset, offset + nbytes],
-            }
-            self._starts.append(offset)
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self._head = len(raw).to_bytes(8, "little") + raw
-        self._size = len(self._head) + offset
-        self._pos = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        if whence == 0:
-            self._pos = offset
-        elif whence == 1:
-            self._pos += offset
-        else:
-            self._pos = self._size + offset
-        return self._pos
-
-    def readinto(self, buf: object) -> int:
-        mv = memoryview(buf).cast("B")  # type: ignore[arg-type]
-        want = min(len(mv), self._size - self._pos)
-        if want <= 0:
-            return 0
-        done = 0
-        head = len(self._head)
-        if self._pos < head:
-            n = min(want, head - self._pos)
-            mv[:n] = self._head[self._pos : self._pos + n]
-            done = n
-        while done < want:
-            data_pos = self._pos + done - head
-            t = bisect.bisect_right(self._starts, data_pos) - 1
-            t_end = self._starts[t + 1] if t + 1 < len(self._starts) else self._size - head
-            stop = min(t_end, data_pos + (want - done))
-            self._fill(t, data_pos - self._starts[t], stop - self._starts[t], mv[done:])
-            done += stop - data_pos
-        self._pos += done
-        return done
+    def fill(self, index: int, offset: int, out: memoryview) -> None:
+        self._fill(index, offset, offset + len(out), out)
 
     def _fill(self, t: int, a: int, b: int, out: memoryview) -> None:
         """Bytes ``[a, b)`` of tensor ``t`` into ``out[0 : b-a]``.
@@ -305,7 +236,4 @@ def load_arrays(
     shapes: Sequence[tuple[str, list[int]]], plans: Sequence[list[Run]]
 ) -> list[mx.array]:
     """Restore the tensors in one ``mx.load`` of a :class:`BlockStream`."""
-    if not shapes:
-        return []
-    loaded = load_safetensors(BlockStream(shapes, plans))
-    return [loaded[f"{i:06d}"] for i in range(len(shapes))]
+    return load_tensors(lambda errors: BlockStream(shapes, plans, errors), len(shapes))

@@ -12,18 +12,15 @@ live rows, ready for ``os.pwritev`` and for hashing piece by piece.
 
 from __future__ import annotations
 
-import bisect
-import io
 import os
 import re
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from .._mxload import load_safetensors
+from .._mxload import TensorStream, load_tensors
 from ..errors import (
     FileFormatError,
     TensorHashMismatchError,
@@ -31,7 +28,6 @@ from ..errors import (
     TensorShapeMismatchError,
     TruncatedFileError,
 )
-from . import _v3json
 from .base import TensorData
 from .bunhash import BunHasher
 
@@ -243,71 +239,15 @@ class TensorPlan:
             )
 
 
-class _SafetensorsStream(io.RawIOBase):
-    """A read-only safetensors file made of a small header and the planned tensors."""
+class _PlanStream(TensorStream):
+    """The planned tensors of a v3/v5 file as one synthetic safetensors stream."""
 
     def __init__(self, plans: Sequence[TensorPlan], errors: list[BaseException]) -> None:
-        super().__init__()
-        meta: dict[str, Any] = {}
-        cursor = 0
-        self._spans: list[int] = []
-        for i, p in enumerate(plans):
-            n = p.nbytes
-            meta[f"t{i}"] = {
-                "dtype": DTYPES[p.slot["dtype"]][1],
-                "shape": p.shape,
-                "data_offsets": [cursor, cursor + n],
-            }
-            self._spans.append(cursor)
-            cursor += n
-        text = _v3json.dumps(meta)
-        text += b" " * (-len(text) % 8)
-        self._head = struct.pack("<Q", len(text)) + text
+        super().__init__([(p.slot["dtype"], p.shape) for p in plans], errors)
         self._plans = plans
-        self._size = len(self._head) + cursor
-        self._pos = 0
-        self._errors = errors  # the caller's list: it must hold no reference to the stream
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        dst = memoryview(b).cast("B")
-        n = max(0, min(dst.nbytes, self._size - self._pos))
-        try:
-            self._fill(dst[:n], self._pos)
-        except BaseException as e:  # never let an error cross into MLX's C++
-            if not self._errors:
-                self._errors.append(e)
-            dst[:n] = bytes(n)
-        self._pos += n
-        return n
-
-    def _fill(self, dst: memoryview, pos: int) -> None:
-        head = len(self._head)
-        while dst.nbytes:
-            if pos < head:
-                k = min(dst.nbytes, head - pos)
-                dst[:k] = self._head[pos : pos + k]
-            else:
-                rel = pos - head
-                i = bisect.bisect_right(self._spans, rel) - 1
-                plan = self._plans[i]
-                voff = rel - self._spans[i]
-                k = min(dst.nbytes, plan.nbytes - voff)
-                plan.fill(dst[:k], voff)
-            dst, pos = dst[k:], pos + k
+    def fill(self, index: int, offset: int, out: memoryview) -> None:
+        self._plans[index].fill(out, offset)
 
 
 def load_arrays(path: str, fd: int, plans: Sequence[TensorPlan], verify: bool) -> list[mx.array]:
@@ -318,16 +258,12 @@ def load_arrays(path: str, fd: int, plans: Sequence[TensorPlan], verify: bool) -
     try:
         if not plans:
             return []
-        errors: list[BaseException] = []
         try:
-            loaded = load_safetensors(_SafetensorsStream(plans, errors))
+            arrays = load_tensors(lambda errors: _PlanStream(plans, errors), len(plans))
+        except FileFormatError:
+            raise
         except (RuntimeError, ValueError) as e:
-            raise (
-                errors[0] if errors else FileFormatError(path, f"cannot load tensors: {e}")
-            ) from e
-        arrays = [loaded[f"t{i}"] for i in range(len(plans))]
-        if errors:
-            raise errors[0]
+            raise FileFormatError(path, f"cannot load tensors: {e}") from e
         for p in plans:
             p.check_hash()
             p.source.verify(verify)
