@@ -369,7 +369,7 @@ class Store:
         h = new_hasher(self.settings.hash)
         h.update(encoded)
         digest = h.digest()
-        items = prefix_items(keys, toks, T, can_trim, digest, algo)
+        items = prefix_items(keys, toks, T, can_trim, digest)
         logical = blockset.logical_bytes()
         stamp = now_ms()
         pieces = blockset.by_digest()
@@ -468,16 +468,32 @@ class Store:
         of the wrong size (or, with ``verify``, the wrong digest)
         :class:`CorruptBlockError`.
         """
-        verify = self.verify_reads if verify is None else verify
         digest = self._digest(match.entry_id)
+        _, cache, _ = self._read(digest, match.length, verify)
+        self._note_access(digest)
+        return cache
+
+    def load_entry(
+        self, entry_id: str | bytes, *, verify: bool | None = None
+    ) -> tuple[list[int], list[Any], list[AttachmentData]]:
+        """Tokens, cache and attachments of a whole entry (for export)."""
+        m, cache, atts = self._read(self._digest(entry_id), None, verify)
+        return list(P.tokens_from_le(m.tokens)), cache, atts
+
+    def _read(
+        self, digest: bytes, length: int | None, verify: bool | None
+    ) -> tuple[Manifest, list[Any], list[AttachmentData]]:
+        """Resolve an entry and open the blocks of its first ``length`` tokens in one
+        read transaction (a GC cannot unlink them from under us), then restore."""
+        verify = self.verify_reads if verify is None else verify
         fds: dict[bytes, int] = {}
         try:
-            with self.index.read() as txn:  # resolve and open inside one read transaction
+            with self.index.read() as txn:
                 raw = self.index.get_manifest(digest, txn)
                 if raw is None:
                     raise EntryNotFoundError(f"no entry {digest.hex()}")
                 m = decode_manifest(raw)
-                length = match.length
+                length = m.n_tokens if length is None else length
                 if not 0 < length <= m.n_tokens:
                     raise CacheMismatchError(f"cannot restore {length} of {m.n_tokens} tokens")
                 specs = iter_tensor_specs(m.layers) + [t for a in m.attachments for t in a.tensors]
@@ -490,8 +506,7 @@ class Store:
                 for d, size in needed:
                     if d in fds:
                         continue
-                    fd = self.blocks.open(d)
-                    fds[d] = fd
+                    fds[d] = fd = self.blocks.open(d)
                     got = os.fstat(fd).st_size
                     if got != size:
                         raise CorruptBlockError(
@@ -500,12 +515,11 @@ class Store:
             if verify:
                 for d, fd in fds.items():
                     self._verify_fd(d, fd)
-            cache, _ = self._materialize(m, length, fds)
+            cache, atts = self._materialize(m, length, fds)
         finally:
             for fd in fds.values():
                 os.close(fd)
-        self._note_access(digest)
-        return cache
+        return m, cache, atts
 
     def _verify_fd(self, digest: bytes, fd: int) -> None:
         h = new_hasher(self.settings.hash)
@@ -554,29 +568,6 @@ class Store:
             )
             pos += len(a.tensors)
         return out, atts
-
-    def load_entry(
-        self, entry_id: str | bytes, *, verify: bool | None = None
-    ) -> tuple[list[int], list[Any], list[AttachmentData]]:
-        """Tokens, cache and attachments of a whole entry (for export)."""
-        m = self.manifest(entry_id)
-        digest = self._digest(entry_id)
-        fds: dict[bytes, int] = {}
-        try:
-            with self.index.read() as txn:
-                if self.index.get_manifest(digest, txn) is None:
-                    raise EntryNotFoundError(f"no entry {digest.hex()}")
-                for d in (*m.token_blocks, *m.state_blocks):
-                    if d not in fds:
-                        fds[d] = self.blocks.open(d)
-            if verify or (verify is None and self.verify_reads):
-                for d, fd in fds.items():
-                    self._verify_fd(d, fd)
-            cache, atts = self._materialize(m, m.n_tokens, fds)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        return list(P.tokens_from_le(m.tokens)), cache, atts
 
     def import_file(
         self,
@@ -652,7 +643,7 @@ class Store:
         can_trim = trimmable(m.layers)
         return DeletePlan(
             blocks=list(dict.fromkeys((*m.token_blocks, *m.state_blocks))),
-            prefix_items=prefix_items(keys, toks, T, can_trim, digest, m.hash),
+            prefix_items=prefix_items(keys, toks, T, can_trim, digest),
             exact_key=P.exact_key_for(keys, m.tokens, m.n_tokens, T, m.hash),
         )
 
