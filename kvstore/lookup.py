@@ -39,11 +39,11 @@ def trimmable(layers: Sequence[Layer]) -> bool:
 
 
 def prefix_items(
-    keys: list[bytes], toks: Sequence[int], T: int, can_trim: bool, digest: bytes, algo: str
+    keys: list[bytes], toks: Sequence[int], T: int, can_trim: bool, digest: bytes
 ) -> list[tuple[bytes, bytes]]:
     """The prefix-db values of an entry: every depth when trimmable, else its last one."""
     if not can_trim:
-        return [(P.state_key(keys[-1], algo), digest)]
+        return [(P.state_key(keys[-1]), digest)]
     return [
         (key, P.prefix_value(toks[k * T : (k + 1) * T], True, digest)) for k, key in enumerate(keys)
     ]
@@ -57,7 +57,7 @@ def find(
         best = None
         if index.has_prefix(keys[k], txn):
             best = _best_trimmable(index, txn, keys[k], k, q, T)
-        if index.has_prefix(P.state_key(keys[k], algo), txn):
+        if index.has_prefix(P.state_key(keys[k]), txn):
             best = _best_exact(index, txn, keys, k, q, q_le, T, algo, best)
         if best is not None:
             return best

@@ -46,8 +46,6 @@ def as_tokens(tokens: Any) -> array.array[int]:
             kind = type(tokens).__name__
             raise InvalidTokensError(f"tokens must be a sequence of ints, got {kind}")
         tokens = tokens if isinstance(tokens, list) else list(tokens)
-        if bool in set(map(type, tokens)):
-            raise InvalidTokensError("tokens must be ints, not bools")
         try:
             arr = array.array("I", tokens)
         except OverflowError:
@@ -152,9 +150,13 @@ def exact_key_for(
     return exact_key(keys[k], memoryview(tok_le)[4 * k * T : 4 * n], algo)
 
 
-def state_key(c_k: bytes, algo: str) -> bytes:
-    """The key under which non-trimmable entries ending in block ``k`` are listed."""
-    return hash_bytes(algo, b"state", c_k)
+def state_key(c_k: bytes) -> bytes:
+    """The key under which non-trimmable entries ending in block ``k`` are listed.
+
+    ``c_k`` plus one byte: distinct from every 32-byte chain key, and free to
+    derive at each depth of a lookup.
+    """
+    return c_k + b"s"
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
