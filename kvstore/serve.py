@@ -27,21 +27,15 @@ __all__ = ["serve_main", "parse_size"]
 
 logger = logging.getLogger(__name__)
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
 def parse_size(text: str) -> int:
-    """Parse a byte count such as ``1048576``, ``512M`` or ``20GB`` (binary units)."""
-    s = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = s[-1:] if s[-1:] in _UNITS and s[-1:] != "" else ""
-    number = s[: len(s) - len(unit)]
+    """``--max-bytes`` and friends: the CLI's size syntax (``10G``, ``500MiB``, plain bytes)."""
+    from ._human import SizeError
+    from ._human import parse_size as parse
+
     try:
-        value = float(number) * _UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"size must not be negative: {text!r}")
-    return int(value)
+        return parse(text)
+    except SizeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
