@@ -71,8 +71,7 @@ def _best_trimmable(
     base = k * T
     cap = min(T, P.TAIL)
     qtail = list(q[base : base + T])
-    probe = P.encode_tail(qtail[:cap]) or b"\0"  # LMDB refuses an empty value
-    before, after = index.neighbors(key, probe, SCAN, txn)
+    before, after = index.neighbors(key, P.encode_tail(qtail[:cap]), SCAN, txn)
     best: Match | None = None
     for v in after + before:
         etail, _, digest = P.split_value(v)

@@ -304,6 +304,7 @@ class Index:
         cur = txn.cursor(db=self.db("prefix"))
         if not cur.set_key(key):
             return [], []
+        probe = probe or b"\0"  # LMDB refuses an empty value; nothing sorts between them
         after: list[bytes] = []
         before: list[bytes] = []
         if cur.set_range_dup(key, probe):
