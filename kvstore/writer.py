@@ -16,6 +16,7 @@ import mlx.core as mx
 import msgspec
 
 from ._crash import crash_point
+from ._pieces import cut
 from .blocks import BlockStore, Digest, new_hasher
 from .blocks.store import io_pool
 from .codecs import Snapshot, TensorData
@@ -111,27 +112,9 @@ def place(
             for td, arr, mv in token:
                 pieces.extend(_runs(td, arr, mv, start, stop))
             out.token_pieces.append(pieces)
-    out.state_pieces = _cut(state_runs, state_block)
+    out.state_pieces = cut(state_runs, state_block)
     layers = _assign(tuple(s.record for s in snaps), iter(specs))
     return layers, out
-
-
-def _cut(runs: Pieces, size: int) -> list[Pieces]:
-    blocks: list[Pieces] = []
-    cur: Pieces = []
-    room = size
-    for r in runs:
-        while len(r):
-            take = r[:room]
-            cur.append(take)
-            r = r[len(take) :]
-            room -= len(take)
-            if room == 0:
-                blocks.append(cur)
-                cur, room = [], size
-    if cur:
-        blocks.append(cur)
-    return blocks
 
 
 def _assign(layers: tuple[Layer, ...], specs: Iterator[TensorSpec]) -> tuple[Layer, ...]:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._pieces import cut
 from ..errors import BlockReferenceError, CacheMismatchError, TensorHashMismatchError
 from ..schema import Namespace
 from . import _v3json
@@ -144,24 +145,6 @@ def _write_block(root: Path, pieces: list[memoryview]) -> tuple[str, int]:
     return digest, n
 
 
-def _cut(pieces: list[memoryview], size: int) -> list[list[memoryview]]:
-    """Regroup a tensor's pieces into blocks of ``size`` bytes (the last may be short)."""
-    out: list[list[memoryview]] = []
-    cur: list[memoryview] = []
-    room = size
-    for p in pieces:
-        while p.nbytes:
-            k = min(room, p.nbytes)
-            cur.append(p[:k])
-            p, room = p[k:], room - k
-            if room == 0:
-                out.append(cur)
-                cur, room = [], size
-    if cur:
-        out.append(cur)
-    return out
-
-
 def save_v5(
     path: str | os.PathLike[str],
     tokens: Sequence[int],
@@ -193,7 +176,7 @@ def save_v5(
         slot["hash"] = hasher.hexdigest()
         slot["blocks"] = [
             {"hash": d, "bytes": n}
-            for d, n in (_write_block(root, group) for group in _cut(pieces, block_bytes))
+            for d, n in (_write_block(root, group) for group in cut(pieces, block_bytes))
         ]
     header_json = _v3json.dumps(planned.header)
     assert align_up(PREFIX_LEN + len(header_json)) == len(encode_prefix(header_json))
