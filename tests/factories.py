@@ -95,16 +95,10 @@ def state_arrays(cache: Any) -> list[mx.array]:
         return [a for a in cache.cache if a is not None]
     if isinstance(cache, C.QuantizedKVCache):
         return [a[..., : cache.offset, :] for a in (*cache.keys, *cache.values)]
-    if isinstance(cache, C.RotatingKVCache):
-        return (
-            list(cache.state[:2])[:2]
-            if cache.offset >= cache.keys.shape[2]
-            else [cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]]
-        )
-    if isinstance(cache, C.ChunkedKVCache):
-        k, v = cache.keys_and_values()
-        return [k, v]
-    k, v = cache.keys_and_values()
+    if isinstance(cache, C.RotatingKVCache):  # the ring as stored: the live rows, unordered
+        rows = min(cache.offset, cache.keys.shape[2])
+        return [cache.keys[..., :rows, :], cache.values[..., :rows, :]]
+    k, v = cache.keys_and_values()  # KVCache, ChunkedKVCache: the live rows
     return [k, v]
 
 
