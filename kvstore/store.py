@@ -15,8 +15,9 @@ import platformdirs
 
 from . import prefix as P
 from ._crash import crash_point
-from .blocks import ALGORITHMS, BlockStore, new_hasher
-from .codecs import AttachmentData, codec_for_record, snapshot
+from ._fs import check_filesystem
+from .blocks import ALGORITHMS, BlockStore, from_hex, new_hasher
+from .codecs import AttachmentData, RawCache, codec_for_record, snapshot
 from .errors import (
     BlockNotFoundError,
     CacheMismatchError,
@@ -199,8 +200,6 @@ class Store:
         if create:
             for sub in ("index", "blocks", "tmp"):
                 (path / sub).mkdir(parents=True, exist_ok=True)
-        from ._fs import check_filesystem
-
         check_filesystem(path)
         kwargs: dict[str, Any] = {"durable": durable}
         if map_size is not None:
@@ -289,8 +288,6 @@ class Store:
             if len(entry_id) != 32:
                 raise InvalidDigestError(f"not a 32-byte entry id: {entry_id!r}")
             return entry_id
-        from .blocks import from_hex
-
         return from_hex(entry_id)
 
     # --- save ----------------------------------------------------------------------------
@@ -718,10 +715,8 @@ def _token_layout(layers: Sequence[Layer]) -> list[tuple[str, int, tuple[int, ..
 
 
 def _attachment_snapshot(a: AttachmentData) -> Any:
-    from .codecs import RawCache
-    from .codecs import snapshot as snap
-
-    return snap(RawCache(source_kind=f"attachment:{a.schema}", tensors=list(a.tensors)))
+    """Attachments are stored like a raw layer: state tensors, kept whole."""
+    return snapshot(RawCache(source_kind=f"attachment:{a.schema}", tensors=list(a.tensors)))
 
 
 __all__ = ["Entry", "EntryInfo", "Match", "Stats", "Store", "TensorSpec", "default_root"]
