@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -24,6 +25,7 @@ from .errors import (
     CorruptBlockError,
     EntryNotFoundError,
     InvalidDigestError,
+    KVStoreError,
     NamespaceRequiredError,
     NotAStoreError,
     RootSettingsError,
@@ -48,6 +50,8 @@ from .writer import place, write_blocks
 if TYPE_CHECKING:
     from .gc import CompactReport
     from .verify import VerifyReport
+
+_log = logging.getLogger("kvstore")
 
 CODEC_PROVIDER = "kvstore-mlx/1"
 ROOT_FORMAT = 1
@@ -235,13 +239,21 @@ class Store:
         return store
 
     def flush_access(self) -> None:
-        """Write pending access stamps and lookup counts to the index."""
+        """Write pending access stamps and lookup counts to the index.
+
+        Best effort: they only order evictions and feed the hit rate, so an index
+        that cannot be written (a read-only root, say) drops them with a log line
+        instead of failing the restore or the close that flushes them.
+        """
         with self._lock:
             hits, self._hits = self._hits, {}
             lookups, found = self._lookups, self._found
             self._lookups = self._found = 0
             self._flushed = time.monotonic()
-        self.index.record_access(hits, lookups=lookups, found=found)
+        try:
+            self.index.record_access(hits, lookups=lookups, found=found)
+        except KVStoreError as e:
+            _log.warning("kvstore: access stamps not recorded: %s", e)
 
     def _note_access(self, digest: bytes | None = None, *, found: bool | None = None) -> None:
         """Count an entry load (``digest``) and/or a restore that ``found`` something or not."""

@@ -352,3 +352,20 @@ def test_reuse_prefix_falls_back_when_the_blocks_were_collected(
     (r,), n = store.restore(a)
     assert n == 48 and same_bits(r.keys[..., :48, :], c.keys[..., :48, :])
     assert store.verify(read_data=True).sound
+
+
+def test_access_stamps_that_cannot_be_written_never_fail_a_restore(
+    store: kvstore.Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    toks = list(range(40))
+    store.save(toks, [kv_cache(40, 1)])
+
+    def refuse(*a: object, **k: object) -> None:
+        raise kvstore.errors.IndexStoreError("read-only index")
+
+    monkeypatch.setattr(store.index, "record_access", refuse)
+    monkeypatch.setattr(kvstore.store, "ACCESS_FLUSH_SECONDS", 0.0)  # flush on every restore
+    (c,), n = store.restore(toks)
+    assert n == 40 and c.offset == 40
+    store.close()
+    assert "access stamps not recorded" in caplog.text
