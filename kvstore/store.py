@@ -12,12 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
-import platformdirs
 
 from . import prefix as P
 from ._crash import crash_point
-from ._fs import check_filesystem
-from .blocks import ALGORITHMS, BlockStore, from_hex, new_hasher
+from .blocks import BlockStore, from_hex, new_hasher
 from .codecs import AttachmentData, RawCache, codec_for_record, snapshot
 from .errors import (
     BlockNotFoundError,
@@ -27,13 +25,12 @@ from .errors import (
     InvalidDigestError,
     KVStoreError,
     NamespaceRequiredError,
-    NotAStoreError,
-    RootSettingsError,
 )
 from .index import DeletePlan, EntryRecord, Index, SavePlan, now_ms
 from .layout import manifest_block_sizes, n_token_blocks
 from .lookup import Match, find, prefix_items, trimmable
 from .reader import Want, load_arrays, plan_runs
+from .root import RootSettings, default_root, open_root
 from .schema import (
     Attachment,
     Layer,
@@ -54,19 +51,8 @@ if TYPE_CHECKING:
 _log = logging.getLogger("kvstore")
 
 CODEC_PROVIDER = "kvstore-mlx/1"
-ROOT_FORMAT = 1
-DEFAULT_BLOCK_TOKENS = 256
-DEFAULT_STATE_BLOCK = 4 << 20
 ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory
 PRIORITIES = {"assistant": 0, "user": 1, "system": 2}
-
-
-class RootSettings(msgspec.Struct, frozen=True, kw_only=True):
-    format: int = ROOT_FORMAT
-    hash: str
-    block_tokens: int
-    state_block_bytes: int
-    created_at: int
 
 
 @dataclass(frozen=True)
@@ -104,15 +90,6 @@ class Stats:
     hits: int
 
 
-def default_root() -> Path:
-    """``$KVSTORE_ROOT``, else the user cache dir."""
-    env = os.environ.get("KVSTORE_ROOT")
-    if env:
-        return Path(env)
-    return Path(platformdirs.user_cache_dir("kvstore", appauthor=False))
-
-
-_settings_dec = msgspec.msgpack.Decoder(RootSettings)
 _ns_json = msgspec.json.Encoder()
 _ns_dec = msgspec.json.Decoder(Namespace)
 _PRIORITY_NAMES = {v: k for k, v in PRIORITIES.items()}
@@ -186,50 +163,15 @@ class Store:
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         path = Path(root) if root is not None else default_root()
-        if hash is not None and hash not in ALGORITHMS:
-            raise RootSettingsError(f"unknown hash {hash!r}; choose from {', '.join(ALGORITHMS)}")
-        if block_tokens is not None and block_tokens <= 0:
-            raise RootSettingsError(f"block_tokens must be positive, got {block_tokens}")
-        idx_dir = path / "index"
-        fresh = not (idx_dir / "data.mdb").exists()
-        if fresh:
-            if not create:
-                raise NotAStoreError(f"{path} is not a kvstore root (no index/); run kvstore init")
-            if path.exists() and not path.is_dir():
-                raise NotAStoreError(f"{path} is not a directory")
-            if path.is_dir() and any(
-                p.name not in ("index", "blocks", "tmp", "quarantine") for p in path.iterdir()
-            ):
-                raise NotAStoreError(f"{path} is not a kvstore root and is not empty")
-        if create:
-            for sub in ("index", "blocks", "tmp"):
-                (path / sub).mkdir(parents=True, exist_ok=True)
-        check_filesystem(path)
-        kwargs: dict[str, Any] = {"durable": durable}
-        if map_size is not None:
-            kwargs["map_size"] = map_size
-        index = Index(idx_dir, **kwargs)
-        raw = index.get_meta(b"settings")
-        if raw is None:
-            settings = RootSettings(
-                hash=hash or "blake3",
-                block_tokens=block_tokens or DEFAULT_BLOCK_TOKENS,
-                state_block_bytes=state_block_bytes or DEFAULT_STATE_BLOCK,
-                created_at=now_ms(),
-            )
-            index.put_meta(b"settings", msgspec.msgpack.encode(settings))
-        else:
-            settings = _settings_dec.decode(raw)
-            for name, want, have in (
-                ("hash", hash, settings.hash),
-                ("block_tokens", block_tokens, settings.block_tokens),
-                ("state_block_bytes", state_block_bytes, settings.state_block_bytes),
-            ):
-                if want is not None and want != have:
-                    index.close()
-                    raise RootSettingsError(
-                        f"{path} was created with {name}={have!r}, not {want!r}"
-                    )
+        index, settings = open_root(
+            path,
+            hash=hash,
+            block_tokens=block_tokens,
+            state_block_bytes=state_block_bytes,
+            durable=durable,
+            create=create,
+            map_size=map_size,
+        )
         store = cls(
             path, index, settings, namespace=namespace, durable=durable, verify_reads=verify_reads
         )
