@@ -199,12 +199,12 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     mnt = tmp_path / "small"
     mnt.mkdir()
     if shutil.which("mount") is None:
-        pytest.skip(reason="the full-disk test requires the mount command to make a small filesystem")
+        pytest.skip(reason="the full-disk test requires the mount command (for a small fs)")
     r = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True
     )
     if r.returncode != 0:
-        pytest.skip(reason=f"the full-disk test requires mounting a 2 MiB tmpfs: {r.stderr.strip()}")
+        pytest.skip(reason=f"the full-disk test requires a 2 MiB tmpfs: {r.stderr.strip()}")
     try:
         yield mnt
     finally:
