@@ -7,6 +7,7 @@ on large buffers). Inputs are any contiguous buffer: ``bytes``, ``bytearray``,
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from .. import _wyhash
@@ -73,3 +74,11 @@ class BunHasher:
     def total_len(self) -> int:
         """Bytes fed so far."""
         return int(self._state.total_len)
+
+
+def bun_hash_pieces_hex(pieces: Iterable[Buffer]) -> str:
+    """Bun.hash of the concatenation of ``pieces`` (16 hex chars), without joining them."""
+    h = BunHasher()
+    for p in pieces:
+        h.update(p)
+    return h.hexdigest()

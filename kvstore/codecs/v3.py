@@ -46,7 +46,7 @@ from ._v3io import (
 )
 from ._v3kinds import KNOWN_KINDS, LayerError, build_layer, dump_layer, plan_layer
 from .base import AttachmentData, TensorData
-from .bunhash import BunHasher, bun_hash
+from .bunhash import bun_hash, bun_hash_pieces_hex
 
 __all__ = [
     "ALIGN",
@@ -435,11 +435,8 @@ def save_v3(
     data_start = align_up(PREFIX_LEN + header_len)
     with atomic_file(path) as fd:
         for slot, t in planned.items:
-            hasher = BunHasher()
             pieces = tensor_pieces(t)
-            for piece in pieces:
-                hasher.update(piece)
-            slot["hash"] = hasher.hexdigest()
+            slot["hash"] = bun_hash_pieces_hex(pieces)
             pwrite_all(fd, pieces, data_start + slot["off"])
             del pieces
         header_json = _v3json.dumps(planned.header)

@@ -22,7 +22,7 @@ from ..schema import Namespace
 from . import _v3json
 from ._v3io import PieceSource, tensor_pieces, validate_slot
 from .base import AttachmentData
-from .bunhash import BunHasher
+from .bunhash import bun_hash_pieces_hex
 from .v3 import PREFIX_LEN, align_up, atomic_file, encode_prefix, plan_file, pwrite_all
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "block_source", "save_v5"]
@@ -170,10 +170,7 @@ def save_v5(
     root.mkdir(parents=True, exist_ok=True)
     for slot, t in planned.items:
         pieces = tensor_pieces(t)
-        hasher = BunHasher()
-        for p in pieces:
-            hasher.update(p)
-        slot["hash"] = hasher.hexdigest()
+        slot["hash"] = bun_hash_pieces_hex(pieces)
         slot["blocks"] = [
             {"hash": d, "bytes": n}
             for d, n in (_write_block(root, group) for group in cut(pieces, block_bytes))
