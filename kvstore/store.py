@@ -294,7 +294,9 @@ class Store:
         snaps += [_attachment_snapshot(a) for a in attachments]
         n_layers = len(cache)
         layers, blockset = place(snaps, n, self.block_tokens, self.settings.state_block_bytes)
-        known = self._reusable_prefix(toks, ns, layers[:n_layers]) if reuse_prefix else []
+        known = (
+            self._reusable_prefix(toks, tok_le, keys, layers[:n_layers]) if reuse_prefix else []
+        )
         new_bytes = write_blocks(self.blocks, blockset, known)
         can_trim = trimmable(layers[:n_layers])
         manifest = Manifest(
@@ -368,17 +370,26 @@ class Store:
         return EntryInfo(digest.hex(), n, logical, new_bytes)
 
     def _reusable_prefix(
-        self, toks: Sequence[int], ns: Namespace, layers: tuple[Layer, ...]
+        self,
+        toks: Sequence[int],
+        tok_le: bytes,
+        keys: list[bytes],
+        layers: tuple[Layer, ...],
     ) -> list[bytes]:
-        """Digests of the leading full token blocks a stored entry holds for these tokens."""
+        """Digests of the leading full token blocks a stored entry holds for these tokens.
+
+        Uses the chain ``keys`` the save already computed, and resolves the match
+        and its manifest in one read transaction.
+        """
         T = self.block_tokens
-        match = self.lookup(toks, namespace=ns)
-        if match is None or match.length < T:
+        with self.index.read() as txn:
+            match = find(self.index, txn, keys, toks, tok_le, T, self.settings.hash)
+            if match is None or match.length < T:
+                return []
+            raw = self.index.get_manifest(bytes.fromhex(match.entry_id), txn)
+        if raw is None:
             return []
-        try:
-            m = self.manifest(match.entry_id)
-        except EntryNotFoundError:
-            return []
+        m = decode_manifest(raw)
         if _token_layout(m.layers) != _token_layout(layers):
             return []
         return list(m.token_blocks[: match.length // T])
