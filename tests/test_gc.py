@@ -8,13 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.kv import make_cache, matches, open_store, sound_store, tokens_for
+from helpers.kv import make_cache, matches, open_store, recount, sound_store, tokens_for
 from mlx_lm.models.cache import LRUPromptCache
 
 import kvstore
 from kvstore.gc import EvictionOrder
 from kvstore.index import EntryRecord, RefInfo
-from kvstore.schema import decode_manifest
 
 BLOCK = 16 * 2 * 2 * 8 * 2  # one full token block: 16 tokens, K+V, H2 D8 fp16
 
@@ -24,16 +23,6 @@ def save(s: kvstore.Store, seed: int, n: int, shared: int = 0, **kw: object) -> 
     s.save(toks, make_cache(toks), **kw)  # type: ignore[arg-type]
     time.sleep(0.002)  # access stamps are in ms: keep the LRU order of saves unambiguous
     return toks
-
-
-def recount(s: kvstore.Store) -> dict[bytes, int]:
-    counts: dict[bytes, int] = {}
-    with s.index.read() as txn:
-        for _, raw in txn.cursor(db=s.index.db("manifests")):
-            m = decode_manifest(bytes(raw))
-            for d in dict.fromkeys((*m.token_blocks, *m.state_blocks)):
-                counts[d] = counts.get(d, 0) + 1
-    return counts
 
 
 def stored_refs(s: kvstore.Store) -> dict[bytes, RefInfo]:

@@ -94,6 +94,17 @@ def start_worker(cmd: str, args: dict[str, Any], *, crash_at: str | None = None)
     )
 
 
+def recount(s: kvstore.Store) -> dict[bytes, int]:
+    """References per block, counted from the manifests themselves (one per manifest)."""
+    counts: dict[bytes, int] = {}
+    with s.index.read() as txn:
+        for _, raw in txn.cursor(db=s.index.db("manifests")):
+            m = decode_manifest(bytes(raw))
+            for d in dict.fromkeys((*m.token_blocks, *m.state_blocks)):
+                counts[d] = counts.get(d, 0) + 1
+    return counts
+
+
 def sound_store(s: kvstore.Store, *, read_data: bool = True) -> None:
     """Assert verify passes and no manifest references a missing block."""
     r = s.verify(read_data=read_data)
