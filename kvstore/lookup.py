@@ -6,6 +6,12 @@ of the query sits next to the query's own position, one seek away.
 Non-trimmable entries serve only their exact length; they are found through
 the exact keys of each length within the block where the query's chain ends.
 Either way the work is bounded by the query, never by the number of entries.
+
+Whether some entry holds the first ``k`` blocks of the query is monotone in
+``k`` (trimmable entries are listed at every depth, non-trimmable ones leave a
+reach marker at every depth), so the deepest such block is found by bisection
+in about log2(blocks) probes; the search then walks down from there only past
+blocks whose entries turn out not to serve the query.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from .index import Index
 from .schema import Layer, decode_manifest
 
 SCAN = 8  # prefix values examined on each side of a lookup's probe
+REACH_META = b"reach-markers"  # meta key: every non-trimmable entry has its reach markers
 
 
 @dataclass(frozen=True)
@@ -41,19 +48,36 @@ def trimmable(layers: Sequence[Layer]) -> bool:
 def prefix_items(
     keys: list[bytes], toks: Sequence[int], T: int, can_trim: bool, digest: bytes
 ) -> list[tuple[bytes, bytes]]:
-    """The prefix-db values of an entry: every depth when trimmable, else its last one."""
+    """The prefix-db values of an entry.
+
+    Trimmable: its next tokens under every depth. Non-trimmable: its digest
+    under the state key of its last depth and under the reach key of every depth.
+    """
     if not can_trim:
-        return [(P.state_key(keys[-1]), digest)]
+        return [(P.state_key(keys[-1]), digest)] + [(P.reach_key(k), digest) for k in keys]
     return [
         (key, P.prefix_value(toks[k * T : (k + 1) * T], True, digest)) for k, key in enumerate(keys)
     ]
 
 
 def find(
-    index: Index, txn: Any, keys: list[bytes], q: Sequence[int], q_le: bytes, T: int, algo: str
+    index: Index,
+    txn: Any,
+    keys: list[bytes],
+    q: Sequence[int],
+    q_le: bytes,
+    T: int,
+    algo: str,
+    *,
+    bisect: bool = True,
 ) -> Match | None:
-    """The best match for query ``q`` given its chain ``keys`` (one per full block, plus c_0)."""
-    for k in range(len(keys) - 1, -1, -1):
+    """The best match for query ``q`` given its chain ``keys`` (one per full block, plus c_0).
+
+    ``bisect=False`` walks every depth from the deepest down: for a root whose
+    non-trimmable entries may lack reach markers (see :func:`add_reach_markers`).
+    """
+    top = deepest_reached(index, txn, keys) if bisect else len(keys) - 1
+    for k in range(top, -1, -1):
         best = None
         if index.has_prefix(keys[k], txn):
             best = _best_trimmable(index, txn, keys[k], k, q, T)
@@ -62,6 +86,55 @@ def find(
         if best is not None:
             return best
     return None
+
+
+def deepest_reached(index: Index, txn: Any, keys: list[bytes]) -> int:
+    """The deepest ``k`` such that some entry holds the query's first ``k`` blocks (-1: none)."""
+
+    def reached(k: int) -> bool:
+        return index.has_prefix(keys[k], txn) or index.has_prefix(P.reach_key(keys[k]), txn)
+
+    if not reached(0):
+        return -1
+    lo, hi = 0, len(keys) - 1  # reached(lo) holds
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if reached(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def add_reach_markers(index: Index) -> int:
+    """Give every non-trimmable entry its reach markers, once per root; returns how many entries.
+
+    Roots written before reach markers existed list a non-trimmable entry only
+    under its state key. This finds those keys, recomputes each entry's chain
+    from its manifest and adds the markers, then records that the root has them,
+    all in one write transaction.
+    """
+    done = 0
+    with index.write() as txn:
+        if index.get_meta(REACH_META, txn) is not None:
+            return 0
+        keys = txn.cursor(db=index.db("prefix"))
+        values = txn.cursor(db=index.db("prefix"))
+        digests: dict[bytes, None] = {}
+        for key in keys.iternext_nodup(keys=True, values=False):
+            if len(key) == 33 and key[-1:] == b"s" and values.set_key(key):
+                digests.update((bytes(v), None) for v in values.iternext_dup())
+        for digest in digests:
+            raw = index.get_manifest(digest, txn)
+            if raw is None:
+                continue
+            m = decode_manifest(raw)
+            c0 = P.root_key(m.namespace, m.codec, m.block_tokens, m.hash)
+            for key in P.chain(c0, m.tokens, m.block_tokens, m.hash, m.n_tokens // m.block_tokens):
+                txn.put(P.reach_key(key), digest, db=index.db("prefix"))
+            done += 1
+        txn.put(REACH_META, b"1", db=index.db("meta"))
+    return done
 
 
 def _best_trimmable(

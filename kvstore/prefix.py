@@ -8,8 +8,11 @@ then a zero terminator), a flags byte and the manifest digest. Sorted values
 let a lookup find the trimmable entry sharing the longest extension in one seek.
 
 A non-trimmable entry (SSM state, a wrapped ring) serves only its exact length,
-so it is listed once, under ``state_key(c_{n//T})``; a lookup that finds that key
-tests each length within the block against the exact keys.
+so it is listed under ``state_key(c_{n//T})``; a lookup that finds that key
+tests each length within the block against the exact keys. It also leaves its
+digest under ``reach_key(c_k)`` for every ``k <= n//T``, so that, with the
+trimmable values, "some entry holds the first k blocks of the query" is
+monotone in ``k`` and a lookup finds its deepest candidate block by bisection.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import msgspec
 import numpy as np
 
 from .blocks import hash_bytes
+from .blocks.hashing import chain_hashes
 from .errors import InvalidTokensError
 from .schema import Namespace
 
@@ -39,6 +43,8 @@ def as_tokens(tokens: Any) -> array.array[int]:
     """
     if isinstance(tokens, array.array) and tokens.typecode == "I":
         arr = tokens
+    elif isinstance(tokens, np.ndarray) and tokens.ndim == 1 and tokens.dtype.kind in "iu":
+        arr = _from_numpy(tokens)
     else:
         if hasattr(tokens, "tolist"):
             tokens = tokens.tolist()  # mx.array / numpy
@@ -63,6 +69,18 @@ def as_tokens(tokens: Any) -> array.array[int]:
     top = int(np.frombuffer(arr, dtype=np.uint32).max())  # array's own max() boxes each item
     if top > MAX_TOKEN:
         raise InvalidTokensError(f"token {top} is too large (max {MAX_TOKEN})")
+    return arr
+
+
+def _from_numpy(tokens: np.ndarray) -> array.array[int]:
+    """A 1-d integer numpy array, checked and packed without boxing each token."""
+    if tokens.size and tokens.dtype.kind == "i" and int(tokens.min()) < 0:
+        bad = int(tokens[np.argmax(tokens < 0)])
+        raise InvalidTokensError(f"token {bad!r} is not a non-negative int below 2**32-1")
+    if tokens.size and int(tokens.max()) > MAX_TOKEN:
+        raise InvalidTokensError(f"token {int(tokens.max())} is too large (max {MAX_TOKEN})")
+    arr = array.array("I")
+    arr.frombytes(tokens.astype(np.uint32, copy=False).tobytes())
     return arr
 
 
@@ -125,12 +143,7 @@ def root_key(ns: Namespace, codec: str, block_tokens: int, algo: str) -> bytes:
 
 def chain(c0: bytes, tok_le: bytes, block_tokens: int, algo: str, depth: int) -> list[bytes]:
     """``[c_0, …, c_depth]`` for the u32-LE token bytes."""
-    keys = [c0]
-    width = 4 * block_tokens
-    view = memoryview(tok_le)
-    for k in range(1, depth + 1):
-        keys.append(hash_bytes(algo, keys[-1], view[(k - 1) * width : k * width]))
-    return keys
+    return chain_hashes(algo, c0, memoryview(tok_le), 4 * block_tokens, depth)
 
 
 def exact_key(c_k: bytes, tail_le: bytes | memoryview, algo: str) -> bytes:
@@ -157,6 +170,11 @@ def state_key(c_k: bytes) -> bytes:
     derive at each depth of a lookup.
     """
     return c_k + b"s"
+
+
+def reach_key(c_k: bytes) -> bytes:
+    """The key under which non-trimmable entries reaching block ``k`` leave their digest."""
+    return c_k + b"r"
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -28,7 +28,7 @@ from .errors import (
 )
 from .index import DeletePlan, EntryRecord, Index, SavePlan, now_ms
 from .layout import manifest_block_sizes, n_token_blocks
-from .lookup import Match, find, prefix_items, trimmable
+from .lookup import REACH_META, Match, add_reach_markers, find, prefix_items, trimmable
 from .reader import Want, load_arrays, plan_runs
 from .root import RootSettings, default_root, open_root
 from .schema import (
@@ -133,6 +133,7 @@ class Store:
         self._lookups = 0
         self._found = 0
         self._flushed = time.monotonic()
+        self._bisect = False  # lookups bisect the chain (set by open once the root allows it)
 
     # --- opening -------------------------------------------------------------------
 
@@ -176,6 +177,7 @@ class Store:
             path, index, settings, namespace=namespace, durable=durable, verify_reads=verify_reads
         )
         store.max_bytes = max_bytes
+        store._bisect = _has_reach_markers(index)
         if gc_grace is not None:
             store.gc_grace = gc_grace
         return store
@@ -383,7 +385,9 @@ class Store:
         """
         T = self.block_tokens
         with self.index.read() as txn:
-            match = find(self.index, txn, keys, toks, tok_le, T, self.settings.hash)
+            match = find(
+                self.index, txn, keys, toks, tok_le, T, self.settings.hash, bisect=self._bisect
+            )
             if match is None or match.length < T:
                 return []
             raw = self.index.get_manifest(bytes.fromhex(match.entry_id), txn)
@@ -409,7 +413,7 @@ class Store:
         depth = len(q) // T
         keys = P.chain(self._c0(ns), q_le, T, self.settings.hash, depth)
         with self.index.read() as txn:
-            return find(self.index, txn, keys, q, q_le, T, self.settings.hash)
+            return find(self.index, txn, keys, q, q_le, T, self.settings.hash, bisect=self._bisect)
 
     # --- load --------------------------------------------------------------------------------
 
@@ -668,6 +672,24 @@ class Store:
 
 class _PrefixGone(Exception):
     """A reused prefix block vanished before the commit (its entry was collected)."""
+
+
+def _has_reach_markers(index: Index) -> bool:
+    """Whether lookups may bisect: the root's non-trimmable entries all have reach markers.
+
+    A root from before reach markers gets them here, once; if it cannot be
+    written, its lookups walk every depth instead (slower, same answers).
+    """
+    if index.get_meta(REACH_META) is not None:
+        return True
+    try:
+        n = add_reach_markers(index)
+    except KVStoreError as e:
+        _log.warning("kvstore: lookups will not bisect: %s", e)
+        return False
+    if n:
+        _log.info("kvstore: added reach markers for %d non-trimmable entries", n)
+    return True
 
 
 def _token_layout(layers: Sequence[Layer]) -> list[tuple[str, int, tuple[int, ...]]]:

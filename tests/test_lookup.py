@@ -62,6 +62,9 @@ def test_lookup_matches_the_model(
                 want, exact = _expected(entries, q)
                 got = (m.length, m.exact) if m else (0, False)
                 assert got == (want, exact), (q, entries, m)
+                s._bisect = False  # walking every depth gives the same answer
+                assert s.lookup(q) == m
+                s._bisect = True
                 if m is not None:
                     man = s.manifest(m.entry_id)
                     toks = list(store_mod.P.tokens_from_le(man.tokens))
@@ -94,3 +97,71 @@ def test_lookup_work_is_bounded_by_the_query_not_the_store(
         m = s.lookup(q)
         assert m is not None and m.length == 40
         assert decodes <= 3 * 2 * lookup_mod.SCAN
+
+
+def _prefix_keys(s: kvstore.Store, suffix: bytes) -> list[bytes]:
+    with s.index.read() as txn:
+        cur = txn.cursor(db=s.index.db("prefix"))
+        return [bytes(k) for k in cur.iternext_nodup(keys=True, values=False)
+                if len(k) == 33 and k.endswith(suffix)]
+
+
+def test_lookup_probes_logarithmically_many_depths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 4096-token query matching 40 tokens: bisection, not a walk of 257 depths."""
+    with kvstore.Store.open(tmp_path / "r", namespace=NS, block_tokens=16, durable=False) as s:
+        s.save(list(range(40)), [prefix_cache(list(range(40)))])
+        s.save(list(range(50)), [arrays_cache(50)])  # a non-trimmable entry, deeper
+        probes = 0
+        real = s.index.has_prefix
+
+        def counting(key: bytes, txn: object) -> bool:
+            nonlocal probes
+            probes += 1
+            return real(key, txn)
+
+        monkeypatch.setattr(s.index, "has_prefix", counting)
+        q = list(range(50)) + [9] * (4096 - 50)
+        m = s.lookup(q)
+        assert m is not None and (m.length, m.trimmable) == (50, False)
+        assert probes <= 2 * (9 + 1) + 2 * 2  # log2(257) bisection steps, then depths 3 and 2
+        probes = 0
+        m = s.lookup(list(range(45)) + [9] * (4096 - 45))  # the non-trimmable one does not fit
+        assert m is not None and (m.length, m.trimmable) == (40, True)
+        assert probes <= 2 * (9 + 1) + 2 * 3
+
+
+def test_reach_markers_follow_non_trimmable_entries(tmp_path: Path) -> None:
+    """One marker per depth of a non-trimmable entry (none for trimmable ones), gone on delete."""
+    with kvstore.Store.open(tmp_path / "r", namespace=NS, block_tokens=16, durable=False) as s:
+        s.save(list(range(40)), [prefix_cache(list(range(40)))])
+        assert _prefix_keys(s, b"r") == []
+        info = s.save(list(range(50)), [arrays_cache(50)])
+        assert len(_prefix_keys(s, b"r")) == 50 // 16 + 1
+        assert s.delete(info.id)
+        assert _prefix_keys(s, b"r") == [] and _prefix_keys(s, b"s") == []
+
+
+def test_a_root_without_reach_markers_gets_them_on_open(tmp_path: Path) -> None:
+    """Roots written before reach markers: walked until reopened, then migrated once."""
+    root = tmp_path / "r"
+    deep = list(range(70))
+    with kvstore.Store.open(root, namespace=NS, block_tokens=16, durable=False) as s:
+        s.save(list(range(20)), [prefix_cache(list(range(20)))])
+        info = s.save(deep, [arrays_cache(70)])
+        s.save(list(range(100, 140)), [arrays_cache(40)])
+        with s.index.write() as txn:  # back to the old layout
+            for k in _prefix_keys(s, b"r"):
+                txn.delete(k, db=s.index.db("prefix"))
+            txn.delete(lookup_mod.REACH_META, db=s.index.db("meta"))
+        assert _prefix_keys(s, b"r") == []
+        s._bisect = True  # what bisecting an old root would get wrong
+        wrong = s.lookup(deep + [1, 2])
+        assert wrong is not None and wrong.length == 20
+    with kvstore.Store.open(root, namespace=NS, durable=False) as s:
+        assert s._bisect
+        assert len(_prefix_keys(s, b"r")) == (70 // 16 + 1) + (40 // 16 + 1) - 1  # c_0 shared
+        m = s.lookup(deep + [1, 2])
+        assert m is not None and (m.entry_id, m.length) == (info.id, 70)
+        assert lookup_mod.add_reach_markers(s.index) == 0  # once only

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from factories import arrays_cache, kv_cache, prefix_cache, same_bits
 
@@ -155,6 +156,12 @@ def test_delete_drops_the_entry(store: kvstore.Store) -> None:
         ([1, "a"], "'a'"),
         ("abc", "str"),
         ([2**32], "4294967296"),
+        (np.array([1, -2, 3]), "-2"),
+        (np.array([2**32], dtype=np.uint64), "4294967296"),
+        (np.array([2**32 - 1], dtype=np.uint32), "4294967295"),
+        (np.array([], dtype=np.int32), "empty"),
+        (np.array([[1, 2]]), r"\[1, 2\]"),
+        (np.array([1.0, 2.0]), "1.0"),
     ],
 )
 def test_bad_tokens(store: kvstore.Store, tokens: object, message: str) -> None:
@@ -163,6 +170,15 @@ def test_bad_tokens(store: kvstore.Store, tokens: object, message: str) -> None:
     with pytest.raises(kvstore.InvalidTokensError):
         store.lookup(tokens)
     assert store.stats().entries == 0
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint16, np.uint32, np.uint64])
+def test_numpy_tokens_are_the_same_tokens_as_a_list(store: kvstore.Store, dtype: type) -> None:
+    toks = [0, 7, 65535, 3, 1]
+    info = store.save(np.array(toks, dtype=dtype), [kv_cache(5, 0)])
+    assert list(kvstore.store.P.tokens_from_le(store.manifest(info.id).tokens)) == toks
+    m = store.lookup(toks)
+    assert m is not None and m.entry_id == info.id and m.exact
 
 
 def test_mismatched_or_empty_cache(store: kvstore.Store) -> None:
