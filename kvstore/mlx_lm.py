@@ -248,6 +248,14 @@ class PersistentPromptCache:
     and also queues it for the store. Prompts shorter than `min_tokens` stay in
     memory only; queued snapshots above `queue_bytes` are shed oldest first.
     The disk budget is the store's (``Store.open(max_bytes=...)``).
+
+    With `reuse_prefix` (the default) each save references the blocks a stored
+    entry already holds for its leading tokens instead of hashing them again
+    (``Store.save(reuse_prefix=True)``): the next turn of a conversation was
+    extended from the cache this store gave or took, so those rows are the same
+    bytes. If another process stored the same prefix from its own prefill, the
+    entry gets that process's rows for it: the same tokens' state, possibly
+    different in the last bits. Pass False to hash every block of every save.
     """
 
     def __init__(
@@ -260,8 +268,10 @@ class PersistentPromptCache:
         queue_bytes: int = 1 << 30,
         ns: str = "default",
         exit_timeout: float | None = 60.0,
+        reuse_prefix: bool = True,
     ) -> None:
         self.store = store
+        self.reuse_prefix = reuse_prefix
         self.min_tokens = min_tokens
         self.queue_bytes = queue_bytes
         self.ns = ns
@@ -489,6 +499,7 @@ class PersistentPromptCache:
                     metadata={"cache_type": job.cache_type},
                     priority=job.cache_type,  # type: ignore[arg-type]
                     namespace=job.namespace,
+                    reuse_prefix=self.reuse_prefix,
                 )
             except Exception:
                 logger.warning(

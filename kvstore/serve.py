@@ -75,6 +75,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--no-durable", action="store_true", help="skip fsync on writes (faster, not crash-safe)"
     )
+    g.add_argument(
+        "--no-reuse-prefix",
+        action="store_true",
+        help="hash every block of every save instead of referencing the blocks a stored "
+        "entry holds for the same leading tokens",
+    )
     return p
 
 
@@ -133,6 +139,7 @@ def serve_main(argv: list[str]) -> int:
                 min_tokens=ours.min_tokens,
                 queue_bytes=ours.queue_bytes,
                 ns=ours.namespace,
+                reuse_prefix=not ours.no_reuse_prefix,
             )
             made.append(cache)
             return cache

@@ -403,8 +403,9 @@ class Store:
     def lookup(self, tokens: Any, *, namespace: Namespace | None = None) -> Match | None:
         """The longest usable stored prefix of ``tokens``, or None.
 
-        Costs one hash and one index seek per block of the query, whatever the
-        number of stored entries.
+        Costs one hash per block of the query plus about log2(blocks) index
+        seeks (a binary search over the chain), whatever the number of stored
+        entries; a root without reach markers falls back to one seek per block.
         """
         ns = self._ns(namespace)
         q = P.as_tokens(tokens)

@@ -384,3 +384,36 @@ def test_insert_saves_only_the_tokens_the_cache_holds(
     assert ppc.drain(30) and ppc.failed == 0
     assert [e.n_tokens for e in store.entries()] == [100]
     ppc.close()
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_next_turn_references_the_stored_prefix_blocks(
+    models: dict[str, Path], store: kvstore.Store, monkeypatch: pytest.MonkeyPatch, reuse: bool
+) -> None:
+    import kvstore.writer as W
+
+    T = store.block_tokens
+    turn1 = list(range(2 * T + 40))
+    turn2 = turn1 + list(range(5000, 5000 + T))
+    ppc = PersistentPromptCache(store, min_tokens=16, reuse_prefix=reuse)
+    ppc.insert_cache(_key(models), turn1, _kv(turn1))
+    assert ppc.drain(30) and ppc.saved == 1
+    hashed: list[str] = []
+    real = W.new_hasher
+
+    def counting(algo: str) -> object:
+        hashed.append(algo)
+        return real(algo)
+
+    monkeypatch.setattr(W, "new_hasher", counting)
+    c2 = _kv(turn2)  # the next turn: turn1's rows, then new ones
+    ppc.insert_cache(_key(models), turn2, c2)
+    assert ppc.drain(30) and ppc.saved == 2 and ppc.failed == 0
+    by_len = {e.n_tokens: store.manifest(e.id) for e in store.entries()}
+    m1, m2 = by_len[len(turn1)], by_len[len(turn2)]
+    assert m2.token_blocks[:2] == m1.token_blocks[:2]  # the same bytes, stored once
+    skipped = 2 if reuse else 0
+    assert len(hashed) == len(m2.token_blocks) + len(m2.state_blocks) - skipped
+    restored, n = store.restore(turn2, namespace=ppc.namespace_for(_key(models)))
+    assert n == len(turn2) and _same(restored, c2)
+    ppc.close()

@@ -42,6 +42,25 @@ def test_help_lists_both_option_sets_and_touches_no_root(
     assert not (tmp_path / "root").exists()
 
 
+@pytest.mark.parametrize(("flag", "reuse"), [([], True), (["--no-reuse-prefix"], False)])
+def test_server_prompt_cache_is_ours_with_the_options_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: list[str], reuse: bool
+) -> None:
+    from kvstore.mlx_lm import PersistentPromptCache
+
+    built: list[Any] = []
+
+    def fake_main() -> None:  # mlx-lm's server builds its prompt cache like this
+        built.append(mlx_lm.server.LRUPromptCache(max_size=3))
+
+    monkeypatch.setattr(mlx_lm.server, "main", fake_main)
+    argv = ["--root", str(tmp_path / "r"), "--min-tokens", "32", "--namespace", "ns", *flag]
+    assert serve_main(argv) == 0
+    (cache,) = built
+    assert isinstance(cache, PersistentPromptCache)
+    assert (cache.reuse_prefix, cache.min_tokens, cache.ns, cache.max_size) == (reuse, 32, "ns", 3)
+
+
 def test_bad_mlx_lm_option_is_a_usage_error(tmp_path: Path) -> None:
     original = mlx_lm.server.LRUPromptCache
     assert serve_main(["--root", str(tmp_path / "r"), "--port", "not-a-port"]) == 2
