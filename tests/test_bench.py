@@ -12,6 +12,8 @@ from kvstore.bench import GROUPS, main
 EXPECTED = (
     "save 600 durable",
     "save 600 non-durable",
+    "part of the 600 non-durable save: BLAKE3 of every block, alone",
+    "part of the 600 non-durable save: writing every block, alone",
     "restore 600 page cache",
     "restore 600 after eviction",
     "restore 600 verify=True",
@@ -44,6 +46,9 @@ def test_smoke_run_writes_every_row_with_both_figures(tmp_path: Path) -> None:
         assert r["kvstore"] > 0 and r["baseline"] > 0, r["name"]
         assert r["baseline_label"] and r["unit"]
     assert doc["machine"]["nproc"] >= 1 and doc["targets"]
+    held = {t["name"] for t in doc["targets"]}
+    assert not any("part of the" in t for t in held), "the parts are not saves"
+    assert any(t.startswith("save speed: save 600 non-durable") for t in held)
     assert list(tmp_path.iterdir()) == [out], "the scratch roots were not removed"
 
 

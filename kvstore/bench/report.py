@@ -76,7 +76,9 @@ def targets(rows: Sequence[Row]) -> list[Target]:
     for r in _find(rows, lambda r: r.name == "multi-turn bytes written vs unique KV bytes"):
         out.append(Target("multi-turn bytes written / unique bytes", "<= 1.1x",
                           f"{r.ratio:.3f}x", r.ratio <= 1.1))
-    for r in _find(rows, lambda r: r.name.startswith("multi-turn total save time")):
+    # the save PersistentPromptCache makes; a plain save (which rehashes the
+    # whole prefix each turn) is reported as a row, not held to the target
+    for r in _find(rows, lambda r: r.name.startswith("multi-turn total save time, reuse_prefix")):
         out.append(Target(r.name, ">= 5x faster", f"{r.ratio:.2f}x",
                           r.ratio >= 5))
     for r in _find(rows, lambda r: r.name.startswith("shared system prompt")):
