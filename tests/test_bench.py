@@ -54,3 +54,26 @@ def test_smoke_run_writes_every_row_with_both_figures(tmp_path: Path) -> None:
 
 def test_unknown_group_is_an_error() -> None:
     assert main(["--config", "smoke", "--only", "nope"]) == 2
+
+
+def test_multiturn_targets_hold_only_at_the_issue_size() -> None:
+    from kvstore.bench.common import Row
+    from kvstore.bench.report import targets
+
+    def rows(turns: float, tokens: float, speedup: float, extra_bytes: float) -> list[Row]:
+        size = {"turns": turns, "turn_tokens": tokens}
+        return [
+            Row("multiturn", "multi-turn total save time, reuse_prefix=True (x)", "s",
+                1.0, speedup, "b", "speedup", extra=size),
+            Row("multiturn", "multi-turn total save time (x)", "s",
+                1.0, 2.0, "b", "speedup", extra=size),
+            Row("multiturn", "multi-turn bytes written vs unique KV bytes", "B",
+                extra_bytes, 1.0, "b", "fraction", extra=size),
+        ]
+
+    def met(rs: list[Row]) -> list[bool | None]:
+        return [t.met for t in targets(rs) if t.name.startswith("multi-turn")]
+
+    assert met(rows(16, 2000, 5.5, 1.05)) == [True, True]  # the plain save is not held
+    assert met(rows(16, 2000, 4.9, 1.2)) == [False, False]
+    assert met(rows(8, 1000, 3.0, 1.2)) == [None, None]  # --quick: reported, not judged

@@ -284,17 +284,18 @@ def multiturn_rows(cfg: Config, scratch: Path) -> list[Row]:
         shutil.rmtree(root_reuse, ignore_errors=True)
         path.unlink(missing_ok=True)
     label = f"{cfg.turns} turns x {cfg.turn_tokens} tokens"
+    size = {"turns": float(cfg.turns), "turn_tokens": float(cfg.turn_tokens)}
     return [
         Row("multiturn", f"multi-turn total save time ({label})", "s", kv_t, ml_t,
-            MLX + " + fsync of the whole cache each turn", "speedup"),
+            MLX + " + fsync of the whole cache each turn", "speedup", extra=size),
         Row("multiturn", f"multi-turn total save time, reuse_prefix=True ({label})", "s", re_t,
-            ml_t, MLX + " + fsync of the whole cache each turn", "speedup"),
+            ml_t, MLX + " + fsync of the whole cache each turn", "speedup", extra=size),
         Row("multiturn", "multi-turn bytes written, reuse_prefix=True", "B", re_bytes, ml_bytes,
-            MLX + " of the whole cache each turn", "fraction"),
+            MLX + " of the whole cache each turn", "fraction", extra=size),
         Row("multiturn", "multi-turn bytes written", "B", kv_bytes, ml_bytes,
-            MLX + " of the whole cache each turn", "fraction"),
+            MLX + " of the whole cache each turn", "fraction", extra=size),
         Row("multiturn", "multi-turn bytes written vs unique KV bytes", "B", kv_bytes, unique,
-            "unique KV bytes of the final cache", "fraction"),
+            "unique KV bytes of the final cache", "fraction", extra=size),
     ]
 
 

@@ -73,14 +73,18 @@ def targets(rows: Sequence[Row]) -> list[Target]:
     for r in _find(rows, lambda r: "after eviction" in r.name):
         out.append(Target(f"restore after eviction: {r.name}", ">= 0.9x", f"{r.ratio:.2f}x",
                           r.ratio >= 0.9))
+    def issue_size(r: Row) -> bool:
+        # the targets are for 16 turns of ~2k tokens; a shorter run (--quick) is a smoke test
+        return r.extra.get("turns", 0) >= 16 and r.extra.get("turn_tokens", 0) >= 2000
+
     for r in _find(rows, lambda r: r.name == "multi-turn bytes written vs unique KV bytes"):
         out.append(Target("multi-turn bytes written / unique bytes", "<= 1.1x",
-                          f"{r.ratio:.3f}x", r.ratio <= 1.1))
+                          f"{r.ratio:.3f}x", (r.ratio <= 1.1) if issue_size(r) else None))
     # the save PersistentPromptCache makes; a plain save (which rehashes the
     # whole prefix each turn) is reported as a row, not held to the target
     for r in _find(rows, lambda r: r.name.startswith("multi-turn total save time, reuse_prefix")):
         out.append(Target(r.name, ">= 5x faster", f"{r.ratio:.2f}x",
-                          r.ratio >= 5))
+                          (r.ratio >= 5) if issue_size(r) else None))
     for r in _find(rows, lambda r: r.name.startswith("shared system prompt")):
         out.append(Target("shared system prompt bytes on disk", "<= 0.25x", f"{r.ratio:.3f}x",
                           r.ratio <= 0.25))
