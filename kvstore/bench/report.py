@@ -73,6 +73,7 @@ def targets(rows: Sequence[Row]) -> list[Target]:
     for r in _find(rows, lambda r: "after eviction" in r.name):
         out.append(Target(f"restore after eviction: {r.name}", ">= 0.9x", f"{r.ratio:.2f}x",
                           r.ratio >= 0.9))
+
     def issue_size(r: Row) -> bool:
         # the targets are for 16 turns of ~2k tokens; a shorter run (--quick) is a smoke test
         return r.extra.get("turns", 0) >= 16 and r.extra.get("turn_tokens", 0) >= 2000
