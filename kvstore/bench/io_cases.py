@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 
-from ..blocks import BlockStore, new_hasher
+from ..blocks import BlockStore, hash_bytes
 from ..blocks.store import io_pool
 from ..codecs import snapshot
 from ..root import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK
@@ -75,15 +75,9 @@ def _save_parts(scratch: Path, n: int, cache: list[Any]) -> tuple[Callable[[], f
     blocks = bs.token_pieces + bs.state_pieces
     pool = io_pool()
 
-    def hash_one(pieces: list[memoryview]) -> bytes:
-        h = new_hasher("blake3")
-        for p in pieces:
-            h.update(p)
-        return h.digest()
-
     def hashing() -> float:
         t = _clock()
-        list(pool.map(hash_one, blocks))
+        list(pool.map(lambda pieces: hash_bytes("blake3", *pieces), blocks))
         return _clock() - t
 
     def writing() -> float:
@@ -92,7 +86,7 @@ def _save_parts(scratch: Path, n: int, cache: list[Any]) -> tuple[Callable[[], f
         bstore = BlockStore(root, "blake3", durable=False)
         try:
             t = _clock()
-            list(pool.map(lambda pieces: bstore.write_tmp(pieces), blocks))
+            list(pool.map(bstore.write_tmp, blocks))
             return _clock() - t
         finally:
             shutil.rmtree(root)
