@@ -37,8 +37,7 @@ from kvstore.errors import (
     TensorHashMismatchError,
 )
 
-# <repo>/tests/test_bridge.py -> parents[1] is the repo; shared/ is its sibling.
-SAMPLES = Path(__file__).resolve().parents[1] / ".." / "shared" / "vectors" / "mlx-bun-v3"
+SAMPLES = Path(__file__).resolve().parent / "data" / "mlx-bun-v3"
 V3_SAMPLES = ["tiny", "kv-plain", "mixed", "with-attachments"]
 C: Any = _cache  # mlx-lm ships no type hints
 NS = kvstore.Namespace(model_id="tiny", config_fingerprint="cfg", tokenizer_hash="tok")
