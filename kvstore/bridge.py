@@ -68,10 +68,10 @@ def _largest_block(header: dict[str, Any]) -> int | None:
     """The largest block a v5 header lists (its writer's block size, or an upper bound)."""
     sizes = [
         int(b["bytes"])
-        for group in (header.get("caches", []), header.get("attachments", []))
+        for group in (header.get("caches", []), header.get("attachments") or [])
         for entry in group
         for slot in entry.get("tensors", [])
-        for b in slot.get("blocks", [])
+        for b in slot.get("blocks") or []
     ]
     return max(sizes) if sizes else None
 

@@ -158,3 +158,30 @@ class TensorHashMismatchError(FileFormatError):
 
 class BlockReferenceError(FileFormatError):
     """A v5 tensor names a block that is malformed, missing or of the wrong size."""
+
+
+# --- files: header fields and bounds (mlx-bun's reader, mirrored) -------------
+
+
+class MalformedHeaderError(FileFormatError):
+    """The JSON header is not UTF-8 JSON (or is nested too deeply, or is not an object)."""
+
+
+class HeaderFieldError(FileFormatError):
+    """A header field has the wrong type or range, or disagrees with another field."""
+
+
+class TensorShapeError(TensorShapeMismatchError):
+    """A shape MLX cannot hold exactly: over 64 dims, a dim >= 2**31, zero-size with 2+ dims."""
+
+
+class TensorOverlapError(TensorOutOfBoundsError):
+    """Two tensors of a v3/v4 file claim overlapping byte ranges."""
+
+
+class AllocationBoundError(FileFormatError):
+    """Restoring the file would allocate more than its stored bytes plus the stated margin."""
+
+
+class BlockFileTypeError(BlockReferenceError):
+    """A v5 block is not a regular file (a symlink, a FIFO, a directory, …)."""

@@ -22,9 +22,13 @@ import mlx.core as mx
 
 from .._mxload import TensorStream, load_tensors
 from ..errors import (
+    AllocationBoundError,
     FileFormatError,
+    HeaderFieldError,
     TensorHashMismatchError,
     TensorOutOfBoundsError,
+    TensorOverlapError,
+    TensorShapeError,
     TensorShapeMismatchError,
     TruncatedFileError,
 )
@@ -47,7 +51,12 @@ DTYPES: dict[str, tuple[int, str]] = {
     "float32": (4, "F32"),
     "float64": (8, "F64"),
 }
-_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_HEX16 = re.compile(r"[0-9a-f]{16}")  # fullmatch: Python's `$` would allow a final newline
+MAX_NDIM = 64  # MLX's limit on dimensions
+MAX_DIM = 2**31 - 1  # MLX holds shapes as int32: a larger dim is silently truncated
+#: Capacity rounding: a KV tensor regrows by at most one step of rows (mlx-lm's
+#: KVCache.step); the allocation bound allows this many rows per regrown tensor.
+REGROW_ROWS = 256
 _ZEROS = bytes(1 << 16)
 _BOUNCE = 1 << 20
 
@@ -64,27 +73,54 @@ def _nonneg_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def validate_slot(path: str, slot: Any, where: str) -> int:
-    """Check a tensor slot's fields; returns its byte count."""
+def validate_slot(path: str, slot: Any, where: str, *, v5: bool = False) -> int:
+    """Check a tensor slot's fields; returns its byte count.
+
+    ``off`` is required in v3/v4 only (mlx-bun's v5 reader ignores it).
+    """
     if not isinstance(slot, dict):
-        raise FileFormatError(path, f"{where}: tensor entry is not an object")
+        raise HeaderFieldError(
+            path, f"{where}: tensor record is {type(slot).__name__} {_short(slot)}, not an object"
+        )
     shape, dtype, nbytes = slot.get("shape"), slot.get("dtype"), slot.get("bytes")
-    if not _nonneg_int(slot.get("off")) or not _nonneg_int(nbytes):
-        raise FileFormatError(
-            path, f"{where}: 'off' {slot.get('off')!r} / 'bytes' {nbytes!r} are not ints >= 0"
+    off = slot.get("off", 0) if v5 else slot.get("off")
+    if not _nonneg_int(off) or not _nonneg_int(nbytes):
+        raise HeaderFieldError(
+            path, f"{where}: 'off' {_short(off)} / 'bytes' {_short(nbytes)} are not ints >= 0"
         )
     if not isinstance(shape, list) or not all(_nonneg_int(d) for d in shape):
-        raise FileFormatError(path, f"{where}: shape {shape!r} is not a list of ints >= 0")
+        raise HeaderFieldError(path, f"{where}: shape {_short(shape)} is not a list of ints >= 0")
+    if len(shape) > MAX_NDIM:
+        raise TensorShapeError(
+            path, f"{where}: shape has {len(shape)} dimensions, MLX holds at most {MAX_NDIM}"
+        )
+    big = [d for d in shape if d > MAX_DIM]
+    if big:
+        raise TensorShapeError(
+            path, f"{where}: shape {_short(shape)} has dimension {big[0]} >= 2**31 "
+            f"(MLX would truncate it)"
+        )
     if dtype not in DTYPES:
-        raise FileFormatError(path, f"{where}: unsupported dtype {dtype!r}")
+        raise HeaderFieldError(path, f"{where}: unsupported dtype {_short(dtype)}")
     want = DTYPES[dtype][0]
     for d in shape:
         want *= d
+    if want == 0 and len(shape) > 1:
+        raise TensorShapeError(
+            path, f"{where}: shape {shape} is zero-size with {len(shape)} dimensions "
+            f"(no mlx-bun cache tensor is empty)"
+        )
     if want != nbytes:
         raise TensorShapeMismatchError(
             path, f"{where}: {nbytes} bytes, but shape {shape} of {dtype} needs {want}"
         )
     return int(nbytes)
+
+
+def _short(v: Any, limit: int = 80) -> str:
+    """``repr(v)`` cut to ``limit`` characters (hostile headers hold huge values)."""
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 class PieceSource:
@@ -138,6 +174,41 @@ def check_slot(
     return FileRange(path, -1, start, nbytes)
 
 
+def check_overlaps(path: str, ranges: Sequence[tuple[int, int, str]]) -> None:
+    """Refuse two non-empty ``(start, end, where)`` byte ranges that overlap.
+
+    mlx-bun's writer places each tensor after the previous one; records that
+    share bytes would make a small file restore as many times its size.
+    """
+    prev: tuple[int, int, str] | None = None
+    for r in sorted((r for r in ranges if r[1] > r[0]), key=lambda r: (r[0], r[1])):
+        if prev is not None and r[0] < prev[1]:
+            raise TensorOverlapError(
+                path, f"{r[2]}: bytes [{r[0]}, {r[1]}) overlap {prev[2]} at [{prev[0]}, {prev[1]})"
+            )
+        if prev is None or r[1] > prev[1]:
+            prev = r
+
+
+def check_allocation(path: str, plans: Sequence[TensorPlan], stored_limit: int) -> None:
+    """Bound what restoring allocates, before anything is allocated.
+
+    The bound is ``stored_limit`` (the file's size for v3/v4, the sum of the
+    tensors' block bytes for v5) plus, for each KV tensor regrown to its step
+    capacity, at most :data:`REGROW_ROWS` rows of that tensor.
+    """
+    total = sum(p.nbytes for p in plans)
+    margin = sum(p.source.stored_len // p.run * REGROW_ROWS * p.row_bytes
+                 for p in plans if p.gap)
+    if total > stored_limit + margin:
+        worst = max(plans, key=lambda p: p.nbytes)
+        raise AllocationBoundError(
+            path, f"restoring needs {total} bytes, more than the {stored_limit} stored bytes "
+            f"plus {margin} bytes of capacity rounding; largest is {worst.where} "
+            f"({worst.nbytes} bytes)"
+        )
+
+
 @dataclass
 class TensorPlan:
     """One tensor to restore: its slot, source, and the shape MLX allocates."""
@@ -151,6 +222,7 @@ class TensorPlan:
     gap: int  # zero bytes after each run (0: stored as is)
     hash_expected: str | None
     hasher: BunHasher | None = None
+    row_bytes: int = 0  # bytes of one token row (regrown tensors only)
     next_stored: int = 0
     in_order: bool = True
 
@@ -167,16 +239,25 @@ class TensorPlan:
         """Plan ``slot``; ``capacity`` regrows axis 2 of a ``[B, H, S, D]`` tensor."""
         shape = list(slot["shape"])
         nbytes = int(slot["bytes"])
-        run, gap = nbytes, 0
+        run, gap, inner = nbytes, 0, 0
         if capacity is not None and capacity > shape[2] and nbytes:
+            if capacity - shape[2] > REGROW_ROWS:
+                raise AllocationBoundError(
+                    path, f"{where}: regrowing {shape[2]} rows to {capacity} adds more than "
+                    f"{REGROW_ROWS} rows"
+                )
+            if capacity > MAX_DIM:
+                raise TensorShapeError(path, f"{where}: capacity {capacity} rows is >= 2**31")
             inner = DTYPES[slot["dtype"]][0] * shape[3]
             run, gap = shape[2] * inner, (capacity - shape[2]) * inner
             shape[2] = capacity
         expected = None
         if verify_hash:
             h = slot.get("hash")
-            if not isinstance(h, str) or not _HEX16.match(h):
-                raise FileFormatError(path, f"{where}: hash {h!r} is not 16 lowercase hex chars")
+            if not isinstance(h, str) or not _HEX16.fullmatch(h):
+                raise HeaderFieldError(
+                    path, f"{where}: hash {_short(h)} is not 16 lowercase hex chars"
+                )
             expected = h
         return cls(
             path,
@@ -188,6 +269,7 @@ class TensorPlan:
             gap,
             expected,
             BunHasher() if verify_hash else None,
+            inner,
         )
 
     @property

@@ -106,6 +106,26 @@ def dumps(obj: Any) -> bytes:
     return "".join(out).encode("utf-8", "surrogatepass")
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # JSON.parse rejects NaN and Infinity
+
+
 def loads(data: bytes | str) -> Any:
-    """Parse JSON (object key order is kept; duplicate keys keep the last, as in JS)."""
-    return json.loads(data)
+    """Parse JSON as mlx-bun's ``JSON.parse(new TextDecoder().decode(body))`` does.
+
+    Object key order is kept; duplicate keys keep the last, as in JS. Bytes are
+    UTF-8 (a leading BOM is dropped, as TextDecoder does; other encodings that
+    :func:`json.loads` would detect are not JSON to mlx-bun), and the literals
+    ``NaN``/``Infinity`` that Python accepts are rejected. Every failure,
+    nesting too deep included, is a :class:`ValueError`.
+    """
+    if isinstance(data, bytes | bytearray | memoryview):
+        text = bytes(data).decode("utf-8")  # UnicodeDecodeError is a ValueError
+    else:
+        text = data
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None

@@ -41,6 +41,18 @@ _BEFORE_TENSORS = (
 # Tensors with token axis 2 that mlx-bun slices to ``offset`` (and we regrow).
 _TOKEN_AXIS = 2
 _TENSOR_COUNT = {"kv": 2, "rotating": 2, "qkv": 6, "ssm": 2}
+# What mlx-bun's codec ``load`` of each kind reads: its tensors (entry.tensors[i]!)
+# and the fields it passes on with ``!``. "paged" is mlx-bun's pagedCacheCodec,
+# which the reference does not show: only the generic checks apply to it.
+_RAW_TENSORS = {"rotating-qkv": 6, "turboquant": 5, "mla": 2, "mla-dsa": 3, "mtp-mla": 2}
+_RAW_FIELDS = {
+    "rotating-qkv": ("offset", "idx", "maxSize", "groupSize", "bits"),
+    "turboquant": ("offset", "kBits", "vBits", "headDim"),
+    "mla": ("offset", "kvLoraRank", "ropeHeadDim"),
+    "mla-dsa": ("offset", "kvLoraRank", "ropeHeadDim", "dsaHeadDim"),
+    "mtp-mla": ("offset", "kvLoraRank", "ropeHeadDim"),
+}
+_SAFE_INT = 2**53 - 1  # Number.isSafeInteger
 
 
 class LayerError(ValueError):
@@ -68,11 +80,56 @@ class LayerPlan:
     capacities: tuple[int | None, ...]  # rows to allocate on axis 2, None = as stored
 
 
-def plan_layer(entry: dict[str, Any]) -> LayerPlan:
-    """Check one header entry and decide how its tensors are restored."""
+def minimum_reusable_offset(entry: dict[str, Any]) -> int:
+    """mlx-bun's ``cacheHeaderMinimumReusableOffset``: checked for every layer it loads.
+
+    ``minimumReusableOffset`` (default: ``offset`` for turboquant, else 0) must
+    be a safe integer in ``[0, offset]``.
+    """
+    v: Any = entry.get("minimumReusableOffset")
+    if v is None:  # `??`: absent or null
+        v = entry.get("offset") if entry.get("kind") == "turboquant" else 0
+    offset: Any = entry.get("offset")
+
+    def number(x: Any) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool)
+
+    ok = number(v) and float(v).is_integer() and 0 <= v <= _SAFE_INT
+    # JS compares `offset > entry.offset` as numbers: a missing offset compares false
+    if ok and number(offset) and v > offset:
+        ok = False
+    if not ok:
+        raise LayerError(
+            f"invalid cache minimum reusable offset: minimumReusableOffset {v!r} with "
+            f"offset {offset!r} (needs an integer in [0, offset])"
+        )
+    return int(v)
+
+
+def _check_raw(entry: dict[str, Any]) -> None:
     kind = entry["kind"]
     slots = entry["tensors"]
+    want = _RAW_TENSORS.get(kind)
+    if want is not None and len(slots) != want:
+        raise LayerError(f"{kind!r} layer has {len(slots)} tensors, expected {want}")
+    for key in _RAW_FIELDS.get(kind, ()):
+        _int(entry, key)
+    if kind == "mtp-mla" and entry.get("dsaHeadDim") is not None:
+        raise LayerError(
+            f"native MTP cache cannot contain DSA state (dsaHeadDim {entry['dsaHeadDim']!r})"
+        )
+
+
+def plan_layer(entry: dict[str, Any]) -> LayerPlan:
+    """Check one header entry and decide how its tensors are restored.
+
+    Tensor records must already be valid (``_v3io.validate_slot``).
+    """
+    kind = entry["kind"]
+    slots = entry["tensors"]
+    minimum_reusable_offset(entry)
     if kind in RAW_KINDS:
+        _check_raw(entry)
         return LayerPlan(entry, None, (None,) * len(slots))
     if kind not in _TENSOR_COUNT:
         raise LayerError(f"unsupported cache kind {kind!r}")

@@ -28,8 +28,9 @@ from ..errors import (
     BadMagicError,
     CacheMismatchError,
     CodecProviderMismatchError,
-    FileFormatError,
+    HeaderFieldError,
     HeaderHashMismatchError,
+    MalformedHeaderError,
     NamespaceMismatchError,
     TruncatedFileError,
     UnsupportedVersionError,
@@ -39,12 +40,15 @@ from . import _v3json
 from ._v3io import (
     PieceSource,
     TensorPlan,
+    check_allocation,
+    check_overlaps,
     check_slot,
     dtype_of,
     load_arrays,
     tensor_pieces,
+    validate_slot,
 )
-from ._v3kinds import KNOWN_KINDS, LayerError, build_layer, dump_layer, plan_layer
+from ._v3kinds import KNOWN_KINDS, LayerError, LayerPlan, build_layer, dump_layer, plan_layer
 from .base import AttachmentData, TensorData
 from .bunhash import bun_hash, bun_hash_pieces_hex
 
@@ -54,6 +58,7 @@ __all__ = [
     "HeaderInfo",
     "Loaded",
     "MAGIC",
+    "check_header",
     "load_v3",
     "read_header",
     "save_v3",
@@ -144,6 +149,11 @@ def _header_from_fd(fd: int, path: str) -> HeaderInfo:
     if len(head) < PREFIX_LEN:
         raise TruncatedFileError(path, f"file is {len(head)} bytes, shorter than its prefix")
     header_len, data_start, expect = struct.unpack_from("<IIQ", head, len(MAGIC))
+    if PREFIX_LEN + header_len > size:  # checked before the read allocates up to 4 GiB
+        raise TruncatedFileError(
+            path, f"header length {header_len} runs past the end of the file: header would end "
+            f"at byte {PREFIX_LEN + header_len}, file is {size} bytes"
+        )
     body = _read_exact(fd, header_len, PREFIX_LEN, path, f"{header_len}-byte header")
     got = bun_hash(body)
     if got != expect:
@@ -152,17 +162,19 @@ def _header_from_fd(fd: int, path: str) -> HeaderInfo:
         )
     try:
         header = _v3json.loads(body)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FileFormatError(path, f"header is not valid JSON: {e}") from e
+    except ValueError as e:  # UnicodeDecodeError and nesting too deep included
+        raise MalformedHeaderError(path, f"header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
-        raise FileFormatError(path, "header is not a JSON object")
+        raise MalformedHeaderError(
+            path, f"header is a JSON {type(header).__name__}, not an object"
+        )
     version = header.get("formatVersion")
     if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
         raise UnsupportedVersionError(
             path, f"unsupported formatVersion {version!r} (reads 3, 4 and 5)"
         )
     if data_start < PREFIX_LEN + header_len:
-        raise FileFormatError(
+        raise HeaderFieldError(
             path,
             f"dataStart {data_start} lies inside the header (ends at {PREFIX_LEN + header_len})",
         )
@@ -179,34 +191,147 @@ def read_header(path: str | os.PathLike[str]) -> HeaderInfo:
         os.close(fd)
 
 
+def attachments_of(header: dict[str, Any]) -> list[Any]:
+    """The header's attachments (``header.attachments ?? []``, as mlx-bun reads them)."""
+    atts = header.get("attachments")
+    return [] if atts is None else atts
+
+
 def _check_structure(info: HeaderInfo) -> None:
     path, h = info.path, info.header
     tokens = h.get("tokens")
     if not isinstance(tokens, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in tokens
     ):
-        raise FileFormatError(path, "header field 'tokens' is not a list of ints")
+        raise HeaderFieldError(path, "header field 'tokens' is not a list of ints")
     caches = h.get("caches")
     if not isinstance(caches, list):
-        raise FileFormatError(path, "header field 'caches' is not a list")
+        raise HeaderFieldError(
+            path, f"header field 'caches' is {type(caches).__name__}, not a list"
+        )
+    if not caches:  # mlx-bun compares the count with the model's layers (never 0)
+        raise HeaderFieldError(path, "header field 'caches' lists no cache layers")
     for i, e in enumerate(caches):
         if not isinstance(e, dict) or not isinstance(e.get("kind"), str):
-            raise FileFormatError(path, f"cache layer {i} has no 'kind'")
+            raise HeaderFieldError(path, f"cache layer {i} has no 'kind'")
         if e["kind"] not in KNOWN_KINDS:
-            raise FileFormatError(path, f"cache layer {i}: unsupported cache kind {e['kind']!r}")
+            raise HeaderFieldError(
+                path, f"cache layer {i}: unsupported cache kind {e['kind'][:80]!r}"
+            )
         if not isinstance(e.get("tensors"), list):
-            raise FileFormatError(path, f"cache layer {i} ({e['kind']}) has no 'tensors' list")
-    atts = h.get("attachments", [])
-    if not isinstance(atts, list) or not all(
-        isinstance(a, dict) and isinstance(a.get("schema"), str)
-        and isinstance(a.get("tensors"), list) for a in atts
-    ):
-        raise FileFormatError(path, "header field 'attachments' is malformed")
+            raise HeaderFieldError(path, f"cache layer {i} ({e['kind']}) has no 'tensors' list")
+    atts = attachments_of(h)
+    if not isinstance(atts, list):
+        raise HeaderFieldError(
+            path, f"header field 'attachments' is {type(atts).__name__}, not a list"
+        )
+    for i, a in enumerate(atts):
+        if not isinstance(a, dict) or not isinstance(a.get("schema"), str) \
+                or not isinstance(a.get("tensors"), list):
+            raise HeaderFieldError(
+                path, f"attachment {i} is not an object with a 'schema' string and a "
+                f"'tensors' list"
+            )
+
+
+@dataclass(frozen=True)
+class CheckedHeader:
+    """A header that passed every check mlx-bun's reader makes before reading tensors."""
+
+    layers: list[LayerPlan]
+    tensors: list[TensorPlan]  # layers' tensors in order, then attachments' (no source yet)
+
+
+class _Unread(PieceSource):
+    """The placeholder source of a checked tensor, until :func:`load_v3` opens it."""
+
+    def __init__(self, n: int) -> None:
+        self.stored_len = n
+
+
+def check_header(info: HeaderInfo, *, verify: bool = False) -> CheckedHeader:
+    """Every header check of mlx-bun's ``readKvHeader`` and ``loadKvCache``, no data read.
+
+    The table of those checks and where each is mirrored:
+
+    ==========================================  ==========================================
+    persistence.ts                              here
+    ==========================================  ==========================================
+    magic ``MLXBUNKV2\\n``                       ``_header_from_fd`` (BadMagicError)
+    body of headerLen read, Bun.hash == prefix  ``_header_from_fd`` (Truncated-,
+                                                HeaderHashMismatchError), length vs file
+                                                size checked first
+    JSON.parse (UTF-8 TextDecoder)              ``_v3json.loads`` (MalformedHeaderError):
+                                                NaN/Infinity, non-UTF-8, too deep refused
+    formatVersion in 3, 4, 5                    ``_header_from_fd`` (UnsupportedVersion-)
+    codecProvider ?? mlx-cache-v3               ``_check_identity`` (CodecProviderMismatch-)
+    modelId/config/tokenizer/ns vs expected     ``_check_identity`` (NamespaceMismatch-)
+    caches.length == model's layers (>= 1)      ``_check_structure``: not empty
+    codecs.forHeader: known kind                ``_check_structure`` (HeaderFieldError)
+    minimumReusableOffset safe int in [0, off]  ``_v3kinds.minimum_reusable_offset``
+    codec.load: tensors[i]!, fields with ``!``  ``_v3kinds.plan_layer`` / ``_check_raw``
+    mtp-mla has no dsaHeadDim; GLM counts       ``_v3kinds._check_raw``
+    kv: [B, H, S, D], grown to step capacity    ``plan_layer`` (S >= offset), TensorPlan
+    attachments ?? [], .tensors.map             ``_check_structure``
+    v3: mmap view of dataStart+off, bytes       ``check_slot`` (Truncated-/OutOfBounds-)
+    fromBytesCopy(bytes, shape, dtype)          ``validate_slot``: dtype, bytes == shape,
+                                                <= 64 dims, dims < 2**31
+    verify: hash64(view) == slot.hash           ``TensorPlan.check_hash``
+    v5: blocks ?? [], hash /^[a-f0-9]{64}$/,    ``v5file.block_refs`` (BlockReferenceError)
+    bytes > 0, running sum <= slot.bytes,
+    sum == slot.bytes
+    v5: block read, length == bytes             ``v5file.open_block`` (regular file only)
+    v5 verify: sha256(block) == hash            ``BlockRange.verify``
+    ==========================================  ==========================================
+
+    Beyond mlx-bun (hostile files): tensors of a v3/v4 file must not overlap,
+    the allocation is bounded (``_v3io.check_allocation``), a zero-size tensor
+    has one dimension, and dataStart lies after the header.
+    """
+    _check_structure(info)
+    p, h = info.path, info.header
+    v5 = info.format_version == 5
+    layers: list[LayerPlan] = []
+    tensors: list[TensorPlan] = []
+    ranges: list[tuple[int, int, str]] = []
+
+    def add(slot: Any, what: str, cap: int | None) -> None:
+        if v5:
+            from .v5file import block_refs
+
+            n = sum(size for _, size in block_refs(p, slot, what))
+        else:
+            n = validate_slot(p, slot, what)
+            check_slot(p, slot, what, info.data_start, info.file_size)
+            start = info.data_start + int(slot["off"])
+            ranges.append((start, start + n, what))
+        tensors.append(TensorPlan.make(p, slot, what, _Unread(n), cap, verify and not v5))
+
+    for i, entry in enumerate(h["caches"]):
+        where = f"cache layer {i} ({entry['kind']})"
+        for j, slot in enumerate(entry["tensors"]):
+            validate_slot(p, slot, f"{where} tensor {j}", v5=v5)
+        try:
+            plan = plan_layer(entry)
+        except LayerError as e:
+            raise HeaderFieldError(p, f"{where}: {e}") from None
+        layers.append(plan)
+        for j, (slot, cap) in enumerate(zip(entry["tensors"], plan.capacities, strict=True)):
+            add(slot, f"{where} tensor {j}", cap)
+    for i, att in enumerate(attachments_of(h)):
+        for j, slot in enumerate(att["tensors"]):
+            add(slot, f"attachment {i} ({att['schema'][:80]}) tensor {j}", None)
+    check_overlaps(p, ranges)
+    stored = sum(t.source.stored_len for t in tensors) if v5 else info.file_size
+    check_allocation(p, tensors, stored)
+    return CheckedHeader(layers, tensors)
 
 
 def _check_identity(info: HeaderInfo, namespace: Namespace | None) -> None:
     h = info.header
-    provider = h.get("codecProvider", CODEC_PROVIDER)
+    provider = h.get("codecProvider")
+    if provider is None:  # `header.codecProvider ?? legacyCacheCodecs.id`
+        provider = CODEC_PROVIDER
     if provider != CODEC_PROVIDER:
         raise CodecProviderMismatchError(
             info.path,
@@ -223,50 +348,32 @@ def _check_identity(info: HeaderInfo, namespace: Namespace | None) -> None:
             )
 
 
-def _tensor_source(info: HeaderInfo, slot: dict[str, Any], where: str) -> PieceSource:
-    if info.format_version == 5:
-        from .v5file import block_source
-
-        return block_source(info.path, slot, where)
-    return check_slot(info.path, slot, where, info.data_start, info.file_size)
-
-
 def load_v3(
     path: str | os.PathLike[str], *, verify: bool = False, namespace: Namespace | None = None
 ) -> Loaded:
     """Read an mlx-bun v3/v4/v5 file into mlx-lm cache objects (or :class:`RawCache`).
 
-    Raises a :class:`FileFormatError` subclass naming the file and the problem.
+    Raises a :class:`FileFormatError` subclass naming the file and the problem;
+    every header check (:func:`check_header`) runs before anything is allocated.
     """
     p = os.fspath(path)
     fd = os.open(p, os.O_RDONLY)
     try:
         info = _header_from_fd(fd, p)
-        _check_structure(info)
+        checked = check_header(info, verify=verify)
         _check_identity(info, namespace)
         h = info.header
-        plans = []
-        tensors: list[TensorPlan] = []
-        for i, entry in enumerate(h["caches"]):
-            where = f"cache layer {i} ({entry['kind']})"
-            try:
-                plan = plan_layer(entry)
-            except LayerError as e:
-                raise FileFormatError(p, f"{where}: {e}") from None
-            plans.append(plan)
-            for j, (slot, cap) in enumerate(zip(entry["tensors"], plan.capacities, strict=True)):
-                what = f"{where} tensor {j}"
-                tensors.append(TensorPlan.make(
-                    p, slot, what, _tensor_source(info, slot, what),
-                    cap, verify and info.format_version != 5,
-                ))
-        for i, att in enumerate(h.get("attachments", [])):
-            for j, slot in enumerate(att["tensors"]):
-                where = f"attachment {i} ({att['schema']}) tensor {j}"
-                tensors.append(TensorPlan.make(
-                    p, slot, where, _tensor_source(info, slot, where), None,
-                    verify and info.format_version != 5,
-                ))
+        plans = checked.layers
+        tensors = checked.tensors
+        if info.format_version == 5:
+            from .v5file import BlockFiles, block_source
+
+            fds = BlockFiles()  # shared: a bounded number of block fds open at once
+            for t in tensors:
+                t.source = block_source(p, t.slot, t.where, fds)
+        else:
+            for t in tensors:
+                t.source = check_slot(p, t.slot, t.where, info.data_start, info.file_size)
         arrays = load_arrays(p, fd, tensors, verify)
     finally:
         os.close(fd)
@@ -278,14 +385,14 @@ def load_v3(
         try:
             cache.append(build_layer(plan, layer_arrays))
         except (ValueError, TypeError, KeyError) as e:
-            raise FileFormatError(p, f"cache layer {i} ({plan.entry['kind']}): {e}") from e
+            raise HeaderFieldError(p, f"cache layer {i} ({plan.entry['kind']}): {e}") from e
     attachments = [
         AttachmentData(
             schema=a["schema"],
             metadata=_v3json.dumps(a.get("metadata", {})),
             tensors=tuple(next(it) for _ in a["tensors"]),
         )
-        for a in h.get("attachments", [])
+        for a in attachments_of(h)
     ]
     return Loaded(
         tokens=list(h["tokens"]),
