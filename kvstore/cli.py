@@ -425,23 +425,45 @@ def export(entry: str, path: Path, fmt: str, as_json: bool) -> None:
 @click.option("--tokens", "all_tokens", is_flag=True, help="Print every token, not the first 16.")
 @json_option
 @common
-def inspect_(file: Path, all_tokens: bool, as_json: bool) -> None:
+def inspect_(file: Path, all_tokens: bool, as_json: bool) -> int:
     """Describe an mlx-bun cache file.
 
     Prints the prefix, the header, each layer's kind and fields and each tensor's
-    shape, dtype and size; reads no tensor data.
+    shape, dtype and size; reads no tensor data. Every header field is checked as
+    mlx-bun's reader checks it (a malformed file is an error, exit 2); a file
+    that ends before its header or tensors do is reported as truncated (exit 1).
     """
     read_header = backend("kvstore.codecs.v3", "read_header", "inspect")
+    check_header = backend("kvstore.codecs.v3", "check_header", "inspect")
+    from .errors import TensorOutOfBoundsError, TruncatedFileError
+
     if file.is_dir():
         raise UserError(f"{file}: is a directory, not a cache file")
-    info = read_header(file)
+    truncated: str | None = None
+    try:
+        info = read_header(file)
+    except TruncatedFileError as e:
+        info, truncated = None, e.reason
+    if info is not None:
+        try:
+            check_header(info)
+        except (TruncatedFileError, TensorOutOfBoundsError) as e:  # the file ends too early
+            truncated = e.reason
     if as_json:
-        emit({"path": str(file), "file_bytes": info.file_size,
-              "format_version": info.format_version, "header_len": info.header_len,
-              "data_start": info.data_start, "header_hash": info.header_hash_hex,
-              "header": info.header})
-    else:
+        out: dict[str, Any] = {"path": str(file)}
+        if info is not None:
+            out.update({"file_bytes": info.file_size, "format_version": info.format_version,
+                        "header_len": info.header_len, "data_start": info.data_start,
+                        "header_hash": info.header_hash_hex, "header": info.header})
+        if truncated is not None:
+            out["truncated"] = truncated
+        emit(out)
+    elif info is not None:
         click.echo("\n".join(H.header_lines(info, all_tokens=all_tokens)))
+    if truncated is not None:
+        click.echo(f"kvstore: {file}: truncated: {truncated}", err=True)
+        return 1
+    return 0
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

@@ -175,7 +175,7 @@ class TensorShapeError(TensorShapeMismatchError):
     """A shape MLX cannot hold exactly: over 64 dims, a dim >= 2**31, zero-size with 2+ dims."""
 
 
-class TensorOverlapError(TensorOutOfBoundsError):
+class TensorOverlapError(FileFormatError):
     """Two tensors of a v3/v4 file claim overlapping byte ranges."""
 
 
