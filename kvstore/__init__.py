@@ -27,8 +27,8 @@ from .errors import (
 from .schema import Namespace
 
 if TYPE_CHECKING:
-    from .codecs.v3 import Loaded, load_v3, save_v3
-    from .codecs.v5file import save_v5
+    from .formats.v3 import Loaded, load_v3, save_v3
+    from .formats.v5file import save_v5
     from .store import Entry, EntryInfo, Match, Stats, Store, default_root
 
 _LAZY = {

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from . import _human as H
-from ._cliutil import (
+from . import render as H
+from ._util import (
     ByteSize,
     Options,
     UserError,
@@ -41,7 +41,7 @@ from ._cliutil import (
 )
 
 if TYPE_CHECKING:
-    from .store import Store
+    from ..store import Store
 
 __all__ = ["cli", "main"]
 
@@ -203,7 +203,7 @@ def show(entry: str, all_tokens: bool, as_json: bool) -> None:
 
     ENTRY is a full id or a unique prefix of one (at least 4 hex chars).
     """
-    from . import prefix as P
+    from ..store import keys as P
 
     with open_store() as store:
         eid = store.resolve(entry)
@@ -431,7 +431,7 @@ def inspect_(file: Path, all_tokens: bool, as_json: bool) -> None:
     Prints the prefix, the header, each layer's kind and fields and each tensor's
     shape, dtype and size; reads no tensor data.
     """
-    read_header = backend("kvstore.codecs.v3", "read_header", "inspect")
+    read_header = backend("kvstore.formats.v3", "read_header", "inspect")
     if file.is_dir():
         raise UserError(f"{file}: is a directory, not a cache file")
     info = read_header(file)
@@ -483,11 +483,11 @@ def serve(ctx: click.Context) -> int:
 
     Every mlx_lm.server option works; see 'kvstore serve --help'.
     """
-    serve_main = backend("kvstore.serve", "serve_main", "serve")
+    serve_main = backend("kvstore.mlx_lm.serve", "serve_main", "serve")
     root = opts().root
     argv = [*(["--root", str(root)] if root is not None else []), *ctx.args]
     code = int(serve_main(argv) or 0)
-    from .serve import exit_now
+    from ..mlx_lm.serve import exit_now
 
     exit_now(code)  # mlx-lm's server can abort in interpreter teardown; all is flushed here
     return code
@@ -504,7 +504,7 @@ def _oserror_line(e: OSError) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 a check failed, 2 an error)."""
-    from .errors import KVStoreError
+    from ..errors import KVStoreError
 
     state = Options()
     try:
