@@ -27,8 +27,8 @@ from .errors import (
 from .schema import Namespace
 
 if TYPE_CHECKING:
-    from .codecs.v3 import Loaded, load_v3, save_v3
-    from .codecs.v5file import save_v5
+    from .formats.v3 import Loaded, load_v3, save_v3
+    from .formats.v5file import save_v5
     from .store import Entry, EntryInfo, Match, Stats, Store, default_root
 
 _LAZY = {
@@ -38,10 +38,10 @@ _LAZY = {
     "Stats": "store",
     "Store": "store",
     "default_root": "store",
-    "Loaded": "codecs.v3",
-    "load_v3": "codecs.v3",
-    "save_v3": "codecs.v3",
-    "save_v5": "codecs.v5file",
+    "Loaded": "formats.v3",
+    "load_v3": "formats.v3",
+    "save_v3": "formats.v3",
+    "save_v5": "formats.v5file",
 }
 
 

@@ -1,6 +1,6 @@
 """``python -m kvstore``: the same command line as ``kvstore``."""
 
-from kvstore.cli import main
+from kvstore.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

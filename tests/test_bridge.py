@@ -20,21 +20,21 @@ from factories import (
 from mlx_lm.models import cache as _cache
 
 import kvstore
-from kvstore.bridge import (
+from kvstore.codecs import RawCache
+from kvstore.errors import (
+    FileFormatError,
+    HeaderHashMismatchError,
+    NamespaceRequiredError,
+    TensorHashMismatchError,
+)
+from kvstore.formats.v3 import PREFIX_LEN, Loaded, load_v3, save_v3
+from kvstore.store.bridge import (
     BLOCK_BYTES_KEY,
     CREATED_AT_KEY,
     FORMAT_VERSION_KEY,
     IDENTITY_KEY,
     export_entry,
     import_file,
-)
-from kvstore.codecs import RawCache
-from kvstore.codecs.v3 import PREFIX_LEN, Loaded, load_v3, save_v3
-from kvstore.errors import (
-    FileFormatError,
-    HeaderHashMismatchError,
-    NamespaceRequiredError,
-    TensorHashMismatchError,
 )
 
 SAMPLES = Path(__file__).resolve().parent / "data" / "mlx-bun-v3"

@@ -23,7 +23,7 @@ from helpers.kv import (
 )
 
 import kvstore
-import kvstore._fs
+import kvstore.store._fs
 from kvstore.errors import StoreFullError, UnsupportedFilesystemError
 
 
@@ -133,9 +133,8 @@ def test_a_reader_racing_evict_and_compact_gets_exact_data_or_a_miss(tmp_path: P
     s = open_store(root)
     seeds = [1, 2, 3]
     spec = {"n": 120, "shared": 48}
-    reader = start_worker(
-        "reader", {"root": str(root), "until": time.time() + 4.0, "seeds": seeds, **spec}
-    )
+    reader = start_worker("reader", {"root": str(root), "seconds": 4.0, "seeds": seeds, **spec})
+    assert reader.stdout.readline().strip() == "ready"
     deadline = time.time() + 3.5
     rounds = 0
     while time.time() < deadline:
@@ -165,8 +164,8 @@ def test_network_filesystems_are_refused(tmp_path: Path, monkeypatch: pytest.Mon
             return io.StringIO("/dev/sda1 / ext4 rw 0 0\n" + mounts)
         return real_open(path, *a, **kw)  # type: ignore[call-overload]
 
-    monkeypatch.setattr(kvstore._fs, "open", fake_open, raising=False)
-    assert kvstore._fs.filesystem_type(root) == "nfs4"
+    monkeypatch.setattr(kvstore.store._fs, "open", fake_open, raising=False)
+    assert kvstore.store._fs.filesystem_type(root) == "nfs4"
     with pytest.raises(UnsupportedFilesystemError, match="nfs4"):
         open_store(root)
 

@@ -12,8 +12,8 @@ from helpers.kv import make_cache, matches, open_store, recount, sound_store, to
 from mlx_lm.models.cache import LRUPromptCache
 
 import kvstore
-from kvstore.gc import EvictionOrder
 from kvstore.index import EntryRecord, RefInfo
+from kvstore.store.gc import EvictionOrder
 
 BLOCK = 16 * 2 * 2 * 8 * 2  # one full token block: 16 tokens, K+V, H2 D8 fp16
 

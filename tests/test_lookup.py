@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvstore
-from kvstore import lookup as lookup_mod
 from kvstore import schema
-from kvstore import store as store_mod
+from kvstore.store import lookup as lookup_mod
+from kvstore.store import store as store_mod
 
 NS = kvstore.Namespace(model_id="lookup")
 seqs = st.lists(st.integers(0, 2), min_size=1, max_size=14)

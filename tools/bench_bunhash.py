@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from kvstore.codecs.bunhash import bun_hash
+from kvstore.formats.bunhash import bun_hash
 
 
 def _best_seconds(fn: Callable[[], object], repeat: int) -> float:

@@ -298,7 +298,7 @@ def machine(scratch: Path) -> dict[str, Any]:
     """What the figures were measured on (no paths of the machine)."""
     import mlx_lm
 
-    from .._fs import filesystem_type
+    from ..store._fs import filesystem_type
 
     return {
         "nproc": os.cpu_count(),

@@ -14,12 +14,12 @@ import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 
 from ..blocks import BlockStore, hash_bytes
-from ..blocks.store import io_pool
+from ..blocks.local import io_pool
 from ..codecs import snapshot
-from ..root import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK
 from ..schema import Namespace
 from ..store import Store
-from ..writer import place
+from ..store.root import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK
+from ..store.writer import place
 from .common import (
     Config,
     Row,

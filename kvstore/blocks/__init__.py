@@ -10,7 +10,7 @@ from .hashing import (
     new_hasher,
     to_hex,
 )
-from .store import BlockStore
+from .local import BlockStore
 
 __all__ = [
     "ALGORITHMS",

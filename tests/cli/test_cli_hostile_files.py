@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from cli_helpers import assert_user_error, run_here, run_many
 
-from kvstore.codecs.bunhash import bun_hash
+from kvstore.formats.bunhash import bun_hash
 
 SAMPLES = Path(__file__).resolve().parents[1] / "data" / "mlx-bun-v3"
 ALIGN = 16384

@@ -11,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from kvstore.codecs.bunhash import BunHasher, bun_hash, bun_hash_hex, hex64
+from kvstore.formats.bunhash import BunHasher, bun_hash, bun_hash_hex, hex64
 
 
 def _input(v: dict[str, Any]) -> bytes:

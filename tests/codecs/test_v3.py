@@ -13,8 +13,8 @@ import pytest
 from mlx_lm.models import cache as C
 
 from kvstore.codecs import RawCache
-from kvstore.codecs.v3 import Loaded, load_v3, read_header, save_v3
-from kvstore.codecs.v5file import save_v5
+from kvstore.formats.v3 import Loaded, load_v3, read_header, save_v3
+from kvstore.formats.v5file import save_v5
 
 V3_SAMPLES = ["tiny", "kv-plain", "mixed", "with-attachments"]
 ALL_SAMPLES = [*V3_SAMPLES, "mixed-blocks-v5"]

@@ -11,8 +11,6 @@ from typing import Any
 
 import pytest
 
-from kvstore.codecs.bunhash import bun_hash
-from kvstore.codecs.v3 import load_v3, read_header
 from kvstore.errors import (
     BadMagicError,
     BlockReferenceError,
@@ -26,6 +24,8 @@ from kvstore.errors import (
     TruncatedFileError,
     UnsupportedVersionError,
 )
+from kvstore.formats.bunhash import bun_hash
+from kvstore.formats.v3 import load_v3, read_header
 from kvstore.schema import Namespace
 
 PREFIX = 26

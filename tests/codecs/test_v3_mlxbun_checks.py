@@ -17,8 +17,6 @@ from typing import Any
 
 import pytest
 
-from kvstore.codecs.bunhash import bun_hash
-from kvstore.codecs.v3 import check_header, load_v3, read_header
 from kvstore.errors import (
     AllocationBoundError,
     BlockReferenceError,
@@ -32,6 +30,8 @@ from kvstore.errors import (
     TruncatedFileError,
     UnsupportedVersionError,
 )
+from kvstore.formats.bunhash import bun_hash
+from kvstore.formats.v3 import check_header, load_v3, read_header
 
 PREFIX = 26
 ALIGN = 16384
@@ -302,7 +302,7 @@ def test_records_sharing_bytes_are_refused(samples_dir: Path, tmp_path: Path) ->
 
 def test_regrowth_is_bounded_by_one_step(samples_dir: Path, tmp_path: Path) -> None:
     """Dense 16-byte records, each regrown to 256 rows: within the margin; past it, refused."""
-    from kvstore.codecs import _v3io
+    from kvstore.formats import _v3io
 
     def mutate(h: dict[str, Any]) -> None:
         h["tokens"] = [1]
@@ -322,7 +322,7 @@ def test_regrowth_is_bounded_by_one_step(samples_dir: Path, tmp_path: Path) -> N
 
 
 def test_total_allocation_check_names_the_largest_tensor(tmp_path: Path) -> None:
-    from kvstore.codecs._v3io import FileRange, TensorPlan, check_allocation
+    from kvstore.formats._v3io import FileRange, TensorPlan, check_allocation
 
     slot = {"off": 0, "bytes": 64, "shape": [1, 1, 4, 8], "dtype": "bfloat16"}
     plan = TensorPlan.make("f.kv", slot, "cache layer 7 (kv) tensor 1",

@@ -12,9 +12,9 @@ import pytest
 from mlx_lm.models import cache as C
 
 from kvstore.codecs import AttachmentData, RawCache
-from kvstore.codecs.v3 import load_v3, read_header, save_v3
-from kvstore.codecs.v5file import save_v5
 from kvstore.errors import CacheMismatchError
+from kvstore.formats.v3 import load_v3, read_header, save_v3
+from kvstore.formats.v5file import save_v5
 from kvstore.schema import Namespace
 
 DTYPES = [mx.bfloat16, mx.float16, mx.float32]

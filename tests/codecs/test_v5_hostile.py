@@ -16,10 +16,10 @@ import pytest
 from factories import kv_cache, same_bits
 
 import kvstore
-from kvstore.bridge import import_file
-from kvstore.codecs.v3 import load_v3, read_header
-from kvstore.codecs.v5file import save_v5
 from kvstore.errors import BlockFileTypeError
+from kvstore.formats.v3 import load_v3, read_header
+from kvstore.formats.v5file import save_v5
+from kvstore.store.bridge import import_file
 
 NS = kvstore.Namespace(model_id="tiny", config_fingerprint="cfg", tokenizer_hash="tok")
 

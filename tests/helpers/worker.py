@@ -49,10 +49,16 @@ def cmd_loop_compact(a: dict[str, Any]) -> dict[str, Any]:
 
 
 def cmd_reader(a: dict[str, Any]) -> dict[str, Any]:
-    """Restore the given seeds until ``until``; every hit must be bit-exact."""
+    """Restore the given seeds for ``seconds`` once ready; every hit must be bit-exact.
+
+    Prints ``ready`` when the store is open, so the parent's race starts only then
+    (importing MLX can take seconds on a loaded machine).
+    """
     hits = misses = bad = 0
     with open_store(a["root"]) as s:
-        while time.time() < a["until"]:
+        print("ready", flush=True)
+        until = time.time() + a["seconds"]
+        while time.time() < until:
             for seed in a["seeds"]:
                 toks = tokens_for(seed, a["n"], a.get("shared", 0))
                 cache, length = s.restore(toks)

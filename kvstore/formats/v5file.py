@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .._pieces import cut
+from ..codecs._pieces import cut
+from ..codecs.base import AttachmentData
 from ..errors import (
     BlockFileTypeError,
     BlockReferenceError,
@@ -30,7 +31,6 @@ from ..errors import (
 from ..schema import Namespace
 from . import _v3json
 from ._v3io import PieceSource, tensor_pieces, validate_slot
-from .base import AttachmentData
 from .bunhash import bun_hash_pieces_hex
 from .v3 import PREFIX_LEN, align_up, atomic_file, encode_prefix, plan_file, pwrite_all
 

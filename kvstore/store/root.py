@@ -9,10 +9,10 @@ from typing import Any
 import msgspec
 import platformdirs
 
+from ..blocks import ALGORITHMS
+from ..errors import NotAStoreError, RootSettingsError
+from ..index import Index, now_ms
 from ._fs import check_filesystem
-from .blocks import ALGORITHMS
-from .errors import NotAStoreError, RootSettingsError
-from .index import Index, now_ms
 
 ROOT_FORMAT = 1
 DEFAULT_BLOCK_TOKENS = 256

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..codecs.base import AttachmentData, TensorData
 from ..errors import (
     BadMagicError,
     CacheMismatchError,
@@ -49,7 +50,6 @@ from ._v3io import (
     validate_slot,
 )
 from ._v3kinds import KNOWN_KINDS, LayerError, LayerPlan, build_layer, dump_layer, plan_layer
-from .base import AttachmentData, TensorData
 from .bunhash import bun_hash, bun_hash_pieces_hex
 
 __all__ = [

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .schema import TensorSpec
+from ..schema import TensorSpec
 
 _ITEMSIZE = {
     "bool": 1,

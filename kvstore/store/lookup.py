@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import prefix as P
-from .codecs import codec_for_record
-from .index import Index
-from .schema import Layer, decode_manifest
+from ..codecs import codec_for_record
+from ..index import Index
+from ..schema import Layer, decode_manifest
+from . import keys as P
 
 SCAN = 8  # prefix values examined on each side of a lookup's probe
 REACH_META = b"reach-markers"  # meta key: every non-trimmable entry has its reach markers

@@ -46,10 +46,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..codecs.layout import manifest_block_sizes
+from ..index import EntryRecord, RefInfo, Totals, now_ms
+from ..schema import Manifest, decode_manifest, iter_tensor_specs
 from ._crash import crash_point
-from .index import EntryRecord, RefInfo, Totals, now_ms
-from .layout import manifest_block_sizes
-from .schema import Manifest, decode_manifest, iter_tensor_specs
 
 if TYPE_CHECKING:
     from .store import Store

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ._mxload import TensorStream, load_tensors
-from .blocks.store import io_pool
-from .errors import CorruptBlockError
-from .layout import block_rows, geometry, spec_nbytes
-from .schema import TensorSpec
+from ..blocks.local import io_pool
+from ..codecs._mxload import TensorStream, load_tensors
+from ..codecs.layout import block_rows, geometry, spec_nbytes
+from ..errors import CorruptBlockError
+from ..schema import TensorSpec
 
 _ZEROS = bytes(1 << 20)
 _IOV_MAX = 1024

@@ -25,10 +25,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .blocks import hash_bytes
-from .blocks.hashing import chain_hashes
-from .errors import InvalidTokensError
-from .schema import Namespace
+from ..blocks import hash_bytes
+from ..blocks.hashing import chain_hashes
+from ..errors import InvalidTokensError
+from ..schema import Namespace
 
 TAIL = 96  # tokens kept in a prefix value: 96*4 + 4 + 1 + 32 < LMDB's 511-byte dup limit
 TERM = b"\0\0\0\0"

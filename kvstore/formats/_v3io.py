@@ -20,7 +20,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from .._mxload import TensorStream, load_tensors
+from ..codecs._mxload import TensorStream, load_tensors
+from ..codecs.base import TensorData
 from ..errors import (
     AllocationBoundError,
     FileFormatError,
@@ -32,7 +33,6 @@ from ..errors import (
     TensorShapeMismatchError,
     TruncatedFileError,
 )
-from .base import TensorData
 from .bunhash import BunHasher
 
 # mlx dtype name -> (bytes per element, safetensors dtype code)

@@ -15,14 +15,14 @@ from typing import TypeVar
 import mlx.core as mx
 import msgspec
 
+from ..blocks import BlockStore, Digest, new_hasher
+from ..blocks.local import io_pool
+from ..codecs import Snapshot, TensorData
+from ..codecs._pieces import cut
+from ..codecs.layout import block_rows, dtype_name, geometry, n_token_blocks
+from ..errors import CacheMismatchError
+from ..schema import Layer, ListLayer, TensorSpec
 from ._crash import crash_point
-from ._pieces import cut
-from .blocks import BlockStore, Digest, new_hasher
-from .blocks.store import io_pool
-from .codecs import Snapshot, TensorData
-from .errors import CacheMismatchError
-from .layout import block_rows, dtype_name, geometry, n_token_blocks
-from .schema import Layer, ListLayer, TensorSpec
 
 Pieces = list[memoryview]
 _T = TypeVar("_T")

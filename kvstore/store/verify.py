@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from . import prefix as P
-from .errors import KVStoreError
+from ..errors import KVStoreError
+from ..index import EntryRecord, RefInfo, now_ms
+from ..schema import Manifest, decode_manifest
+from . import keys as P
 from .gc import _block_files, manifest_blocks
-from .index import EntryRecord, RefInfo, now_ms
-from .schema import Manifest, decode_manifest
 
 if TYPE_CHECKING:
     from .store import Store

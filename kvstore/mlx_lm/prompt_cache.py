@@ -40,7 +40,7 @@ __all__ = [
     "namespace_for_path",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("kvstore.mlx_lm")
 
 _SAMPLE_WINDOWS = 16
 _SAMPLE_BYTES = 4096

@@ -13,11 +13,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from . import prefix as P
-from ._crash import crash_point
-from .blocks import BlockStore, from_hex, new_hasher
-from .codecs import AttachmentData, RawCache, codec_for_record, snapshot
-from .errors import (
+from ..blocks import BlockStore, from_hex, new_hasher
+from ..codecs import AttachmentData, RawCache, codec_for_record, snapshot
+from ..codecs.layout import manifest_block_sizes, n_token_blocks
+from ..errors import (
     BlockNotFoundError,
     CacheMismatchError,
     CorruptBlockError,
@@ -26,12 +25,8 @@ from .errors import (
     KVStoreError,
     NamespaceRequiredError,
 )
-from .index import DeletePlan, EntryRecord, Index, SavePlan, now_ms
-from .layout import manifest_block_sizes, n_token_blocks
-from .lookup import REACH_META, Match, add_reach_markers, find, prefix_items, trimmable
-from .reader import Want, load_arrays, plan_runs
-from .root import RootSettings, default_root, open_root
-from .schema import (
+from ..index import DeletePlan, EntryRecord, Index, SavePlan, now_ms
+from ..schema import (
     Attachment,
     Layer,
     ListLayer,
@@ -42,6 +37,11 @@ from .schema import (
     encode_manifest,
     iter_tensor_specs,
 )
+from . import keys as P
+from ._crash import crash_point
+from .lookup import REACH_META, Match, add_reach_markers, find, prefix_items, trimmable
+from .reader import Want, load_arrays, plan_runs
+from .root import RootSettings, default_root, open_root
 from .writer import place, write_blocks
 
 if TYPE_CHECKING:

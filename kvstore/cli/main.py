@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from . import _human as H
-from ._cliutil import (
+from . import render as H
+from ._util import (
     ByteSize,
     Options,
     UserError,
@@ -41,7 +41,7 @@ from ._cliutil import (
 )
 
 if TYPE_CHECKING:
-    from .store import Store
+    from ..store import Store
 
 __all__ = ["cli", "main"]
 
@@ -203,7 +203,7 @@ def show(entry: str, all_tokens: bool, as_json: bool) -> None:
 
     ENTRY is a full id or a unique prefix of one (at least 4 hex chars).
     """
-    from . import prefix as P
+    from ..store import keys as P
 
     with open_store() as store:
         eid = store.resolve(entry)
@@ -433,9 +433,9 @@ def inspect_(file: Path, all_tokens: bool, as_json: bool) -> int:
     mlx-bun's reader checks it (a malformed file is an error, exit 2); a file
     that ends before its header or tensors do is reported as truncated (exit 1).
     """
-    read_header = backend("kvstore.codecs.v3", "read_header", "inspect")
-    check_header = backend("kvstore.codecs.v3", "check_header", "inspect")
-    from .errors import TensorOutOfBoundsError, TruncatedFileError
+    read_header = backend("kvstore.formats.v3", "read_header", "inspect")
+    check_header = backend("kvstore.formats.v3", "check_header", "inspect")
+    from ..errors import TensorOutOfBoundsError, TruncatedFileError
 
     if file.is_dir():
         raise UserError(f"{file}: is a directory, not a cache file")
@@ -505,11 +505,11 @@ def serve(ctx: click.Context) -> int:
 
     Every mlx_lm.server option works; see 'kvstore serve --help'.
     """
-    serve_main = backend("kvstore.serve", "serve_main", "serve")
+    serve_main = backend("kvstore.mlx_lm.serve", "serve_main", "serve")
     root = opts().root
     argv = [*(["--root", str(root)] if root is not None else []), *ctx.args]
     code = int(serve_main(argv) or 0)
-    from .serve import exit_now
+    from ..mlx_lm.serve import exit_now
 
     exit_now(code)  # mlx-lm's server can abort in interpreter teardown; all is flushed here
     return code
@@ -526,7 +526,7 @@ def _oserror_line(e: OSError) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 a check failed, 2 an error)."""
-    from .errors import KVStoreError
+    from ..errors import KVStoreError
 
     state = Options()
     try:

@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from mlx_lm.models import cache as _cache
 
-from .codecs.v3 import load_v3, save_v3
-from .codecs.v5file import DEFAULT_BLOCK_BYTES, save_v5
-from .schema import Namespace
+from ..formats.v3 import load_v3, save_v3
+from ..formats.v5file import DEFAULT_BLOCK_BYTES, save_v5
+from ..schema import Namespace
 
 if TYPE_CHECKING:
     from .store import EntryInfo, Store

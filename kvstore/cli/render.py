@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .schema import Layer, Manifest, Namespace
-    from .store import Entry
+    from ..schema import Layer, Manifest, Namespace
+    from ..store import Entry
 
 __all__ = [
     "Branch",
@@ -266,7 +266,7 @@ def json_text(b: bytes) -> str:
 
 
 def layer_lines(layer: Layer, lead: str) -> list[str]:
-    from .schema import ListLayer
+    from ..schema import ListLayer
 
     fields = " ".join(f"{k}={json.dumps(v) if not isinstance(v, int) else v}"
                       for k, v in layer_fields(layer).items())
@@ -283,7 +283,7 @@ def layer_lines(layer: Layer, lead: str) -> list[str]:
 
 
 def layer_json(layer: Layer) -> dict[str, Any]:
-    from .schema import ListLayer
+    from ..schema import ListLayer
 
     d: dict[str, Any] = {"kind": layer_kind(layer), **layer_fields(layer)}
     d["tensors"] = [{"shape": list(t.shape), "dtype": t.dtype, "token_axis": t.token_axis,
@@ -365,7 +365,7 @@ def _file_tensor(t: dict[str, Any]) -> str:
 
 
 def header_lines(info: Any, *, all_tokens: bool = False) -> list[str]:
-    """``kvstore inspect``: a v3/v4/v5 file's prefix and header (a codecs.v3.HeaderInfo)."""
+    """``kvstore inspect``: a v3/v4/v5 file's prefix and header (a formats.v3.HeaderInfo)."""
     h: dict[str, Any] = info.header
     raw_tokens = h.get("tokens")
     tokens: list[int] = raw_tokens if isinstance(raw_tokens, list) else []
@@ -478,8 +478,8 @@ def _branches(node: _Node, block: int, token: int) -> list[Branch]:
 
 def build_forest(entries: Sequence[Entry], ms: dict[str, Manifest]) -> list[NamespaceTree]:
     """Group entries by namespace and merge their token-block lists into prefix trees."""
-    from .layout import manifest_block_sizes
-    from .schema import iter_tensor_specs
+    from ..codecs.layout import manifest_block_sizes
+    from ..schema import iter_tensor_specs
 
     groups: dict[Namespace, list[Entry]] = {}
     for e in sorted(entries, key=lambda e: (ns_label(e.namespace), e.id)):

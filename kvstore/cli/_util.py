@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from . import _human as H
+from . import render as H
 
 if TYPE_CHECKING:
-    from .schema import Manifest, Namespace
-    from .store import Store
+    from ..schema import Manifest, Namespace
+    from ..store import Store
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -41,7 +41,7 @@ class Options:
     debug: bool = False
 
     def resolved_root(self) -> Path:
-        from .store import default_root
+        from ..store import default_root
 
         return self.root if self.root is not None else default_root()
 
@@ -98,7 +98,7 @@ def emit(obj: Any) -> None:
 
 @contextmanager
 def open_store(create: bool = False, **kwargs: Any) -> Iterator[Store]:
-    from .store import Store
+    from ..store import Store
 
     with Store.open(opts().resolved_root(), create=create, **kwargs) as store:
         yield store
@@ -175,7 +175,7 @@ def ns_matches(ns: Namespace, wanted: str | None) -> bool:
 
 
 def manifests(store: Store, ids: Sequence[str]) -> dict[str, Manifest]:
-    from .schema import decode_manifest
+    from ..schema import decode_manifest
 
     out: dict[str, Manifest] = {}
     with store.index.read() as txn:

@@ -1,0 +1,5 @@
+"""The command line (``kvstore``, the console script ``kvstore.cli:main``)."""
+
+from .main import cli, main
+
+__all__ = ["cli", "main"]
