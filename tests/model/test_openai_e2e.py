@@ -1,0 +1,255 @@
+"""``kvstore serve`` on the real model, driven by the official ``openai`` client.
+
+Every request carries the whole history, as chat clients do. Greedy decoding
+(temperature 0) and a few tokens per reply keep the suite bounded on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.model
+
+SYSTEM = (
+    "You are the assistant of a small town archive. The archive keeps the parish registers, "
+    "the mill's account books from 1820 to 1950, maps of the river and its three bridges, "
+    "letters of the families who ran the bakery and the school, and photographs of the "
+    "market square. Answer visitors briefly and politely, in one or two sentences. When a "
+    "question is about the town, say which part of the archive holds the answer. When it is "
+    "not, answer it plainly from general knowledge. Never invent documents, dates or names; "
+    "if you do not know, say so and suggest asking the archivist, who is in on weekdays from "
+    "nine to five. Opening hours: Monday to Friday, nine to five; Saturday, ten to one. "
+    "Copies cost ten cents a page; photographs may be taken without flash."
+)
+TURNS = [
+    "What is the capital of France?",
+    "Where can I find the mill's account books?",
+    "When is the archivist in?",
+    "How much does a copy cost?",
+    "Can I take photographs?",
+    "Thank you. What is two plus two?",
+]
+REPLY_TOKENS = 8
+MIN_TOKENS = "32"  # persist even the short prompts of this suite
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def _server(model: Path, root: Path | None, log: Path) -> Iterator[Any]:
+    """A server on 127.0.0.1: ours on `root`, or plain ``mlx_lm.server`` when `root` is None."""
+    port = _free_port()
+    if root is None:
+        argv = [sys.executable, "-m", "mlx_lm.server"]
+    else:
+        argv = [sys.executable, "-m", "kvstore.serve", "--root", str(root),
+                "--min-tokens", MIN_TOKENS]
+    argv += ["--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+             "--log-level", "INFO"]
+    with log.open("a") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                    break
+                except (urllib.error.URLError, ConnectionError):
+                    assert proc.poll() is None, log.read_text()[-3000:]
+                    assert time.monotonic() < deadline, log.read_text()[-3000:]
+                    time.sleep(0.3)
+            yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                                timeout=300, max_retries=0)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode in (0, -signal.SIGTERM), log.read_text()[-3000:]
+
+
+@dataclass
+class Turn:
+    prompt_tokens: int
+    cached_tokens: int
+    ttft: float
+    text: str
+
+    @property
+    def share(self) -> float:
+        return self.cached_tokens / self.prompt_tokens
+
+
+def _streamed(client: Any, messages: list[dict[str, str]], **kw: Any) -> Turn:
+    t0 = time.perf_counter()
+    ttft = None
+    parts: list[str] = []
+    usage = None
+    stream = client.chat.completions.create(
+        model="default_model", messages=messages, stream=True, temperature=0.0,
+        max_tokens=kw.pop("max_tokens", REPLY_TOKENS), stream_options={"include_usage": True},
+        **kw,
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            parts.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert usage is not None and ttft is not None
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return Turn(usage.prompt_tokens, cached or 0, ttft, "".join(parts))
+
+
+def _converse(client: Any, history: list[dict[str, str]], turns: list[str]) -> list[Turn]:
+    out = []
+    for user in turns:
+        history.append({"role": "user", "content": user})
+        t = _streamed(client, history)
+        history.append({"role": "assistant", "content": t.text})
+        out.append(t)
+    return out
+
+
+def _report(name: str, turns: list[Turn]) -> None:
+    for i, t in enumerate(turns, 1):
+        print(f"{name} turn {i}: prompt {t.prompt_tokens} cached {t.cached_tokens} "
+              f"({t.share:.0%}) ttft {t.ttft * 1e3:.0f} ms: {t.text!r}")
+
+
+@dataclass
+class Conversation:
+    root: Path
+    history: list[dict[str, str]]
+    turns: list[Turn]
+
+
+@pytest.fixture(scope="module")
+def conversation(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Conversation:
+    tmp = tmp_path_factory.mktemp("conv")
+    history = [{"role": "system", "content": SYSTEM}]
+    with _server(smollm2_dir, tmp / "root", tmp / "server.log") as client:
+        turns = _converse(client, history, TURNS)
+    _report("first server", turns)
+    return Conversation(tmp / "root", history, turns)
+
+
+def test_six_turns_hit_from_turn_two(conversation: Conversation) -> None:
+    turns = conversation.turns
+    assert turns[0].cached_tokens == 0
+    assert "Paris" in turns[0].text
+    for prev, t in zip(turns, turns[1:], strict=False):
+        assert t.prompt_tokens > prev.prompt_tokens
+        # all of the previous request but the re-rendered end of its reply misses at most
+        # the new turn: template tokens, the user text and the reply's own tokens
+        assert t.cached_tokens >= prev.prompt_tokens, (prev, t)
+        assert t.share >= 0.8, t
+
+
+def test_restart_continues_from_disk(conversation: Conversation, smollm2_dir: Path,
+                                     tmp_path: Path) -> None:
+    history = [dict(m) for m in conversation.history]
+    with _server(smollm2_dir, conversation.root, tmp_path / "server.log") as client:
+        (t,) = _converse(client, history, ["And what is the capital of Italy?"])
+    _report("restarted server", [t])
+    last = conversation.turns[-1]
+    assert t.cached_tokens >= last.prompt_tokens and t.share >= 0.8, t  # a fresh process: disk
+
+
+def test_two_servers_share_one_root(smollm2_dir: Path, tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    history = [{"role": "system", "content": SYSTEM}]
+    with (_server(smollm2_dir, root, tmp_path / "a.log") as a,
+          _server(smollm2_dir, root, tmp_path / "b.log") as b):
+        first = _converse(a, history, TURNS[:1])
+        time.sleep(1.0)  # the first server's save is written behind the reply
+        second = _converse(b, history, TURNS[1:2])
+    _report("two servers", first + second)
+    assert first[0].cached_tokens == 0
+    assert second[0].cached_tokens >= first[0].prompt_tokens, second
+
+
+def _stats(root: Path) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-m", "kvstore", "--root", str(root), "stats",
+                           "--json"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout))
+
+
+def test_twenty_users_share_the_system_prompt(smollm2_dir: Path, tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    long_system = SYSTEM + " " + SYSTEM.replace("archive", "library")  # about 300 tokens
+    users = [f"Hello, I am visitor number {i}. What can I find here?" for i in range(20)]
+    with _server(smollm2_dir, root, tmp_path / "server.log") as client:
+        firsts = [
+            _streamed(client, [{"role": "system", "content": long_system},
+                               {"role": "user", "content": u}], max_tokens=1)
+            for u in users
+        ]
+    system_tokens = firsts[0].prompt_tokens - 20  # the user turn is under 20 tokens
+    assert firsts[0].cached_tokens == 0
+    assert all(f.cached_tokens >= system_tokens for f in firsts[1:]), firsts
+    st = _stats(root)
+    print("20 users:", {k: st[k] for k in ("entries", "blocks", "logical_bytes", "physical_bytes")})
+    # mlx-lm's server saves at the end of each template segment (system, user) and after the
+    # reply, so each request leaves more than one entry; each entry is two token blocks: the
+    # system prompt's first 256 tokens, stored once for all of them, and a tail of its own
+    assert firsts[0].prompt_tokens > 256 and st["entries"] >= 20
+    assert st["blocks"] <= st["entries"] + 1, st
+
+
+CASES: list[dict[str, Any]] = [
+    {"stream": False},
+    {"stream": True},
+    {"stream": False, "n": 1, "max_tokens": 5},
+    {"stream": True, "stop": ["."]},
+    {"stream": False, "stop": ["Paris"]},
+]
+
+
+def _text(client: Any, messages: list[dict[str, str]], case: dict[str, Any]) -> str:
+    kw = dict(case)
+    stream = kw.pop("stream")
+    kw.setdefault("max_tokens", 12)
+    if stream:
+        return _streamed(client, messages, **kw).text
+    r = client.chat.completions.create(model="default_model", messages=messages,
+                                       temperature=0.0, **kw)
+    return str(r.choices[0].message.content)
+
+
+def test_same_text_as_plain_mlx_lm_server(smollm2_dir: Path, tmp_path: Path) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}]
+    results: dict[str, list[str]] = {}
+    with _server(smollm2_dir, None, tmp_path / "plain.log") as plain:
+        results["plain"] = [_text(plain, messages, c) for c in CASES]
+    with _server(smollm2_dir, tmp_path / "root", tmp_path / "ours.log") as ours:
+        results["ours"] = [_text(ours, messages, c) for c in CASES]  # cold, then cache hits
+    with _server(smollm2_dir, tmp_path / "root", tmp_path / "ours2.log") as ours:
+        results["ours-disk"] = [_text(ours, messages, c) for c in CASES]  # from disk
+    print(json.dumps(results, indent=1))
+    assert results["ours"] == results["plain"] == results["ours-disk"]
+    assert "Paris" in results["plain"][0] and "Paris" not in results["plain"][4]
