@@ -1,5 +1,9 @@
-"""Content-addressed block files: hashing, atomic writes, reads."""
+"""The block-store seam (:class:`base.BlockStore`) and its backends: local files, S3.
 
+Blocks are bytes named by their digest; nothing here knows of tokens or caches.
+"""
+
+from .base import BlockStat
 from .hashing import (
     ALGORITHMS,
     Digest,
@@ -10,11 +14,13 @@ from .hashing import (
     new_hasher,
     to_hex,
 )
-from .local import BlockStore
+from .local import BlockStore, LocalBlockStore
 
 __all__ = [
     "ALGORITHMS",
+    "BlockStat",
     "BlockStore",
+    "LocalBlockStore",
     "Digest",
     "HexDigest",
     "check_digest",
