@@ -79,7 +79,12 @@ def test_an_unreachable_endpoint_fails_within_the_timeout(
 
 @pytest.mark.parametrize(
     "url, bucket, prefix",
-    [("s3://b", "b", ""), ("s3://b/", "b", ""), ("s3://b/x/y", "b", "x/y/"), ("s3://b//x/", "b", "x/")],
+    [
+        ("s3://b", "b", ""),
+        ("s3://b/", "b", ""),
+        ("s3://b/x/y", "b", "x/y/"),
+        ("s3://b//x/", "b", "x/"),
+    ],
 )
 def test_s3_urls(url: str, bucket: str, prefix: str) -> None:
     u = parse_s3_url(url)
