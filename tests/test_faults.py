@@ -53,7 +53,6 @@ def assert_untouched(s: kvstore.Store) -> None:
 # --- item 8: a cache that cannot be restored is not saved ---------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 8: unrestorable dtypes are saved")
 @pytest.mark.parametrize("dtype", [mx.float64, mx.complex64])
 def test_an_unrestorable_dtype_is_refused_at_save(tmp_path: Path, dtype: mx.Dtype) -> None:
     with open_store(tmp_path / "r") as s:
@@ -80,7 +79,6 @@ def test_every_dtype_that_saves_also_restores(tmp_path: Path, dtype: mx.Dtype) -
 # --- item 9: bad shapes, namespaces and tokens are typed errors ------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 9: 2-D keys raise IndexError")
 def test_two_dimensional_keys_are_a_typed_error(tmp_path: Path) -> None:
     with open_store(tmp_path / "r") as s:
         c = C.KVCache()
@@ -90,7 +88,6 @@ def test_two_dimensional_keys_are_a_typed_error(tmp_path: Path) -> None:
         assert_untouched(s)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 9: zero-size tensors raise TypeError")
 @pytest.mark.parametrize("shape", [(1, 0, 4, 8), (1, 2, 4, 0)])
 def test_a_zero_size_tensor_is_a_typed_error(tmp_path: Path, shape: tuple[int, ...]) -> None:
     with open_store(tmp_path / "r") as s:
@@ -104,7 +101,6 @@ def test_a_zero_size_tensor_is_a_typed_error(tmp_path: Path, shape: tuple[int, .
         assert_untouched(s)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 9: Namespace fields are not validated")
 @pytest.mark.parametrize(
     "fields",
     [{"model_id": None}, {"model_id": 3}, {"model_id": "m", "ns": None},
@@ -129,7 +125,6 @@ def test_a_valid_namespace_still_round_trips() -> None:
         msgspec.json.decode(b'{"model_id": null}', type=kvstore.Namespace)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 9: bools are accepted as tokens")
 @pytest.mark.parametrize(
     "tokens",
     [[1, True, 3], [False], (5, 6, True), np.array([True, False]), mx.array([True, True])],
@@ -176,7 +171,6 @@ def _big_cache(seed: int, n: int) -> list[Any]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 10: a failed save leaves its tmp files")
 def test_a_save_that_fills_the_disk_leaves_no_temp_files(small_fs: Path) -> None:
     root = small_fs / "r"
     with open_store(root) as s:
@@ -197,7 +191,6 @@ def test_a_save_that_fills_the_disk_leaves_no_temp_files(small_fs: Path) -> None
         assert s.verify(read_data=True).sound
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 10: a failed export leaves its tmp file")
 @pytest.mark.parametrize("fmt", ["v3", "v5"])
 def test_an_export_onto_a_directory_fails_and_leaves_nothing(tmp_path: Path, fmt: str) -> None:
     with open_store(tmp_path / "r") as s:
@@ -212,7 +205,6 @@ def test_an_export_onto_a_directory_fails_and_leaves_nothing(tmp_path: Path, fmt
         assert listing(out) == before
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 10: a failed export leaves its tmp file")
 def test_the_cli_export_onto_a_directory_is_one_error_line(tmp_path: Path) -> None:
     root = tmp_path / "r"
     with open_store(root) as s:
@@ -279,7 +271,6 @@ def _fork_run(root: Path, mode: str) -> dict[str, Any]:
     return json.loads(p.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 11: a forked child hangs in mx.eval")
 def test_a_child_forked_after_mlx_was_used_gets_a_clear_error(tmp_path: Path) -> None:
     res = _fork_run(tmp_path / "r", "after-use")
     assert res["status"] == 0, res  # not killed by its alarm: it did not hang

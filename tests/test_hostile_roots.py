@@ -68,7 +68,6 @@ def cli(*args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess[
 # --- item 2: the root's own directories are real directories; walks never follow links ----
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 2: symlinked root directories are used")
 @pytest.mark.parametrize("sub", ["tmp", "quarantine", "blocks", "index"])
 def test_a_symlinked_root_directory_is_refused_at_open(tmp_path: Path, sub: str) -> None:
     root = tmp_path / "root"
@@ -85,7 +84,6 @@ def test_a_symlinked_root_directory_is_refused_at_open(tmp_path: Path, sub: str)
     assert tree(outside) == before
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 2: compact deletes through a tmp/ symlink")
 def test_compact_never_deletes_through_a_symlinked_tmp(tmp_path: Path) -> None:
     root = tmp_path / "root"
     saved_root(root)
@@ -100,7 +98,6 @@ def test_compact_never_deletes_through_a_symlinked_tmp(tmp_path: Path) -> None:
     assert tree(outside) == before
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 2: repair moves blocks out of the root")
 def test_repair_never_moves_blocks_through_a_symlinked_quarantine(tmp_path: Path) -> None:
     root = tmp_path / "root"
     saved_root(root)
@@ -128,7 +125,6 @@ def _fake_fanout(root: Path, outside: Path) -> tuple[Path, str]:
     return root / "blocks" / fan, name
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 2: fan-out symlinks are followed")
 def test_a_symlinked_fanout_directory_is_refused_at_open(tmp_path: Path) -> None:
     root = tmp_path / "root"
     saved_root(root)
@@ -140,7 +136,6 @@ def test_a_symlinked_fanout_directory_is_refused_at_open(tmp_path: Path) -> None
     assert tree(outside) == before
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 2: sweeps follow fan-out symlinks")
 def test_sweeps_never_follow_a_fanout_symlink_made_after_open(tmp_path: Path) -> None:
     root = tmp_path / "root"
     toks = saved_root(root)
@@ -158,7 +153,6 @@ def test_sweeps_never_follow_a_fanout_symlink_made_after_open(tmp_path: Path) ->
             assert cache is not None and matches(cache, t, n)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 2: the tmp sweep follows a tmp/ symlink")
 def test_the_tmp_sweep_refuses_a_tmp_swapped_for_a_symlink_after_open(tmp_path: Path) -> None:
     root = tmp_path / "root"
     saved_root(root)
@@ -240,7 +234,6 @@ def test_two_racing_opens_of_a_new_root_exactly_one_wins(tmp_path: Path) -> None
     assert both == 0, f"{both} of {trials} races let both opens succeed"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 6: settings are read, then written")
 def test_two_threads_creating_one_root_exactly_one_wins(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -319,7 +312,6 @@ _LOCK_WRITER = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 7: a deleted lock.mdb corrupts the index")
 def test_a_deleted_lock_file_stops_old_writers_instead_of_corrupting(tmp_path: Path) -> None:
     root = tmp_path / "r"
     open_store(root).close()
@@ -352,7 +344,6 @@ def test_a_deleted_lock_file_stops_old_writers_instead_of_corrupting(tmp_path: P
         assert s.verify(read_data=True).sound
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 7: writes go on after lock.mdb is gone")
 def test_a_deleted_lock_file_is_a_typed_error_at_the_next_write(tmp_path: Path) -> None:
     root = tmp_path / "r"
     with open_store(root) as s:
@@ -401,7 +392,6 @@ def _remount_ro(mnt: Path) -> None:
         (mnt / "probe").write_bytes(b"")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 12: a read-only root cannot be opened")
 def test_a_root_on_a_read_only_filesystem_is_opened_read_only(ro_mount: Path) -> None:
     root = ro_mount / "r"
     toks = saved_root(root, 3)
@@ -430,7 +420,6 @@ def test_a_root_on_a_read_only_filesystem_is_opened_read_only(ro_mount: Path) ->
     assert tree(root) == before
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 12: the CLI fails on a read-only root")
 def test_the_cli_reads_a_read_only_root_and_refuses_writes(ro_mount: Path) -> None:
     root = ro_mount / "r"
     toks = saved_root(root, 2)
@@ -450,7 +439,6 @@ def test_the_cli_reads_a_read_only_root_and_refuses_writes(ro_mount: Path) -> No
         assert "Traceback" not in r.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 12: Store.open has no read_only")
 def test_read_only_true_changes_nothing_on_a_writable_root(tmp_path: Path) -> None:
     root = tmp_path / "r"
     toks = saved_root(root, 2)

@@ -10,7 +10,7 @@ from .hashing import (
     new_hasher,
     to_hex,
 )
-from .local import BlockStore
+from .local import BlockStore, open_real_dir
 
 __all__ = [
     "ALGORITHMS",
@@ -21,5 +21,6 @@ __all__ = [
     "from_hex",
     "hash_bytes",
     "new_hasher",
+    "open_real_dir",
     "to_hex",
 ]
