@@ -204,8 +204,6 @@ _INIT_RACE = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(strict=False, reason="issue 17 item 6: two racing inits can both succeed "
-                   "(a race: not every run loses it)")
 def test_two_racing_opens_of_a_new_root_exactly_one_wins(tmp_path: Path) -> None:
     trials = 60
     roots = [str(tmp_path / f"r{i}") for i in range(trials)]
