@@ -360,7 +360,9 @@ def test_a_deleted_lock_file_is_a_typed_error_at_the_next_write(tmp_path: Path) 
 
 def test_format_docs_say_what_must_never_be_deleted() -> None:
     text = (TESTS.parent / "docs" / "FORMAT.md").read_text(encoding="utf-8")
-    assert "lock.mdb" in text
+    never = text.index("Never delete or replace by hand")
+    assert "`index/lock.mdb`" in text[never : never + 400]
+    assert "IndexLockLostError" in text
 
 
 # --- item 12: read-only roots ---------------------------------------------------------
