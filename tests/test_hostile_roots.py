@@ -237,13 +237,10 @@ def test_two_threads_creating_one_root_exactly_one_wins(
 ) -> None:
     """The race made certain: the settings' timestamp takes 0.3 s, so both opens find
     no settings before either has written its own."""
-    import importlib
     import threading
 
-    try:
-        root_mod = importlib.import_module("kvstore.store.root")
-    except ModuleNotFoundError:
-        root_mod = importlib.import_module("kvstore.root")
+    import kvstore.store.root as root_mod
+
     real = root_mod.now_ms
 
     def slow_now() -> int:
