@@ -30,6 +30,26 @@ class ReadOnlyStoreError(KVStoreError, PermissionError):
     """A write was attempted on a root that cannot be written."""
 
 
+class UnsafeRootError(KVStoreError, OSError):
+    """One of the root's own directories is a symlink or not a directory.
+
+    kvstore never follows such a path: a sweep through it could delete, or a
+    repair move, files outside the root.
+    """
+
+
+class IndexLockLostError(KVStoreError, RuntimeError):
+    """``index/lock.mdb`` was deleted or replaced while this process had the index open.
+
+    Writing through the old lock would corrupt the index, so this process refuses
+    to write until every store of the root in it is closed and opened again.
+    """
+
+
+class ForkedProcessError(KVStoreError, RuntimeError):
+    """MLX was used by kvstore on this thread before a ``fork``: it would hang here."""
+
+
 class StoreFullError(KVStoreError, OSError):
     """The disk or the index map is full; nothing partial was made visible."""
 
@@ -45,12 +65,20 @@ class NamespaceRequiredError(KVStoreError, ValueError):
     """A call had no namespace: neither its own nor the store's default."""
 
 
+class InvalidNamespaceError(KVStoreError, TypeError):
+    """A :class:`~kvstore.Namespace` field is not a str."""
+
+
 class InvalidTokensError(KVStoreError, ValueError):
-    """Tokens must be a sequence of non-negative ints below 2**32 - 1."""
+    """Tokens must be a sequence of non-negative ints below 2**32 - 1 (bools are not)."""
 
 
 class CacheMismatchError(KVStoreError, ValueError):
     """The cache list is empty, or disagrees with the tokens or with itself."""
+
+
+class UnsupportedDtypeError(KVStoreError, TypeError):
+    """A tensor's dtype is one kvstore could not restore (float64, complex64)."""
 
 
 class UnknownCacheTypeError(KVStoreError, TypeError):

@@ -14,7 +14,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta, Struct
 
-from .errors import ManifestError
+from .errors import InvalidNamespaceError, ManifestError
 
 FORMAT_VERSION = 5
 
@@ -28,6 +28,16 @@ class Namespace(Struct, frozen=True, kw_only=True):
     config_fingerprint: str = ""
     tokenizer_hash: str = ""
     ns: str = "default"
+
+    def __post_init__(self) -> None:
+        # msgspec checks types only when decoding; a Namespace built in code with
+        # model_id=None would be saved and then break every listing of the root.
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise InvalidNamespaceError(
+                    f"Namespace.{name} must be a str, got {type(value).__name__} {value!r}"
+                )
 
 
 class TensorSpec(Struct, frozen=True, kw_only=True):

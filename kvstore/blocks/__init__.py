@@ -14,7 +14,7 @@ from .hashing import (
     new_hasher,
     to_hex,
 )
-from .local import BlockStore, LocalBlockStore
+from .local import BlockStore, LocalBlockStore, open_real_dir
 
 __all__ = [
     "ALGORITHMS",
@@ -27,5 +27,6 @@ __all__ = [
     "from_hex",
     "hash_bytes",
     "new_hasher",
+    "open_real_dir",
     "to_hex",
 ]

@@ -20,7 +20,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import BlockNotFoundError, CorruptBlockError, StoreFullError
+from ..errors import (
+    BlockNotFoundError,
+    CorruptBlockError,
+    ReadOnlyStoreError,
+    StoreFullError,
+    UnsafeRootError,
+)
 from . import base
 from .hashing import Digest, check_digest, new_hasher
 
@@ -96,10 +102,13 @@ def _start_writeback(fd: int) -> None:
 class LocalBlockStore(base.BlockStore):
     """Block files by digest under ``<root>/blocks/ab/<hex>``; knows nothing of tokens or caches."""
 
-    def __init__(self, root: Path, algo: str, *, durable: bool = True) -> None:
+    def __init__(
+        self, root: Path, algo: str, *, durable: bool = True, read_only: bool = False
+    ) -> None:
         self.root = root
         self.algo = algo
         self.durable = durable
+        self.read_only = read_only
         self.blocks_dir = root / "blocks"
         self.tmp_dir = root / "tmp"
         self.quarantine_dir = root / "quarantine"
@@ -135,6 +144,10 @@ class LocalBlockStore(base.BlockStore):
 
     # --- writes ----------------------------------------------------------
 
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise ReadOnlyStoreError(f"{self.root} is open read-only")
+
     def write_tmp(self, pieces: Sequence[Buffer], *, sync: bool | None = None) -> Path:
         """Write ``pieces`` to a new temp file; returns its path.
 
@@ -143,6 +156,7 @@ class LocalBlockStore(base.BlockStore):
         file's writeback without waiting for it, so a caller writing many
         blocks can fsync them together afterwards (:meth:`sync_file`).
         """
+        self._check_writable()
         sync = self.durable if sync is None else sync
         name = f"{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}.tmp"
         tmp = self.tmp_dir / name
@@ -204,6 +218,7 @@ class LocalBlockStore(base.BlockStore):
 
     def put(self, digest: bytes, pieces: Sequence[Buffer]) -> bool:
         """Store one block unless it exists; True when it was written now."""
+        self._check_writable()
         if self.exists(digest):
             return False
         created, parent = self.publish(self.write_tmp(pieces), digest)
@@ -250,6 +265,7 @@ class LocalBlockStore(base.BlockStore):
 
     def delete(self, digest: bytes) -> bool:
         """Unlink the block; False when it was already gone."""
+        self._check_writable()
         try:
             self.path(digest).unlink()
             return True
@@ -257,14 +273,21 @@ class LocalBlockStore(base.BlockStore):
             return False
 
     def quarantine(self, digest: bytes) -> Path | None:
-        """Move a (corrupt) block aside into ``quarantine/``."""
+        """Move a (corrupt) block aside into ``quarantine/``; None when it was gone.
+
+        The move goes through a descriptor of ``quarantine/`` opened without
+        following a symlink, so it can never land outside the root.
+        """
+        self._check_writable()
         self.quarantine_dir.mkdir(exist_ok=True)
-        dest = self.quarantine_dir / digest.hex()
+        dfd = open_real_dir(self.quarantine_dir)
         try:
-            os.replace(self.path(digest), dest)
+            os.replace(self.path(digest), digest.hex(), dst_dir_fd=dfd)
         except FileNotFoundError:
             return None
-        return dest
+        finally:
+            os.close(dfd)
+        return self.quarantine_dir / digest.hex()
 
     def stat(self, digest: bytes) -> base.BlockStat | None:
         try:
@@ -277,19 +300,53 @@ class LocalBlockStore(base.BlockStore):
         return iter(self)
 
     def __iter__(self) -> Iterator[Digest]:
-        """Every block file's digest (names that are not digests are skipped)."""
-        if not self.blocks_dir.is_dir():
+        """Every block file's digest (names that are not digests are skipped).
+
+        Symlinked fan-out directories are not followed (the root's check at open
+        refuses them; one made later is skipped here).
+        """
+        try:
+            dfd = open_real_dir(self.blocks_dir)
+        except FileNotFoundError:
             return
-        for fan in sorted(self.blocks_dir.iterdir()):
-            if len(fan.name) != 2 or not fan.is_dir():
-                continue
-            for f in fan.iterdir():
-                name = f.name
-                if len(name) == 64 and name.startswith(fan.name):
+        try:
+            with os.scandir(dfd) as it:
+                fans = sorted(e.name for e in it if len(e.name) == 2
+                              and e.is_dir(follow_symlinks=False))
+            for fan in fans:
+                try:
+                    ffd = os.open(fan, _DIR_FLAGS, dir_fd=dfd)
+                except OSError:  # gone, or swapped for a symlink since the listing
+                    continue
+                try:
+                    with os.scandir(ffd) as it:
+                        names = [e.name for e in it
+                                 if len(e.name) == 64 and e.name.startswith(fan)]
+                finally:
+                    os.close(ffd)
+                for name in names:
                     try:
                         yield check_digest(bytes.fromhex(name))
                     except ValueError:
                         continue
+        finally:
+            os.close(dfd)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+
+
+def open_real_dir(path: Path) -> int:
+    """An fd of the directory ``path``, refusing a symlink in its place (UnsafeRootError)."""
+    try:
+        return os.open(path, _DIR_FLAGS)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafeRootError(
+                f"{path} is a symlink or not a directory; kvstore never follows a root's "
+                "own directories out of the root"
+            ) from None
+        raise
 
 
 BlockStore = LocalBlockStore  # the name callers used before the seam had a base class

@@ -29,6 +29,7 @@ from typing import Any, BinaryIO, cast
 
 import mlx.core as mx
 
+from ._fork import mlx_guard
 from .layout import itemsize
 
 _RELEASE_TIMEOUT = 5.0  # seconds; in practice the reader is gone in microseconds
@@ -129,6 +130,7 @@ def load_tensors(make: Callable[[list[BaseException]], TensorStream], count: int
     """
     if count == 0:
         return []
+    mlx_guard()
     errors: list[BaseException] = []
     released = threading.Event()
     stream = make(errors)

@@ -35,6 +35,11 @@ _ITEMSIZE = {
 }
 
 
+# What a restore can rebuild: mx.load's safetensors reader has no float64 and
+# safetensors no complex64, so a cache of either would save and never restore.
+RESTORABLE_DTYPES = frozenset(_ITEMSIZE) - {"float64", "complex64"}
+
+
 def dtype_name(dt: mx.Dtype) -> str:
     return str(dt).removeprefix("mlx.core.")
 

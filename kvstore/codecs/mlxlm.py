@@ -43,7 +43,18 @@ def _keep_extra(obj: Any, record: Layer) -> Any:
     return obj
 
 
+def _check_rank(cache: Any, arr: Any) -> None:
+    """Keys and values are ``[B, H, S, D]``: anything else is a typed error, not an IndexError."""
+    if not isinstance(arr, mx.array) or arr.ndim != 4:
+        shape = tuple(arr.shape) if isinstance(arr, mx.array) else type(arr).__name__
+        raise CacheMismatchError(
+            f"{type(cache).__name__}: keys and values must be 4-D [B, H, S, D] arrays, "
+            f"got shape {shape}"
+        )
+
+
 def _live(cache: Any, arr: mx.array, length: int, token: bool) -> TensorData:
+    _check_rank(cache, arr)
     if length > arr.shape[_SEQ]:
         raise CacheMismatchError(
             f"{type(cache).__name__}: offset {length} exceeds buffer of {arr.shape[_SEQ]} rows"
@@ -120,6 +131,7 @@ class RotatingCodec(Codec):
     def snapshot(self, cache: Any) -> Snapshot:
         if cache.keys is None:
             raise CacheMismatchError("RotatingKVCache is empty (no keys)")
+        _check_rank(cache, cache.keys)
         rows = min(int(cache.offset), cache.keys.shape[_SEQ])
         rec = RotatingLayer(
             offset=int(cache.offset),

@@ -14,6 +14,7 @@ live rows, goes to ``os.pwritev``.
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import tempfile
@@ -498,10 +499,18 @@ def pwrite_all(fd: int, pieces: Sequence[memoryview], at: int) -> None:
             queue[0] = queue[0][n:]
 
 
+def check_target(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a Path, refused before any work when it names a directory."""
+    target = Path(path)
+    if target.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a directory, not a file to write", str(target))
+    return target
+
+
 @contextmanager
 def atomic_file(path: str | os.PathLike[str]) -> Iterator[int]:
     """A temp file beside ``path``: fsync'd and renamed over it when the block succeeds."""
-    target = Path(path)
+    target = check_target(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o644)
@@ -512,7 +521,11 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[int]:
         os.unlink(tmp)
         raise
     os.close(fd)
-    os.replace(tmp, target)
+    try:
+        os.replace(tmp, target)
+    except BaseException:  # a directory made there meanwhile, say: leave nothing beside it
+        os.unlink(tmp)
+        raise
     dfd = os.open(target.parent, os.O_RDONLY)
     try:
         os.fsync(dfd)
@@ -535,6 +548,7 @@ def save_v3(
     """
     if not cache:
         raise CacheMismatchError("nothing to save: the cache list is empty")
+    check_target(path)
     version = 4 if attachments else 3
     planned = plan_file(tokens, cache, version=version, namespace=namespace,
                         attachments=attachments, created_at=created_at)

@@ -32,7 +32,15 @@ from ..schema import Namespace
 from . import _v3json
 from ._v3io import PieceSource, tensor_pieces, validate_slot
 from .bunhash import bun_hash_pieces_hex
-from .v3 import PREFIX_LEN, align_up, atomic_file, encode_prefix, plan_file, pwrite_all
+from .v3 import (
+    PREFIX_LEN,
+    align_up,
+    atomic_file,
+    check_target,
+    encode_prefix,
+    plan_file,
+    pwrite_all,
+)
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "BlockFiles", "block_refs", "block_source", "save_v5"]
 
@@ -265,6 +273,7 @@ def save_v5(
         raise CacheMismatchError("nothing to save: the cache list is empty")
     if block_bytes <= 0:
         raise ValueError(f"block_bytes must be > 0, not {block_bytes}")
+    check_target(path)  # before any block is written beside it
     planned = plan_file(tokens, cache, version=5, namespace=namespace,
                         attachments=attachments, created_at=created_at)
     root = Path(path).parent / "blocks"

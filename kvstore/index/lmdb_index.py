@@ -20,7 +20,7 @@ from typing import Any
 import lmdb
 import msgspec
 
-from ..errors import IndexStoreError, StoreFullError
+from ..errors import IndexLockLostError, IndexStoreError, ReadOnlyStoreError, StoreFullError
 
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; the file grows as needed
 _REF = struct.Struct("<QQQ")  # refcount, size, zero_since_ms
@@ -108,7 +108,8 @@ _entry_dec = msgspec.msgpack.Decoder(EntryRecord)
 _totals_dec = msgspec.msgpack.Decoder(Totals)
 
 _lock = threading.Lock()
-_ENVS: dict[str, tuple[int, lmdb.Environment, int]] = {}
+# path -> (pid, environment, open count, identity of its lock file or None)
+_ENVS: dict[str, tuple[int, lmdb.Environment, int, tuple[int, int] | None]] = {}
 # Environments inherited across fork, by path. A child must not use them, and py-lmdb
 # refuses to open the same files twice in one process, so the child closes the
 # inherited one and opens its own. The close must come first: closing any fd of
@@ -124,21 +125,36 @@ _INHERITED: dict[str, lmdb.Environment] = {}
 def _after_fork_in_child() -> None:
     global _lock
     _lock = threading.Lock()  # another thread may have held it at fork time
-    _INHERITED.update((key, env) for key, (_, env, _) in _ENVS.items())
+    _INHERITED.update((key, held[1]) for key, held in _ENVS.items())
     _ENVS.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _open_env(path: Path, *, durable: bool, map_size: int, readonly: bool) -> lmdb.Environment:
+def _lock_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the environment's lock file; None when it has none (read-only fs)."""
+    try:
+        st = os.stat(path / "lock.mdb")
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _open_env(
+    path: Path, *, durable: bool, map_size: int, readonly: bool
+) -> tuple[lmdb.Environment, tuple[int, int] | None]:
     key = str(path.resolve())
     with _lock:
         pid = os.getpid()
         held = _ENVS.get(key)
         if held and held[0] == pid:
-            _ENVS[key] = (pid, held[1], held[2] + 1)
-            return held[1]
+            if held[1].flags()["readonly"] and not readonly:
+                raise IndexStoreError(
+                    f"{path}: already open read-only in this process; close those stores first"
+                )
+            _ENVS[key] = (pid, held[1], held[2] + 1, held[3])
+            return held[1], held[3]
         inherited = _INHERITED.pop(key, None)
         if inherited is not None:
             inherited.close()  # before this process takes any lock on lock.mdb
@@ -156,8 +172,9 @@ def _open_env(path: Path, *, durable: bool, map_size: int, readonly: bool) -> lm
             create=not readonly,
         )
         env.reader_check()  # clear reader slots of dead processes
-        _ENVS[key] = (pid, env, 1)
-        return env
+        ident = _lock_identity(path)
+        _ENVS[key] = (pid, env, 1, ident)
+        return env, ident
 
 
 def _close_env(path: Path) -> None:
@@ -167,7 +184,7 @@ def _close_env(path: Path) -> None:
         if not held or held[0] != os.getpid():
             return
         if held[2] > 1:
-            _ENVS[key] = (held[0], held[1], held[2] - 1)
+            _ENVS[key] = (held[0], held[1], held[2] - 1, held[3])
             return
         del _ENVS[key]
         held[1].close()
@@ -185,7 +202,9 @@ class Index:
         readonly: bool = False,
     ) -> None:
         self.path = path
+        self.readonly = readonly
         self._opts = dict(durable=durable, map_size=map_size, readonly=readonly)
+        self._lock_id: tuple[int, int] | None = None
         self._pid = -1
         self._env: lmdb.Environment | None = None
         self._dbs: dict[str, Any] = {}
@@ -196,7 +215,7 @@ class Index:
             return self._env
         self._env = None  # inherited from the parent, if set: _open_env closes it
         try:
-            env = _open_env(self.path, **self._opts)  # type: ignore[arg-type]
+            env, self._lock_id = _open_env(self.path, **self._opts)  # type: ignore[arg-type]
             ro = bool(self._opts["readonly"])
             self._dbs = {
                 name: env.open_db(name.encode(), dupsort=(name == "prefix"), create=not ro)
@@ -216,11 +235,32 @@ class Index:
 
     def _begin(self, *, write: bool) -> lmdb.Transaction:
         env = self._ensure()
+        if write:
+            self._check_writable()
         try:
             return env.begin(write=write, buffers=False)
         except lmdb.MapResizedError:
             env.set_mapsize(0)  # another process grew the map: adopt its size
             return env.begin(write=write, buffers=False)
+
+    def _check_writable(self) -> None:
+        """Refuse a write on a read-only index, or through a lock file that is gone.
+
+        LMDB's lock file holds the writer mutex and the reader table; a process
+        that opened the environment keeps using the file it opened. If it is
+        deleted (or replaced) meanwhile, a process that opens the root afterwards
+        makes a new one, and the two no longer exclude each other's writes: the
+        index would be corrupted. One stat per write transaction detects it.
+        """
+        if self.readonly:
+            raise ReadOnlyStoreError(f"{self.path.parent}: the root is open read-only")
+        if self._lock_id is not None and _lock_identity(self.path) != self._lock_id:
+            raise IndexLockLostError(
+                f"{self.path / 'lock.mdb'} was deleted or replaced while this process had "
+                "the index open; writing now could corrupt the index, so this process will "
+                "not write. Close every store of this root (in every process) and open it "
+                "again; never delete index/lock.mdb by hand"
+            )
 
     @contextmanager
     def read(self) -> Iterator[lmdb.Transaction]:
@@ -271,6 +311,20 @@ class Index:
     def put_meta(self, key: bytes, value: bytes) -> None:
         with self.write() as txn:
             txn.put(key, value, db=self.db("meta"))
+
+    def put_meta_if_absent(self, key: bytes, value: bytes) -> bytes:
+        """Store ``value`` unless ``key`` is set; returns what is stored, in one transaction.
+
+        Two processes creating one root at once both call this: the writer lock
+        orders them, so the second reads the first's value and never overwrites it.
+        """
+        with self.write() as txn:
+            meta = self.db("meta")
+            old = txn.get(key, db=meta)
+            if old is not None:
+                return bytes(old)
+            txn.put(key, value, db=meta)
+            return value
 
     def totals(self, txn: lmdb.Transaction | None = None) -> Totals:
         raw = self.get_meta(b"totals", txn)

@@ -40,12 +40,14 @@ Verification and repair live in :mod:`kvstore.verify`.
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..blocks import open_real_dir
 from ..codecs.layout import manifest_block_sizes
 from ..index import EntryRecord, RefInfo, Totals, now_ms
 from ..schema import Manifest, decode_manifest, iter_tensor_specs
@@ -369,29 +371,34 @@ def _sweep_tmp(store: Store, grace: float, report: CompactReport, dry: bool = Fa
     so that compaction never makes a save fail.
     """
     now = time.time()
-    try:
-        it = list(os.scandir(store.blocks.tmp_dir))
+    try:  # through a descriptor that refuses a symlink: never a sweep outside the root
+        dfd = open_real_dir(store.blocks.tmp_dir)
     except FileNotFoundError:
         return
-    for e in it:
-        try:
-            st = e.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        age = now - st.st_mtime
-        if age < grace or not e.is_file(follow_symlinks=False):
-            continue
-        head = e.name.split("-", 1)[0]
-        if age < TMP_MAX_AGE and head.isdigit() and _pid_alive(int(head)):
-            continue
-        if dry:
-            report.tmp_removed += 1
-            continue
-        try:
-            os.unlink(e.path)
-            report.tmp_removed += 1
-        except FileNotFoundError:
-            pass
+    try:
+        with os.scandir(dfd) as it:
+            entries = list(it)
+        for e in entries:
+            try:
+                st = os.stat(e.name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            age = now - st.st_mtime
+            if age < grace or not stat.S_ISREG(st.st_mode):
+                continue
+            head = e.name.split("-", 1)[0]
+            if age < TMP_MAX_AGE and head.isdigit() and _pid_alive(int(head)):
+                continue
+            if dry:
+                report.tmp_removed += 1
+                continue
+            try:
+                os.unlink(e.name, dir_fd=dfd)
+                report.tmp_removed += 1
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(dfd)
 
 
 def compact(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,7 @@ import msgspec
 import platformdirs
 
 from ..blocks import ALGORITHMS
-from ..errors import NotAStoreError, RootSettingsError
+from ..errors import NotAStoreError, RootSettingsError, UnsafeRootError
 from ..index import Index, now_ms
 from ._fs import check_filesystem
 
@@ -18,6 +20,7 @@ ROOT_FORMAT = 1
 DEFAULT_BLOCK_TOKENS = 256
 DEFAULT_STATE_BLOCK = 4 << 20
 _LAYOUT = ("index", "blocks", "tmp", "quarantine")
+_log = logging.getLogger("kvstore")
 
 
 class RootSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -41,6 +44,52 @@ def default_root() -> Path:
     return Path(platformdirs.user_cache_dir("kvstore", appauthor=False))
 
 
+def _real_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory of its own (not a symlink); False when absent.
+
+    Anything else in a root directory's place is an :class:`UnsafeRootError`:
+    a sweep or a repair through a symlink would reach files outside the root.
+    """
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeRootError(
+            f"{path} is a symlink; a root's own directories must be real directories inside "
+            "it (kvstore never follows them out of the root)"
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeRootError(f"{path} is not a directory")
+    return True
+
+
+def check_layout(path: Path) -> None:
+    """Check that ``index/``, ``blocks/``, ``tmp/``, ``quarantine/`` and every fan-out
+    directory of ``blocks/`` that exists is a real directory, not a symlink.
+
+    The root itself may be reached through a symlink (``~/.cache/kvstore -> /data``).
+    """
+    for sub in _LAYOUT:
+        _real_dir(path / sub)
+    blocks = path / "blocks"
+    if not blocks.is_dir():
+        return
+    with os.scandir(blocks) as it:
+        for e in it:
+            if e.is_symlink():
+                raise UnsafeRootError(
+                    f"{e.path} is a symlink; a root's block directories must be real "
+                    "directories inside it (kvstore never follows them out of the root)"
+                )
+
+
+def root_writable(path: Path) -> bool:
+    """Whether this process can write the root's index (False on a read-only mount)."""
+    idx = path / "index"
+    return all(os.access(p, os.W_OK) for p in (idx, idx / "data.mdb"))
+
+
 def open_root(
     path: Path,
     *,
@@ -50,19 +99,25 @@ def open_root(
     durable: bool,
     create: bool,
     map_size: int | None,
-) -> tuple[Index, RootSettings]:
-    """Open (and, with ``create``, make) the root at ``path``: its index and settings.
+    read_only: bool | None = None,
+) -> tuple[Index, RootSettings, bool]:
+    """Open (and, with ``create``, make) the root at ``path``: its index, settings and
+    whether it is open read-only.
 
     A directory that holds anything but a root's own folders is never taken over.
+    ``read_only=None`` opens read-only when the root cannot be written (a
+    read-only mount, another user's root), with one notice; a read-only root is
+    never created.
     """
     if hash is not None and hash not in ALGORITHMS:
         raise RootSettingsError(f"unknown hash {hash!r}; choose from {', '.join(ALGORITHMS)}")
     if block_tokens is not None and block_tokens <= 0:
         raise RootSettingsError(f"block_tokens must be positive, got {block_tokens}")
     idx_dir = path / "index"
+    check_layout(path)
     fresh = not (idx_dir / "data.mdb").exists()
     if fresh:
-        if not create:
+        if not create or read_only:
             raise NotAStoreError(f"{path} is not a kvstore root (no index/); run kvstore init")
         if path.exists() and not path.is_dir():
             raise NotAStoreError(f"{path} is not a directory")
@@ -70,24 +125,34 @@ def open_root(
             p.name not in _LAYOUT for p in path.iterdir()
         ):
             raise NotAStoreError(f"{path} is not a kvstore root and is not empty")
-    if create:
+    elif read_only is None and not root_writable(path):
+        read_only = True
+        _log.warning("kvstore: %s is not writable; opened read-only (no saves, deletes, "
+                     "compaction or repair)", path)
+    read_only = bool(read_only)
+    if create and not read_only:
         for sub in ("index", "blocks", "tmp"):
             (path / sub).mkdir(parents=True, exist_ok=True)
+        check_layout(path)  # what mkdir found in place
     check_filesystem(path)
-    kwargs: dict[str, Any] = {"durable": durable}
+    kwargs: dict[str, Any] = {"durable": durable, "readonly": read_only}
     if map_size is not None:
         kwargs["map_size"] = map_size
     index = Index(idx_dir, **kwargs)
-    raw = index.get_meta(b"settings")
-    if raw is None:
-        settings = RootSettings(
-            hash=hash or "blake3",
-            block_tokens=block_tokens or DEFAULT_BLOCK_TOKENS,
-            state_block_bytes=state_block_bytes or DEFAULT_STATE_BLOCK,
-            created_at=now_ms(),
-        )
-        index.put_meta(b"settings", msgspec.msgpack.encode(settings))
-    else:
+    try:
+        raw = index.get_meta(b"settings")
+        if raw is None:
+            if read_only:
+                raise NotAStoreError(f"{path} has no settings yet (a root being created?)")
+            proposed = RootSettings(
+                hash=hash or "blake3",
+                block_tokens=block_tokens or DEFAULT_BLOCK_TOKENS,
+                state_block_bytes=state_block_bytes or DEFAULT_STATE_BLOCK,
+                created_at=now_ms(),
+            )
+            # one transaction: of two processes creating this root at once, the
+            # second reads the first's settings and is checked against them below
+            raw = index.put_meta_if_absent(b"settings", msgspec.msgpack.encode(proposed))
         settings = _settings_dec.decode(raw)
         for name, want, have in (
             ("hash", hash, settings.hash),
@@ -95,6 +160,8 @@ def open_root(
             ("state_block_bytes", state_block_bytes, settings.state_block_bytes),
         ):
             if want is not None and want != have:
-                index.close()
                 raise RootSettingsError(f"{path} was created with {name}={have!r}, not {want!r}")
-    return index, settings
+    except BaseException:
+        index.close()
+        raise
+    return index, settings, read_only

@@ -24,6 +24,7 @@ from ..errors import (
     InvalidDigestError,
     KVStoreError,
     NamespaceRequiredError,
+    ReadOnlyStoreError,
 )
 from ..index import DeletePlan, EntryRecord, Index, SavePlan, now_ms
 from ..schema import (
@@ -118,14 +119,16 @@ class Store:
         namespace: Namespace | None,
         durable: bool,
         verify_reads: bool,
+        read_only: bool = False,
     ) -> None:
         self.root = root
+        self.read_only = read_only
         self.index = index
         self.settings = settings
         self.namespace = namespace
         self.durable = durable
         self.verify_reads = verify_reads
-        self.blocks = BlockStore(root, settings.hash, durable=durable)
+        self.blocks = BlockStore(root, settings.hash, durable=durable, read_only=read_only)
         # Access stamps and hit counts are advisory (they order evictions), so
         # they are batched: one index write a second at most, not one per restore.
         self._lock = threading.Lock()
@@ -152,6 +155,7 @@ class Store:
         map_size: int | None = None,
         max_bytes: int | None = None,
         gc_grace: float | None = None,
+        read_only: bool | None = None,
     ) -> Store:
         """Open (and, with ``create``, make) the root.
 
@@ -160,11 +164,15 @@ class Store:
         With ``max_bytes`` every save that takes the live bytes over it evicts
         least-recently-used entries until they fit (see :mod:`kvstore.gc`);
         ``gc_grace`` (default 600 s) is the grace that eviction honours.
+        ``read_only=True`` opens without writing anything (stats, listing, lookup,
+        restore, verify); every write raises :class:`ReadOnlyStoreError`. The
+        default, None, opens read-only (with one logged notice) when the root
+        cannot be written, e.g. on a read-only mount.
         """
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         path = Path(root) if root is not None else default_root()
-        index, settings = open_root(
+        index, settings, ro = open_root(
             path,
             hash=hash,
             block_tokens=block_tokens,
@@ -172,12 +180,19 @@ class Store:
             durable=durable,
             create=create,
             map_size=map_size,
+            read_only=read_only,
         )
         store = cls(
-            path, index, settings, namespace=namespace, durable=durable, verify_reads=verify_reads
+            path,
+            index,
+            settings,
+            namespace=namespace,
+            durable=durable,
+            verify_reads=verify_reads,
+            read_only=ro,
         )
         store.max_bytes = max_bytes
-        store._bisect = _has_reach_markers(index)
+        store._bisect = _has_reach_markers(index, writable=not ro)
         if gc_grace is not None:
             store.gc_grace = gc_grace
         return store
@@ -187,13 +202,16 @@ class Store:
 
         Best effort: they only order evictions and feed the hit rate, so an index
         that cannot be written (a read-only root, say) drops them with a log line
-        instead of failing the restore or the close that flushes them.
+        instead of failing the restore or the close that flushes them. A store
+        opened read-only drops them silently.
         """
         with self._lock:
             hits, self._hits = self._hits, {}
             lookups, found = self._lookups, self._found
             self._lookups = self._found = 0
             self._flushed = time.monotonic()
+        if self.read_only:
+            return
         try:
             self.index.record_access(hits, lookups=lookups, found=found)
         except KVStoreError as e:
@@ -222,6 +240,10 @@ class Store:
         self.close()
 
     # --- helpers ---------------------------------------------------------------------
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise ReadOnlyStoreError(f"{self.root} is open read-only: cannot {what}")
 
     @property
     def block_tokens(self) -> int:
@@ -272,6 +294,7 @@ class Store:
         computed independently the entry gets the stored rows for the shared
         prefix, which hold the same tokens' state but may differ in the last bits.
         """
+        self._check_writable("save")
         ns = self._ns(namespace)
         toks = P.as_tokens(tokens)
         if priority not in PRIORITIES:
@@ -546,6 +569,7 @@ class Store:
         """Store an mlx-bun v3/v4/v5 file as an entry; see :func:`kvstore.bridge.import_file`."""
         from .bridge import import_file
 
+        self._check_writable("import")
         return import_file(self, path, verify=verify, namespace=namespace)
 
     def export(
@@ -592,6 +616,7 @@ class Store:
 
     def delete(self, entry_id: str | bytes) -> bool:
         """Remove an entry and drop its block references; False when it did not exist."""
+        self._check_writable("delete an entry")
         digest = self._digest(entry_id)
         with self.index.write() as txn:
             raw = self.index.get_manifest(digest, txn)
@@ -645,6 +670,8 @@ class Store:
         """Evict above the byte budgets, delete expired garbage; see :func:`kvstore.gc.compact`."""
         from .gc import compact
 
+        if not dry_run:
+            self._check_writable("compact")
         self.flush_access()
         return compact(
             self,
@@ -658,6 +685,8 @@ class Store:
         """Check refcounts, blocks and keys; see :func:`kvstore.verify.verify`."""
         from .verify import verify
 
+        if repair:
+            self._check_writable("repair")
         self.flush_access()
         return verify(self, read_data=read_data, repair=repair)
 
@@ -675,7 +704,7 @@ class _PrefixGone(Exception):
     """A reused prefix block vanished before the commit (its entry was collected)."""
 
 
-def _has_reach_markers(index: Index) -> bool:
+def _has_reach_markers(index: Index, *, writable: bool = True) -> bool:
     """Whether lookups may bisect: the root's non-trimmable entries all have reach markers.
 
     A root from before reach markers gets them here, once; if it cannot be
@@ -683,6 +712,8 @@ def _has_reach_markers(index: Index) -> bool:
     """
     if index.get_meta(REACH_META) is not None:
         return True
+    if not writable:
+        return False
     try:
         n = add_reach_markers(index)
     except KVStoreError as e:

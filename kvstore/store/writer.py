@@ -8,6 +8,7 @@ writes of new blocks run on worker threads (both release the GIL).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -18,9 +19,16 @@ import msgspec
 from ..blocks import BlockStore, Digest, new_hasher
 from ..blocks.local import io_pool
 from ..codecs import Snapshot, TensorData
+from ..codecs._fork import mlx_guard
 from ..codecs._pieces import cut
-from ..codecs.layout import block_rows, dtype_name, geometry, n_token_blocks
-from ..errors import CacheMismatchError
+from ..codecs.layout import (
+    RESTORABLE_DTYPES,
+    block_rows,
+    dtype_name,
+    geometry,
+    n_token_blocks,
+)
+from ..errors import CacheMismatchError, UnsupportedDtypeError
 from ..schema import Layer, ListLayer, TensorSpec
 from ._crash import crash_point
 
@@ -58,6 +66,7 @@ def _view(td: TensorData) -> tuple[mx.array, memoryview]:
     arr = td.array
     mv = memoryview(arr)  # type: ignore[arg-type]
     if not mv.c_contiguous:  # rare: a transposed or sliced view; one copy
+        mlx_guard()
         arr = mx.contiguous(arr)
         mx.eval(arr)
         mv = memoryview(arr)  # type: ignore[arg-type]
@@ -83,6 +92,9 @@ def place(
     tds = [td for s in snaps for td in s.tensors]
     if not tds:
         raise CacheMismatchError("the cache holds no tensors")
+    for i, td in enumerate(tds):
+        _check_tensor(i, td)
+    mlx_guard()
     mx.eval(*[td.array for td in tds])
     views = [_view(td) for td in tds]
     specs: list[TensorSpec] = []
@@ -117,6 +129,22 @@ def place(
     return layers, out
 
 
+def _check_tensor(i: int, td: TensorData) -> None:
+    """Refuse, before anything is evaluated or written, a tensor no restore could rebuild."""
+    dtype = dtype_name(td.array.dtype)
+    if dtype not in RESTORABLE_DTYPES:
+        raise UnsupportedDtypeError(
+            f"tensor {i} of the cache is {dtype}, which kvstore cannot restore; "
+            f"supported: {', '.join(sorted(RESTORABLE_DTYPES))}"
+        )
+    if (td.token or td.length is not None) and not 0 <= td.axis < td.array.ndim:
+        raise CacheMismatchError(
+            f"tensor {i} of shape {tuple(td.array.shape)} has no axis {td.axis} to cut tokens on"
+        )
+    if 0 in td.shape:
+        raise CacheMismatchError(f"tensor {i} has a zero-size shape {td.shape}: nothing to store")
+
+
 def _assign(layers: tuple[Layer, ...], specs: Iterator[TensorSpec]) -> tuple[Layer, ...]:
     """Replace each leaf's specs, depth-first, with the placed ones."""
     out: list[Layer] = []
@@ -132,15 +160,33 @@ def _assign(layers: tuple[Layer, ...], specs: Iterator[TensorSpec]) -> tuple[Lay
 _INLINE_BYTES = 1 << 20  # below this a save hashes and writes on the caller's thread
 
 
-def _map(fn: Callable[[_T], _R], items: Sequence[_T], nbytes: int) -> list[_R]:
+def _map(fn: Callable[[_T], _R], items: Sequence[_T], nbytes: int) -> list[_R | BaseException]:
+    """``fn`` over ``items``, on the I/O threads when it pays; an error is returned in place.
+
+    Every call has finished when this returns (a caller cleaning up after a
+    failure must not race a write still running); inline, the first error
+    stops the rest, which are then left out.
+    """
     if len(items) > 1 and nbytes >= _INLINE_BYTES:
         try:
-            results = io_pool().map(fn, items)
+            futures = [io_pool().submit(fn, x) for x in items]
         except RuntimeError:  # the interpreter is shutting down (a save from atexit)
             pass
         else:
-            return list(results)
-    return [fn(x) for x in items]
+            wait(futures)
+            return [f.exception() or f.result() for f in futures]
+    out: list[_R | BaseException] = []
+    for x in items:
+        try:
+            out.append(fn(x))
+        except Exception as e:
+            out.append(e)
+            break
+    return out
+
+
+def _first_error(results: Sequence[object]) -> BaseException | None:
+    return next((r for r in results if isinstance(r, BaseException)), None)
 
 
 def write_blocks(store: BlockStore, bs: BlockSet, known: Sequence[bytes] = ()) -> int:
@@ -152,7 +198,10 @@ def write_blocks(store: BlockStore, bs: BlockSet, known: Sequence[bytes] = ()) -
     once, and then fsynced together before any is linked into place: one
     batch of flushes the device serves in parallel, not a write-then-wait per
     block. ``known`` are digests the caller vouches for, for the first token
-    blocks (a reused prefix): those are neither hashed nor written.
+    blocks (a reused prefix): those are neither hashed nor written. When
+    anything fails (a full disk) the save's temp files are removed before the
+    error is raised; blocks already linked into place stay, as orphans that
+    compact removes after the grace (another save may be using them by then).
     """
     all_pieces = bs.token_pieces[len(known) :] + bs.state_pieces
     nbytes = sum(len(p) for pieces in all_pieces for p in pieces)
@@ -166,22 +215,35 @@ def write_blocks(store: BlockStore, bs: BlockSet, known: Sequence[bytes] = ()) -
             return d, None
         return d, store.write_tmp(pieces, sync=False)
 
-    results = _map(task, all_pieces, nbytes)
-    n_tok = len(bs.token_pieces) - len(known)
-    bs.token_digests = [Digest(d) for d in known] + [d for d, _ in results[:n_tok]]
-    bs.state_digests = [d for d, _ in results[n_tok:]]
-    fresh = [tmp for _, tmp in results if tmp is not None]
-    if store.durable and fresh:
-        _map(store.sync_file, fresh, nbytes)
-    dirs: set[Path] = set()
-    new_bytes = 0
-    for (d, tmp), pieces in zip(results, all_pieces, strict=True):
-        if tmp is None:
-            continue
-        created, parent = store.publish(tmp, d)
-        if created:
-            new_bytes += sum(len(p) for p in pieces)
-            dirs.add(parent)
-            crash_point("after_block_write")
-    store.sync_dirs(dirs)
+    outcomes = _map(task, all_pieces, nbytes)
+    done = [r for r in outcomes if not isinstance(r, BaseException)]
+    pending = {tmp for _, tmp in done if tmp is not None}  # temp files not yet linked
+    try:
+        error = _first_error(outcomes)
+        if error is not None:
+            raise error
+        results = [r for r in outcomes if not isinstance(r, BaseException)]
+        n_tok = len(bs.token_pieces) - len(known)
+        bs.token_digests = [Digest(d) for d in known] + [d for d, _ in results[:n_tok]]
+        bs.state_digests = [d for d, _ in results[n_tok:]]
+        fresh = [tmp for _, tmp in results if tmp is not None]
+        if store.durable and fresh:
+            error = _first_error(_map(store.sync_file, fresh, nbytes))
+            if error is not None:
+                raise error
+        dirs: set[Path] = set()
+        new_bytes = 0
+        for (d, tmp), pieces in zip(results, all_pieces, strict=True):
+            if tmp is None:
+                continue
+            pending.discard(tmp)  # publish removes it, whatever happens
+            created, parent = store.publish(tmp, d)
+            if created:
+                new_bytes += sum(len(p) for p in pieces)
+                dirs.add(parent)
+                crash_point("after_block_write")
+        store.sync_dirs(dirs)
+    finally:
+        for tmp in pending:
+            tmp.unlink(missing_ok=True)
     return new_bytes
