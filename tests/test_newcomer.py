@@ -101,7 +101,7 @@ _NO_CLOSE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 3: stamps are flushed only by close()")
+
 def test_stamps_of_processes_that_never_close_the_store_are_kept(tmp_path: Path) -> None:
     """The README snippet without ``with``/``close()``, three times: a miss and two hits."""
     script = tmp_path / "no_close.py"
@@ -117,7 +117,7 @@ def test_stamps_of_processes_that_never_close_the_store_are_kept(tmp_path: Path)
     assert (stats["lookups"], stats["hits"]) == (3, 2)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 3: no timed flush")
+
 def test_a_long_running_process_writes_its_stamps_within_a_bounded_delay(tmp_path: Path) -> None:
     script = tmp_path / "no_close.py"
     script.write_text(_NO_CLOSE, encoding="utf-8")
@@ -158,7 +158,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Compl
     return _kvstore("demo", root=root, cwd=here, timeout=600), root
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 6: the demo's child imports ./kvstore")
+
 def test_demo_runs_from_a_folder_holding_a_directory_named_kvstore(
     demo_run: tuple[subprocess.CompletedProcess[str], Path],
 ) -> None:
@@ -168,7 +168,7 @@ def test_demo_runs_from_a_folder_holding_a_directory_named_kvstore(
     assert re.search(r"^2nd process .*reused\s+[1-9]\d* \(disk", p.stdout, re.M), p.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 4: lookup() + load() count nothing")
+
 def test_stats_count_the_lookups_and_hits_of_the_demo(
     demo_run: tuple[subprocess.CompletedProcess[str], Path],
 ) -> None:
@@ -202,7 +202,7 @@ def _one_error_line(p: subprocess.CompletedProcess[str], *needles: str) -> str:
     return lines[0]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 5: serve does not check its model")
+
 def test_serve_with_a_missing_model_fails_before_binding_the_port(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     port = _free_port()
@@ -215,7 +215,7 @@ def test_serve_with_a_missing_model_fails_before_binding_the_port(tmp_path: Path
     assert not (tmp_path / "root").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 5: serve's option errors: argparse usage")
+
 def test_serve_option_errors_are_one_line(tmp_path: Path) -> None:
     p = _kvstore("serve", "--max-bytes", "banana", root=tmp_path / "root", timeout=60)
     _one_error_line(p, "--max-bytes", "banana")
@@ -223,7 +223,7 @@ def test_serve_option_errors_are_one_line(tmp_path: Path) -> None:
     _one_error_line(p, "--min-tokens", "many")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 5: the exit log is a dataclass repr")
+
 def test_serve_exit_log_is_a_readable_summary(tmp_path: Path) -> None:
     from kvstore.tiny import make_tiny_model
 

@@ -7,7 +7,6 @@ import shutil
 import time
 from pathlib import Path
 
-import pytest
 from cli_helpers import NS_DEFAULT, Root, assert_user_error, kv_cache, run, run_here
 
 from kvstore import Store
@@ -25,7 +24,6 @@ def _bad_file(tmp_path: Path) -> Path:
 # --- item 7: import reports every file's outcome --------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 7: a bad file hides what was imported")
 def test_import_reports_each_file_then_fails(tmp_path: Path) -> None:
     root = tmp_path / "root"
     assert run_here("init", "--root", root, "-q").code == 0
@@ -58,7 +56,7 @@ def test_import_reports_each_file_then_fails(tmp_path: Path) -> None:
 # --- item 8: compact and stats say what the grace holds back ---------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 8: compact hides what the grace keeps")
+
 def test_compact_reports_the_bytes_the_grace_holds_back(fresh_root: Root) -> None:
     root = fresh_root.path
     t0 = time.time() * 1000
@@ -76,7 +74,7 @@ def test_compact_reports_the_bytes_the_grace_holds_back(fresh_root: Root) -> Non
     assert done["held_until"] is None
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 8: stats promises what only --grace 0 frees")
+
 def test_stats_does_not_promise_what_only_grace_zero_frees(fresh_root: Root) -> None:
     root = fresh_root.path
     run_here("rm", fresh_root.ids["a90"], "--root", root)
@@ -92,7 +90,7 @@ def test_stats_does_not_promise_what_only_grace_zero_frees(fresh_root: Root) -> 
 # --- item 9: the smaller ones ----------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 9: each import after rm gets a new id")
+
 def test_reimport_after_rm_gives_the_same_id(tmp_path: Path) -> None:
     root = tmp_path / "root"
     run_here("init", "--root", root, "-q")
@@ -105,7 +103,7 @@ def test_reimport_after_rm_gives_the_same_id(tmp_path: Path) -> None:
     assert len(set(ids)) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 9: export drops the entry's metadata")
+
 def test_metadata_and_cache_type_survive_export_and_import(tmp_path: Path) -> None:
     src, dst = tmp_path / "src", tmp_path / "dst"
     with Store.open(src, block_tokens=16, durable=False) as s:
@@ -124,7 +122,7 @@ def test_metadata_and_cache_type_survive_export_and_import(tmp_path: Path) -> No
         assert run_here("rm", imp["id"], "--root", dst, "-q").code == 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 9: 'no entry match', no minimum named")
+
 def test_entry_id_errors_read_well(shared_root: Root) -> None:
     root = shared_root.path
     assert_user_error(run_here("show", "ffffff", "--root", root), "no entry matches 'ffffff'")
@@ -132,14 +130,14 @@ def test_entry_id_errors_read_well(shared_root: Root) -> None:
     assert_user_error(short, "'abc'", "too short", "at least 4")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 9: 'Kvstore root already exists'")
+
 def test_init_on_an_existing_root_reads_well(tmp_path: Path) -> None:
     root = tmp_path / "root"
     assert run_here("init", "--root", root).out.startswith("Created kvstore root at")
     assert run_here("init", "--root", root).out.startswith(f"kvstore root already exists at {root}")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 9: an emptied root reads dedup 0.00x")
+
 def test_an_emptied_root_reads_dedup_as_a_fresh_one(fresh_root: Root, tmp_path: Path) -> None:
     root = fresh_root.path
     assert run_here("rm", *fresh_root.ids.values(), "--root", root, "-q").code == 0
@@ -154,7 +152,7 @@ def test_an_emptied_root_reads_dedup_as_a_fresh_one(fresh_root: Root, tmp_path: 
     assert dedup(root) == dedup(fresh)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 9: bench --help lists --root and --quiet")
+
 def test_bench_help_lists_only_the_options_it_uses() -> None:
     r = run_here("bench", "--help")
     assert r.code == 0
@@ -162,9 +160,13 @@ def test_bench_help_lists_only_the_options_it_uses() -> None:
         assert used in r.out, used
     for unused in ("--root", "--quiet"):
         assert unused not in r.out, unused
+    from kvstore.bench.common import CONFIGS
+    from kvstore.cli import BENCH_CONFIGS
+
+    assert sorted(BENCH_CONFIGS) == sorted(CONFIGS)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 9: progress lines print 5.97688e+08 B")
+
 def test_bench_progress_lines_use_human_units(tmp_path: Path) -> None:
     r = run("bench", "--config", "smoke", "--only", "save,multiturn", "--scratch", tmp_path)
     assert r.code == 0, r
