@@ -193,6 +193,19 @@ def _second_process(root: Path, model_dir: Path, say: Callable[[str], None],
         return 0 if r["reused"] > 0 else 1
 
 
+def _python() -> list[str]:
+    """The interpreter for a child that must import this very kvstore package.
+
+    ``-P`` keeps the current directory off the child's ``sys.path``, so a folder
+    named ``kvstore`` there cannot shadow the installed package; unless this
+    package itself lives in the current directory (a checkout run in place).
+    """
+    import kvstore
+
+    home = Path(kvstore.__file__).resolve().parent.parent
+    return [sys.executable] if home == Path.cwd().resolve() else [sys.executable, "-P"]
+
+
 def _real_model(model: str | None, say: Callable[[str], None]) -> Path | None:
     """The real model's directory for ``--model``; None for the tiny model."""
     from kvstore.mlx_lm.gguf import MODELS, cached_model, fetch_model
@@ -230,7 +243,7 @@ def run_demo(root: str | Path, *, quiet: bool = False, model: str | None = None)
         _first_process(root, model_dir, say, quiet, real)
         say("starting a second Python process (cold) on the same root ...")
         argv = [
-            sys.executable,
+            *_python(),
             "-m",
             "kvstore.demo",
             "--second",

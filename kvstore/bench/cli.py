@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import CONFIGS, QUICK, Config, Row, cache_bytes, machine, make_cache
-from .report import table, targets, targets_table
+from .report import human, table, targets, targets_table
 
 GROUPS = ("save", "restore", "multiturn", "shared", "lookup", "ttft", "concurrency")
 
@@ -43,8 +43,8 @@ def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
     def add(new: list[Row]) -> None:
         rows.extend(new)
         for r in new:
-            log(f"  {r.name}: kvstore {r.kvstore:.6g} {r.unit}, baseline {r.baseline:.6g} "
-                f"{r.unit}, ratio {r.ratio:.3f}")
+            log(f"  {r.name}: kvstore {human(r.kvstore, r.unit)}, "
+                f"baseline {human(r.baseline, r.unit)}, ratio {r.ratio:.3f}")
 
     if {"save", "restore", "concurrency"} & set(groups):
         for n in cfg.sizes:

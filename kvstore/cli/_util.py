@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# compact's default grace, in seconds: kvstore.gc.DEFAULT_GRACE (not imported, so that
+# `kvstore --help` does not load the store)
+DEFAULT_GRACE = 600.0
+
 
 class UserError(Exception):
     """A mistake of the caller: one line on stderr, exit status 2."""
@@ -57,11 +61,13 @@ def _set(name: str) -> Callable[[click.Context, click.Parameter, Any], None]:
     return callback
 
 
+debug_option = click.option("--debug", is_flag=True, expose_value=False, is_eager=True,
+                            callback=_set("debug"), help="Show the full traceback of an error.")
+
+
 def common(f: F) -> F:
     """``--root``, ``--quiet`` and ``--debug``, accepted by the group and every command."""
-    f = click.option("--debug", is_flag=True, expose_value=False, is_eager=True,
-                     callback=_set("debug"),
-                     help="Show the full traceback of an error.")(f)
+    f = debug_option(f)
     f = click.option("-q", "--quiet", is_flag=True, expose_value=False, callback=_set("quiet"),
                      help="No progress bars or chatter; errors still go to stderr.")(f)
     f = click.option("--root", type=click.Path(path_type=Path), expose_value=False,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,12 +23,14 @@ import click
 
 from . import render as H
 from ._util import (
+    DEFAULT_GRACE,
     ByteSize,
     Options,
     UserError,
     backend,
     call_with_progress,
     common,
+    debug_option,
     emit,
     json_option,
     manifests,
@@ -44,6 +47,8 @@ if TYPE_CHECKING:
     from ..store import Store
 
 __all__ = ["cli", "main"]
+
+BENCH_CONFIGS = ("full", "quick", "smoke")  # kvstore.bench.common.CONFIGS, without importing it
 
 # --- the group -------------------------------------------------------------------------
 
@@ -83,7 +88,7 @@ def init(algo: str | None, block_tokens: int | None, as_json: bool) -> None:
         emit({"root": str(root), "created": not existed, "hash": s.hash,
               "block_tokens": s.block_tokens, "state_block_bytes": s.state_block_bytes})
     elif not opts().quiet:
-        what = "Kvstore root already exists at" if existed else "Created kvstore root at"
+        what = "kvstore root already exists at" if existed else "Created kvstore root at"
         click.echo(f"{what} {root} ({s.hash}, {s.block_tokens} tokens per block)")
 
 
@@ -100,13 +105,21 @@ def stats(as_json: bool) -> None:
         st = store.stats()
         s = store.settings
         with store.index.read() as txn:
-            zero = [r.size for _, r in store.index.iter_refs(txn) if r.refcount == 0]
+            zero = [(r.size, r.zero_since) for _, r in store.index.iter_refs(txn)
+                    if r.refcount == 0]
         budget = _recorded_budget(store)
+    # What a plain 'kvstore compact' (default grace) would free now, and what it keeps
+    cutoff = int(time.time() * 1000) - int(DEFAULT_GRACE * 1000)
+    held = [(size, since) for size, since in zero if since > cutoff]
+    held_until = max(since for _, since in held) + int(DEFAULT_GRACE * 1000) if held else None
     data: dict[str, Any] = {
         "root": str(store.root), "hash": s.hash, "block_tokens": s.block_tokens,
         "state_block_bytes": s.state_block_bytes, "created_at": s.created_at,
         **dataclasses.asdict(st),
-        "unreferenced_blocks": len(zero), "unreferenced_bytes": sum(zero),
+        "unreferenced_blocks": len(zero), "unreferenced_bytes": sum(z for z, _ in zero),
+        "unreferenced_held_blocks": len(held),
+        "unreferenced_held_bytes": sum(z for z, _ in held),
+        "unreferenced_held_until": held_until,
         "budget_bytes": budget,
         "hit_rate": st.hits / st.lookups if st.lookups else None,
     }
@@ -126,8 +139,7 @@ def stats(as_json: bool) -> None:
                   f"{H.format_bytes(max(st.logical_bytes - st.physical_bytes, 0))})"),
     ]
     if zero:
-        rows.append(("unreferenced", f"{H.plural(len(zero), 'block')}, {H.format_bytes(sum(zero))}"
-                                     " (freed by 'kvstore compact')"))
+        rows.append(("unreferenced", _unreferenced_text(zero, held, held_until)))
     if budget is not None:
         use = st.physical_bytes / budget if budget else 0.0
         rows.append(("budget", f"{H.format_bytes(st.physical_bytes)} of {H.format_bytes(budget)}"
@@ -139,6 +151,23 @@ def stats(as_json: bool) -> None:
         rows.append(("hit rate", "no lookups recorded"))
     width = max(len(k) for k, _ in rows)
     click.echo("\n".join(f"{k.ljust(width)}  {v}" for k, v in rows))
+
+
+def _unreferenced_text(zero: list[tuple[int, int]], held: list[tuple[int, int]],
+                       held_until: int | None) -> str:
+    """What compact frees now and what only ``--grace 0`` would: never a promise it breaks."""
+    def blocks(items: list[tuple[int, int]]) -> str:
+        return f"{H.plural(len(items), 'block')}, {H.format_bytes(sum(z for z, _ in items))}"
+
+    if held_until is None:
+        return f"{blocks(zero)} (freed by 'kvstore compact')"
+    keep = H.grace_hold(DEFAULT_GRACE, held_until)
+    if len(held) == len(zero):
+        return f"{blocks(zero)}, {keep}"
+    due = len(zero) - len(held)
+    due_bytes = sum(z for z, _ in zero) - sum(z for z, _ in held)
+    return (f"{blocks(zero)}: {H.plural(due, 'block')}, {H.format_bytes(due_bytes)} freed by "
+            f"'kvstore compact'; {blocks(held)} {keep}")
 
 
 def _recorded_budget(store: Store) -> int | None:
@@ -294,7 +323,7 @@ def rm(entries: tuple[str, ...], as_json: bool) -> None:
               help="Evict least recently used entries until the root fits (e.g. 10G, 500MiB).")
 @click.option("--namespace-max-bytes", type=ByteSize(), default=None, metavar="SIZE",
               help="Also cap each namespace at SIZE.")
-@click.option("--grace", type=click.FloatRange(min=0), default=600.0, show_default=True,
+@click.option("--grace", type=click.FloatRange(min=0), default=DEFAULT_GRACE, show_default=True,
               metavar="SECONDS", help="Keep unreferenced blocks and temp files this long.")
 @click.option("--dry-run", is_flag=True, help="Report what would be removed; change nothing.")
 @json_option
@@ -318,10 +347,16 @@ def compact(max_bytes: int | None, namespace_max_bytes: int | None, grace: float
         return
     if opts().quiet and not dry_run:
         return
-    lines = H.render_report(data, skip_empty=True, skip=("dry_run",))
+    shown = {k: v for k, v in data.items()
+             if k not in ("dry_run", "grace", "held_blocks", "held_bytes", "held_until")}
+    if data.get("held_until") is not None:  # evicted, yet not freed: say why and until when
+        shown["held_back"] = (f"{H.format_bytes(data['held_bytes'])} in "
+                              f"{H.plural(data['held_blocks'], 'block')} "
+                              f"{H.grace_hold(grace, data['held_until'])}")
+    lines = H.render_report(shown, skip_empty=True)
     if dry_run:
         click.echo("dry run: nothing was changed; compact would do this:")
-    click.echo("\n".join(lines))
+    click.echo("\n".join(lines) if lines else "nothing to do")
 
 
 @cli.command()
@@ -370,25 +405,44 @@ def verify(read_data: bool, repair: bool, as_json: bool) -> None:
 def import_(files: tuple[Path, ...], as_json: bool) -> None:
     """Import mlx-bun cache files into the root.
 
-    Accepts v3/v4 single files and v5 manifest files (with blocks/ beside them).
+    Accepts v3/v4 single files and v5 manifest files (with blocks/ beside them). Each
+    file's outcome is printed as it is known (imported, already present, or an error
+    line); the exit status is 2 when any file failed, after the others were imported.
     """
-    for f in files:
-        if not f.is_file():
-            raise UserError(f"{f}: no such file" if not f.exists() else f"{f}: not a file")
-    done: list[tuple[Path, Any]] = []
+    from .errors import KVStoreError
+
+    done: list[dict[str, Any]] = []
+    failed: list[dict[str, str]] = []
     with open_store() as store, progress(len(files), "import", "file") as advance:
         run = method(store, "import_file", "import")
         for f in files:
-            done.append((f, run(f)))
+            try:
+                if not f.is_file():
+                    raise UserError("no such file" if not f.exists() else "not a file")
+                info = run(f)
+            except (KVStoreError, UserError, OSError) as e:
+                line = _oserror_line(e) if isinstance(e, OSError) and not isinstance(
+                    e, KVStoreError) else str(e)
+                failed.append({"file": str(f), "error": line if str(f) in line else f"{f}: {line}"})
+                click.echo(f"kvstore: error: {failed[-1]['error']}", err=True)
+            else:
+                status = "imported" if getattr(info, "created", True) else "present"
+                done.append({"file": str(f), "status": status, **H.report_dict(info)})
+                if not as_json and not opts().quiet:
+                    click.echo(_import_line(done[-1]))
             advance(1)
     if as_json:
-        emit({"root": str(store.root),
-              "imported": [{"file": str(f), **H.report_dict(info)} for f, info in done]})
-    elif not opts().quiet:
-        for f, info in done:
-            click.echo(f"imported {f} -> {H.short_id(info.id)} "
-                       f"({H.plural(info.n_tokens, 'token')}, {H.format_bytes(info.logical_bytes)}"
-                       f", {H.format_bytes(info.new_bytes)} new)")
+        emit({"root": str(store.root), "imported": done, "failed": failed})
+    if failed:
+        click.get_current_context().exit(2)
+
+
+def _import_line(d: dict[str, Any]) -> str:
+    what = f"{d['file']} -> {H.short_id(d['id'])} ({H.plural(d['n_tokens'], 'token')}, " \
+           f"{H.format_bytes(d['logical_bytes'])}"
+    if d["status"] == "present":
+        return f"already present: {what})"
+    return f"imported {what}, {H.format_bytes(d['new_bytes'])} new)"
 
 
 @cli.command()
@@ -466,22 +520,31 @@ def inspect_(file: Path, all_tokens: bool, as_json: bool) -> int:
     return 0
 
 
-@cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.option("--quick", is_flag=True, help="A short run (seconds), for a smoke test.")
+@cli.command()
+@click.option("--quick", is_flag=True, help="A shorter run: 4k tokens only, fewer repetitions.")
+@click.option("--config", type=click.Choice(BENCH_CONFIGS), default=None,
+              help="A named size (smoke takes seconds); overrides --quick.")
+@click.option("--only", metavar="GROUPS", default=None,
+              help="Comma-separated subset of save, restore, multiturn, shared, lookup, ttft, "
+                   "concurrency.")
+@click.option("--scratch", metavar="DIR", type=click.Path(path_type=Path), default=None,
+              help="Where the temporary roots go (default: the system temp dir).")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
               metavar="FILE", help="Also write the results as JSON to FILE.")
-@common
-@click.pass_context
-def bench(ctx: click.Context, quick: bool, json_file: Path | None) -> int:
+@debug_option  # bench runs in roots of its own, and prints its own progress: no --root, -q
+def bench(quick: bool, config: str | None, only: str | None, scratch: Path | None,
+          json_file: Path | None) -> int:
     """Measure save, lookup and restore speed.
 
-    Runs in temporary roots of its own. Options not listed here (--config NAME,
-    --only GROUPS, --scratch DIR) are passed to the benchmark unchanged.
+    Side by side with mlx-lm's own prompt-cache files, in temporary roots of its own
+    (under --scratch), never in a cache root.
     """
     run = backend("kvstore.bench", "main", "bench")
-    # the benchmark makes its own scratch roots (--scratch DIR), so --root is not passed on
-    argv = [*(["--quick"] if quick else []), *(["--json", str(json_file)] if json_file else [])]
-    return int(run([*argv, *ctx.args]) or 0)
+    argv = [*(["--quick"] if quick else []), *(["--config", config] if config else []),
+            *(["--only", only] if only else []),
+            *(["--scratch", str(scratch)] if scratch else []),
+            *(["--json", str(json_file)] if json_file else [])]
+    return int(run(argv) or 0)
 
 
 @cli.command()

@@ -30,6 +30,7 @@ __all__ = [
     "format_count",
     "format_ratio",
     "format_time",
+    "grace_hold",
     "header_lines",
     "manifest_json",
     "manifest_lines",
@@ -130,6 +131,12 @@ def format_age(ms: int, now_ms: int | None = None) -> str:
 def format_time(ms: int) -> str:
     """A millisecond timestamp as local ``YYYY-MM-DD HH:MM:SS``."""
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ms / 1000))
+
+
+def grace_hold(grace: float, until_ms: int) -> str:
+    """Why unreferenced blocks stay, and when they go: the words of compact and stats."""
+    return (f"kept by the {grace:g} s grace until {format_time(until_ms)} (a compact after "
+            "that frees them; 'kvstore compact --grace 0' frees them now)")
 
 
 def short_id(entry_id: str, n: int = 12) -> str:

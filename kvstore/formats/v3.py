@@ -19,7 +19,7 @@ import os
 import struct
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -432,8 +432,13 @@ def plan_file(
     namespace: Namespace | None,
     attachments: Sequence[AttachmentData] | None,
     created_at: int | None,
+    metadata: Mapping[str, str] | None = None,
 ) -> _Planned:
-    """Lay out header and tensors exactly as mlx-bun's ``planKvCache`` does."""
+    """Lay out header and tensors exactly as mlx-bun's ``planKvCache`` does.
+
+    ``metadata`` (string pairs, e.g. mlx-lm's ``cache_type``) goes into a header
+    field ``metadata`` of its own, which mlx-bun's reader ignores; none when empty.
+    """
     toks = [int(t) for t in tokens]
     items: list[tuple[dict[str, Any], TensorData]] = []
     entries = []
@@ -465,6 +470,8 @@ def plan_file(
     if namespace is not None:
         for key, attr in _NS_FIELDS:
             header[key] = getattr(namespace, attr)
+    if metadata:
+        header["metadata"] = {k: metadata[k] for k in sorted(metadata)}
     if att_out:
         header["attachments"] = att_out
     header["codecProvider"] = CODEC_PROVIDER
@@ -541,17 +548,19 @@ def save_v3(
     namespace: Namespace | None = None,
     attachments: Sequence[AttachmentData] | None = None,
     created_at: int | None = None,
+    metadata: Mapping[str, str] | None = None,
 ) -> None:
     """Write an mlx-bun v3 file (v4 with attachments), atomically, one tensor at a time.
 
-    ``created_at`` is milliseconds since the epoch (now when None).
+    ``created_at`` is milliseconds since the epoch (now when None); ``metadata``
+    string pairs are kept in the header (see :func:`plan_file`).
     """
     if not cache:
         raise CacheMismatchError("nothing to save: the cache list is empty")
     check_target(path)
     version = 4 if attachments else 3
     planned = plan_file(tokens, cache, version=version, namespace=namespace,
-                        attachments=attachments, created_at=created_at)
+                        attachments=attachments, created_at=created_at, metadata=metadata)
     header_len = len(_v3json.dumps(planned.header))
     data_start = align_up(PREFIX_LEN + header_len)
     with atomic_file(path) as fd:

@@ -16,7 +16,7 @@ import re
 import stat
 import tempfile
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -263,11 +263,13 @@ def save_v5(
     attachments: Sequence[AttachmentData] | None = None,
     created_at: int | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    metadata: Mapping[str, str] | None = None,
 ) -> None:
     """Write a v5 header file and its SHA-256 blocks in ``<dir>/blocks/``.
 
     Tensor ``off`` values are the v3 layout's (mlx-bun's reader ignores them);
-    ``hash`` is each tensor's Bun.hash, as in v3.
+    ``hash`` is each tensor's Bun.hash, as in v3. ``metadata`` is kept as in
+    :func:`~kvstore.codecs.v3.save_v3`.
     """
     if not cache:
         raise CacheMismatchError("nothing to save: the cache list is empty")
@@ -275,7 +277,7 @@ def save_v5(
         raise ValueError(f"block_bytes must be > 0, not {block_bytes}")
     check_target(path)  # before any block is written beside it
     planned = plan_file(tokens, cache, version=5, namespace=namespace,
-                        attachments=attachments, created_at=created_at)
+                        attachments=attachments, created_at=created_at, metadata=metadata)
     root = Path(path).parent / "blocks"
     root.mkdir(parents=True, exist_ok=True)
     for slot, t in planned.items:

@@ -195,6 +195,30 @@ class PersistStats:
     misses: int
     tokens_from_store: int
 
+    def summary(self) -> str:
+        """One line for a log: ``saved 3 entries (… new of …), 5 hits (…), …``."""
+        text = (
+            f"saved {self.saved} {'entry' if self.saved == 1 else 'entries'} "
+            f"({_mib(self.bytes_written)} new of {_mib(self.logical_bytes_saved)}); "
+            f"{self.store_hits} {'hit' if self.store_hits == 1 else 'hits'} from the store "
+            f"({self.tokens_from_store:,} tokens), {self.memory_hits} from memory, "
+            f"{self.misses} {'miss' if self.misses == 1 else 'misses'}"
+        )
+        lost = [
+            f"{n} {what}"
+            for n, what in (
+                (self.pending, "not written"),
+                (self.dropped, "dropped"),
+                (self.failed, "failed"),
+            )
+            if n
+        ]
+        return text + (f"; snapshots {', '.join(lost)}" if lost else "")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
 
 @dataclass
 class _Job:

@@ -5,6 +5,10 @@ mlx-lm's ``server.run`` builds its prompt cache as
 `serve_main` swaps that one name for a factory of `PersistentPromptCache` for
 the duration of the call and runs mlx-lm's own ``main`` with the remaining
 arguments, so every mlx-lm option keeps its meaning.
+
+Before anything is opened or bound, `serve_main` checks its own options and that
+a local ``--model`` (or ``--draft-model``) is a model directory: a mistake is one
+``kvstore: error: …`` line on stderr and exit status 2, as in every subcommand.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -26,6 +31,19 @@ from kvstore.mlx_lm import PersistentPromptCache
 __all__ = ["serve_main", "parse_size"]
 
 logger = logging.getLogger("kvstore.serve")
+
+# A Hugging Face repo id ("name" or "owner/name"); anything else is a local path
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+class ServeError(Exception):
+    """A mistake in serve's arguments: one ``kvstore: error:`` line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ServeError(f"{message} (see 'kvstore serve --help')")
+
 
 def parse_size(text: str) -> int:
     """``--max-bytes`` and friends: the CLI's size syntax (``10G``, ``500MiB``, plain bytes)."""
@@ -39,7 +57,7 @@ def parse_size(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="kvstore serve",
         add_help=False,
         description="mlx-lm's HTTP server with a persistent, shared prompt cache. "
@@ -112,11 +130,58 @@ def _sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+def _option(argv: Sequence[str], *names: str) -> str | None:
+    """The last value given for one of ``names`` (``--x V`` or ``--x=V``), else None."""
+    found = None
+    for i, a in enumerate(argv):
+        for n in names:
+            if a == n and i + 1 < len(argv):
+                found = argv[i + 1]
+            elif a.startswith(n + "="):
+                found = a[len(n) + 1 :]
+    return found
+
+
+def check_model(value: str, option: str = "--model") -> None:
+    """Fail now, not at the first request, when a local model path is not a model.
+
+    A value that exists must be a directory with a ``config.json``; one that does
+    not exist must look like a Hugging Face repo id (``owner/name``), which
+    mlx-lm downloads or finds in its cache.
+    """
+    path = Path(value).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ServeError(f"{option} {value}: not a model directory")
+        if not (path / "config.json").is_file():
+            raise ServeError(f"{option} {value}: not a model directory (no config.json)")
+        return
+    if not _HUB_ID.fullmatch(value) or value.startswith((".", "~")):
+        raise ServeError(f"{option} {value}: no such model directory")
+
+
 def serve_main(argv: list[str]) -> int:
-    """Run mlx-lm's server with `PersistentPromptCache`; return the exit code."""
+    """Run mlx-lm's server with `PersistentPromptCache`; return the exit code.
+
+    A mistake in the arguments prints one ``kvstore: error: …`` line and returns 2
+    before any root is opened or port bound.
+    """
+    try:
+        return _serve(argv)
+    except ServeError as e:
+        print(f"kvstore: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _serve(argv: list[str]) -> int:
     import mlx_lm.server as server
 
     ours, rest = _parser().parse_known_args(argv)
+    if "-h" not in rest and "--help" not in rest:
+        for option in ("--model", "--draft-model"):
+            value = _option(rest, option)
+            if value is not None:
+                check_model(value, option)
     if "-h" in rest or "--help" in rest:
         _parser().print_help()
         print()
@@ -159,7 +224,7 @@ def serve_main(argv: list[str]) -> int:
             for cache in made:
                 if not cache.close(timeout=None):
                     logger.warning("kvstore: %d snapshots were not written", cache.pending)
-                logger.info("kvstore: %s", cache.persist_stats())
+                logger.info("kvstore: %s", cache.persist_stats().summary())
     return code
 
 

@@ -23,9 +23,16 @@ imported v3/v4 file byte for byte:
     ``"none"`` when the header carried no modelId; an export then writes no
     identity fields either (otherwise it writes the entry's namespace).
 
+Every other metadata pair (mlx-lm's ``cache_type``, a caller's own) is exported
+in a header field ``metadata`` of its own, which mlx-bun's reader ignores, and
+imported back from it; a ``cache_type`` that names a priority (``assistant``,
+``user``, ``system``) is the imported entry's priority.
+
 The store names an entry by (namespace, tokens): importing a file whose tokens
 are already stored in that namespace returns the existing entry, as a second
 save of the same tokens does. Import under another ``namespace`` to keep both.
+The entry's creation time is the header's ``createdAt``, so importing the same
+file again after removing its entry gives back the same entry id.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from mlx_lm.models import cache as _cache
 
+from ..errors import FileFormatError
 from ..formats.v3 import load_v3, save_v3
 from ..formats.v5file import DEFAULT_BLOCK_BYTES, save_v5
 from ..schema import Namespace
@@ -56,6 +64,8 @@ CREATED_AT_KEY = "mlx-bun.createdAt"
 FORMAT_VERSION_KEY = "mlx-bun.formatVersion"
 BLOCK_BYTES_KEY = "mlx-bun.blockBytes"
 IDENTITY_KEY = "mlx-bun.identity"
+_OWN_PREFIX = "mlx-bun."  # keys derived from the header, not exported as metadata
+_PRIORITIES = ("assistant", "user", "system")
 
 _C: Any = _cache  # mlx-lm ships no type hints
 
@@ -76,8 +86,14 @@ def _largest_block(header: dict[str, Any]) -> int | None:
     return max(sizes) if sizes else None
 
 
-def _file_metadata(h: dict[str, Any], format_version: int) -> dict[str, str]:
-    meta = {FORMAT_VERSION_KEY: str(format_version)}
+def _file_metadata(path: str, h: dict[str, Any], format_version: int) -> dict[str, str]:
+    own = h.get("metadata", {})
+    if not isinstance(own, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in own.items()
+    ):
+        raise FileFormatError(path, "header field 'metadata' is not an object of strings")
+    meta = {k: v for k, v in own.items() if not k.startswith(_OWN_PREFIX)}
+    meta[FORMAT_VERSION_KEY] = str(format_version)
     if _is_int(h.get("createdAt")):
         meta[CREATED_AT_KEY] = str(h["createdAt"])
     if format_version == 5:
@@ -106,12 +122,17 @@ def import_file(
     there is none).
     """
     loaded = load_v3(path, verify=verify)
+    h = loaded.header
+    meta = _file_metadata(os.fspath(path), h, loaded.format_version)
+    cache_type = meta.get("cache_type")
     return store.save(
         loaded.tokens,
         loaded.cache,
         namespace=namespace or loaded.namespace,
-        metadata=_file_metadata(loaded.header, loaded.format_version),
+        metadata=meta,
         attachments=loaded.attachments,
+        priority=cache_type if cache_type in _PRIORITIES else "assistant",  # type: ignore[arg-type]
+        created_at=int(h["createdAt"]) if _is_int(h.get("createdAt")) else None,
     )
 
 
@@ -144,10 +165,17 @@ def export_entry(
     tokens, cache, attachments = store.load_entry(eid, verify=verify)
     ns = None if m.metadata.get(IDENTITY_KEY) == "none" else m.namespace
     created_at = _created_at(m.metadata, m.created_at)
+    meta = {k: v for k, v in m.metadata.items() if not k.startswith(_OWN_PREFIX)}
     out = Path(path)
     if format == "v3":
         save_v3(
-            out, tokens, cache, namespace=ns, attachments=attachments or None, created_at=created_at
+            out,
+            tokens,
+            cache,
+            namespace=ns,
+            attachments=attachments or None,
+            created_at=created_at,
+            metadata=meta,
         )
     else:
         if block_bytes is None:
@@ -161,5 +189,6 @@ def export_entry(
             attachments=attachments or None,
             created_at=created_at,
             block_bytes=block_bytes,
+            metadata=meta,
         )
     return out

@@ -75,6 +75,12 @@ class CompactReport:
     physical_before: int = 0
     physical_after: int = 0
     live_after: int = 0
+    # Unreferenced blocks the grace keeps after this run (the evictions' own, mostly):
+    # a compact after ``held_until`` (ms since the epoch) frees them, ``grace=0`` now.
+    held_blocks: int = 0
+    held_bytes: int = 0
+    held_until: int | None = None
+    grace: float = DEFAULT_GRACE
     dry_run: bool = False
 
     @property
@@ -185,12 +191,21 @@ def plan_evictions(
     store: Store, max_bytes: int | None, namespace_max_bytes: int | None
 ) -> tuple[list[bytes], int]:
     """Victims (in order) that bring live bytes within the budgets; and live bytes after."""
+    victims, live, _ = _plan(store, max_bytes, namespace_max_bytes)
+    return victims, live
+
+
+def _plan(
+    store: Store, max_bytes: int | None, namespace_max_bytes: int | None
+) -> tuple[list[bytes], int, dict[bytes, int]]:
+    """`plan_evictions`, and the blocks (with their sizes) the victims leave unreferenced."""
     snap = _snapshot(store)
     counts = {d: r.refcount for d, r in snap.refs.items()}
     sizes = {d: r.size for d, r in snap.refs.items()}
     live = sum(sizes[d] for d, c in counts.items() if c > 0)
     victims: list[bytes] = []
     chosen: set[bytes] = set()
+    zeroed: dict[bytes, int] = {}
     blocks_cache: dict[bytes, list[bytes]] = {}
 
     def blocks(d: bytes) -> list[bytes]:
@@ -207,6 +222,7 @@ def plan_evictions(
                 counts[b] -= 1
                 if counts[b] == 0:
                     live -= sizes[b]
+                    zeroed[b] = sizes[b]
 
     if namespace_max_bytes is not None:
         by_ns: dict[str, list[tuple[bytes, EntryRecord]]] = {}
@@ -235,7 +251,7 @@ def plan_evictions(
             if v is None:
                 break
             evict(v)
-    return victims, live
+    return victims, live, zeroed
 
 
 def _evict(store: Store, victims: list[bytes], grace: float, report: CompactReport) -> None:
@@ -424,14 +440,16 @@ def compact(
             raise ValueError(f"{name} must be >= 0, got {v}")
     store.index.reader_check()
     before = store.index.totals()
-    report = CompactReport(physical_before=before.physical_bytes, dry_run=dry_run)
+    report = CompactReport(physical_before=before.physical_bytes, dry_run=dry_run, grace=grace)
     if dry_run:
-        victims, live = plan_evictions(store, max_bytes, namespace_max_bytes)
+        victims, live, zeroed = _plan(store, max_bytes, namespace_max_bytes)
         report.evicted = [v.hex() for v in victims]
         _sweep_zero_refs(store, _cutoff_ms(grace), report, dry=True)
         # with grace 0 every zero-ref block goes, the evictions' too: live bytes remain
         report.physical_after = live if grace == 0 else before.physical_bytes - report.freed_bytes
         report.live_after = live
+        if grace > 0:  # what the evictions would zero waits for the grace, from now
+            _held(store, grace, report, {d: (size, now_ms()) for d, size in zeroed.items()})
         _sweep_orphans(store, _cutoff_ms(grace), report, dry=True)
         _sweep_tmp(store, grace, report, dry=True)
         return report
@@ -442,7 +460,30 @@ def compact(
     _sweep_tmp(store, grace, report)
     after = store.index.totals()
     report.physical_after, report.live_after = after.physical_bytes, after.live_bytes
+    _held(store, grace, report)
     return report
+
+
+def _held(
+    store: Store,
+    grace: float,
+    report: CompactReport,
+    extra: dict[bytes, tuple[int, int]] | None = None,
+) -> None:
+    """Fill ``report.held_*``: the zero-ref blocks younger than the grace (and ``extra``,
+    digest -> (size, zero since), for a dry run's evictions)."""
+    cutoff = _cutoff_ms(grace)
+    with store.index.read() as txn:
+        held = {
+            d: (r.size, r.zero_since)
+            for d, r in store.index.iter_refs(txn)
+            if r.refcount == 0 and r.zero_since > cutoff
+        }
+    held.update(extra or {})
+    report.held_blocks = len(held)
+    report.held_bytes = sum(size for size, _ in held.values())
+    grace_ms = int(grace * 1000)
+    report.held_until = max((z + grace_ms for _, z in held.values()), default=None)
 
 
 # --- verify -----------------------------------------------------------------------------------

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
-import time
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -52,18 +53,24 @@ if TYPE_CHECKING:
 _log = logging.getLogger("kvstore")
 
 CODEC_PROVIDER = "kvstore-mlx/1"
-ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory
+ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory before a write
 PRIORITIES = {"assistant": 0, "user": 1, "system": 2}
+MIN_ID_PREFIX = 4  # hex chars of an entry id that resolve() accepts
 
 
 @dataclass(frozen=True)
 class EntryInfo:
-    """What a save produced: the entry id, its size, and the bytes newly written."""
+    """What a save produced: the entry id, its size, and the bytes newly written.
+
+    ``created`` is False when the entry was already stored (the same tokens in the
+    same namespace): the save returned it and wrote nothing.
+    """
 
     id: str
     n_tokens: int
     logical_bytes: int
     new_bytes: int
+    created: bool = True
 
 
 @dataclass(frozen=True)
@@ -130,13 +137,20 @@ class Store:
         self.verify_reads = verify_reads
         self.blocks = BlockStore(root, settings.hash, durable=durable, read_only=read_only)
         # Access stamps and hit counts are advisory (they order evictions), so
-        # they are batched: one index write a second at most, not one per restore.
-        self._lock = threading.Lock()
+        # they are batched: a timer writes them ACCESS_FLUSH_SECONDS after the
+        # first one (never on the caller's path), close() and interpreter exit
+        # write what is left.
+        self._lock = threading.Lock()  # guards the pending counts and the timer
+        self._flush_lock = threading.Lock()  # one flush at a time, none after close
         self._hits: dict[bytes, int] = {}
         self._lookups = 0
         self._found = 0
-        self._flushed = time.monotonic()
+        self._pid = os.getpid()  # whose the pending counts are (a forked child drops them)
+        self._timer: threading.Timer | None = None
+        self._closed = False
         self._bisect = False  # lookups bisect the chain (set by open once the root allows it)
+        self._exit_hook = _exit_flush(self)
+        atexit.register(self._exit_hook)
 
     # --- opening -------------------------------------------------------------------
 
@@ -198,18 +212,26 @@ class Store:
         return store
 
     def flush_access(self) -> None:
-        """Write pending access stamps and lookup counts to the index.
+        """Write pending access stamps and lookup counts to the index now.
 
-        Best effort: they only order evictions and feed the hit rate, so an index
-        that cannot be written (a read-only root, say) drops them with a log line
-        instead of failing the restore or the close that flushes them. A store
-        opened read-only drops them silently.
+        They are also written ACCESS_FLUSH_SECONDS after the first one, by
+        :meth:`close` and at interpreter exit. Best effort: they only order
+        evictions and feed the hit rate, so an index that cannot be written (a
+        read-only root, say) drops them with a log line instead of failing the
+        restore or the close that flushes them. A store opened read-only drops
+        them silently.
         """
+        with self._flush_lock:
+            if not self._closed:
+                self._write_access()
+
+    def _write_access(self) -> None:
+        """Write the pending counts; the caller holds ``_flush_lock``."""
         with self._lock:
+            self._adopt_after_fork()
             hits, self._hits = self._hits, {}
             lookups, found = self._lookups, self._found
             self._lookups = self._found = 0
-            self._flushed = time.monotonic()
         if self.read_only:
             return
         try:
@@ -217,21 +239,46 @@ class Store:
         except KVStoreError as e:
             _log.warning("kvstore: access stamps not recorded: %s", e)
 
-    def _note_access(self, digest: bytes | None = None, *, found: bool | None = None) -> None:
-        """Count an entry load (``digest``) and/or a restore that ``found`` something or not."""
+    def _adopt_after_fork(self) -> None:
+        """In a forked child, drop the parent's pending counts (the parent writes them)."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._hits, self._lookups, self._found, self._timer = {}, 0, 0, None
+
+    def _note_access(self, digest: bytes | None = None, *, lookup: bool = False) -> None:
+        """Count a ``lookup`` and/or a load of entry ``digest`` (a hit); a timer writes them."""
         with self._lock:
+            self._adopt_after_fork()
             if digest is not None:
                 self._hits[digest] = self._hits.get(digest, 0) + 1
-            if found is not None:
+                self._found += 1
+            if lookup:
                 self._lookups += 1
-                self._found += found
-            due = time.monotonic() - self._flushed >= ACCESS_FLUSH_SECONDS
-        if due:
-            self.flush_access()
+            if self._timer is not None or self._closed:
+                return
+            self._timer = timer = threading.Timer(ACCESS_FLUSH_SECONDS, self._timed_flush)
+            timer.daemon = True
+            timer.name = "kvstore-access-stamps"
+        timer.start()
+
+    def _timed_flush(self) -> None:
+        with self._lock:
+            self._timer = None
+        self.flush_access()
 
     def close(self) -> None:
-        self.flush_access()
-        self.index.close()
+        """Write the pending access stamps and close the index (a second close does nothing)."""
+        with self._lock:
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        with self._flush_lock:
+            if self._closed:
+                return
+            self._write_access()
+            self._closed = True
+            self.index.close()
+        atexit.unregister(self._exit_hook)
 
     def __enter__(self) -> Store:
         return self
@@ -280,6 +327,7 @@ class Store:
         priority: Literal["assistant", "user", "system"] = "assistant",
         attachments: Sequence[AttachmentData] = (),
         reuse_prefix: bool = False,
+        created_at: int | None = None,
     ) -> EntryInfo:
         """Store ``cache`` (a list of mlx-lm cache objects) as the state after ``tokens``.
 
@@ -293,6 +341,10 @@ class Store:
         conversation): its leading rows are then those very bytes. For a cache
         computed independently the entry gets the stored rows for the shared
         prefix, which hold the same tokens' state but may differ in the last bits.
+
+        ``created_at`` (ms since the epoch, default now) is the manifest's creation
+        time, part of what names the entry: an imported file passes its own, so
+        importing it again after a removal gives back the same entry id.
         """
         self._check_writable("save")
         ns = self._ns(namespace)
@@ -313,7 +365,7 @@ class Store:
             existing = self.index.find_exact(xkey, txn)
             rec = self.index.get_entry(existing, txn) if existing else None
         if existing and rec is not None:
-            return EntryInfo(existing.hex(), n, rec.logical_bytes, 0)
+            return EntryInfo(existing.hex(), n, rec.logical_bytes, 0, created=False)
 
         snaps = [snapshot(c) for c in cache]
         snaps += [_attachment_snapshot(a) for a in attachments]
@@ -330,7 +382,7 @@ class Store:
             hash=self.settings.hash,
             block_tokens=self.block_tokens,
             state_block_bytes=self.settings.state_block_bytes,
-            created_at=now_ms(),
+            created_at=now_ms() if created_at is None else created_at,
             n_tokens=n,
             tokens=tok_le,
             layers=layers[:n_layers],
@@ -370,7 +422,7 @@ class Store:
                 namespace=_ns_json.encode(ns).decode(),
                 n_tokens=n,
                 logical_bytes=logical,
-                created_at=stamp,
+                created_at=manifest.created_at,
                 last_access=stamp,
                 priority=PRIORITIES[priority],
             ),
@@ -381,7 +433,13 @@ class Store:
             created = self.index.commit_save(plan)
         except _PrefixGone:  # the transaction was aborted: save our own bytes instead
             return self.save(
-                toks, cache, namespace=ns, metadata=meta, priority=priority, attachments=attachments
+                toks,
+                cache,
+                namespace=ns,
+                metadata=meta,
+                priority=priority,
+                attachments=attachments,
+                created_at=manifest.created_at,
             )
         crash_point("after_commit")
         if created and self.max_bytes is not None:
@@ -391,7 +449,9 @@ class Store:
         if not created:  # a concurrent save of the same tokens won
             with self.index.read() as txn:
                 existing = self.index.find_exact(xkey, txn)
-            return EntryInfo(existing.hex() if existing else digest.hex(), n, logical, new_bytes)
+            return EntryInfo(
+                existing.hex() if existing else digest.hex(), n, logical, new_bytes, created=False
+            )
         return EntryInfo(digest.hex(), n, logical, new_bytes)
 
     def _reusable_prefix(
@@ -437,7 +497,9 @@ class Store:
         depth = len(q) // T
         keys = P.chain(self._c0(ns), q_le, T, self.settings.hash, depth)
         with self.index.read() as txn:
-            return find(self.index, txn, keys, q, q_le, T, self.settings.hash, bisect=self._bisect)
+            match = find(self.index, txn, keys, q, q_le, T, self.settings.hash, bisect=self._bisect)
+        self._note_access(lookup=True)
+        return match
 
     # --- load --------------------------------------------------------------------------------
 
@@ -454,7 +516,9 @@ class Store:
         """Restore the cache objects of ``match`` holding exactly ``match.length`` tokens.
 
         Reads only the first ``ceil(length / block_tokens)`` token blocks and the
-        state blocks. A missing block raises :class:`BlockNotFoundError`, a block
+        state blocks. A load counts as a hit of the :meth:`lookup` that found
+        ``match`` (the hit rate of ``kvstore stats``) and stamps the entry's last
+        access. A missing block raises :class:`BlockNotFoundError`, a block
         of the wrong size (or, with ``verify``, the wrong digest)
         :class:`CorruptBlockError`.
         """
@@ -588,30 +652,35 @@ class Store:
         self, tokens: Any, *, namespace: Namespace | None = None, verify: bool | None = None
     ) -> tuple[list[Any] | None, int]:
         """Lookup and load; ``(None, 0)`` on a miss, also when a block is gone or corrupt."""
-        match = self.lookup(tokens, namespace=namespace)
+        match = self.lookup(tokens, namespace=namespace)  # counts the lookup; load the hit
         cache = None
         if match is not None:
             try:
                 cache = self.load(match, verify=verify)
             except (BlockNotFoundError, CorruptBlockError, EntryNotFoundError):
                 cache = None
-        self._note_access(found=cache is not None)
         return (cache, match.length) if cache is not None and match is not None else (None, 0)
 
     # --- entries -------------------------------------------------------------------------------
 
     def resolve(self, entry_id: str) -> str:
-        """A full entry id from a unique prefix of at least 4 hex chars."""
+        """A full entry id from a unique prefix of at least ``MIN_ID_PREFIX`` (4) hex chars."""
         s = entry_id.strip().lower()
         if len(s) == 64:
             self._digest(s)
             return s
-        if len(s) < 4 or any(c not in "0123456789abcdef" for c in s):
+        if any(c not in "0123456789abcdef" for c in s) or not s:
             raise EntryNotFoundError(f"not an entry id or prefix: {entry_id!r}")
+        if len(s) < MIN_ID_PREFIX:
+            raise EntryNotFoundError(
+                f"entry id prefix {entry_id!r} is too short: "
+                f"give at least {MIN_ID_PREFIX} hex chars"
+            )
         hits = [e.id for e in self.entries() if e.id.startswith(s)]
-        if len(hits) != 1:
-            what = "no entry" if not hits else f"{len(hits)} entries"
-            raise EntryNotFoundError(f"{what} match {entry_id!r}")
+        if not hits:
+            raise EntryNotFoundError(f"no entry matches {entry_id!r}")
+        if len(hits) > 1:
+            raise EntryNotFoundError(f"{len(hits)} entries match {entry_id!r}: give more hex chars")
         return hits[0]
 
     def delete(self, entry_id: str | bytes) -> bool:
@@ -691,10 +760,15 @@ class Store:
         return verify(self, read_data=read_data, repair=repair)
 
     def stats(self) -> Stats:
-        """Entries, blocks, logical vs physical bytes and the dedup ratio."""
+        """Entries, blocks, logical vs physical bytes and the dedup ratio.
+
+        The ratio is logical bytes over the bytes of the blocks the entries
+        reference (unreferenced blocks waiting for compact are not the entries'),
+        1.0 when no entry references any block, as on a fresh root.
+        """
         self.flush_access()
         t = self.index.totals()
-        ratio = t.logical_bytes / t.physical_bytes if t.physical_bytes else 1.0
+        ratio = t.logical_bytes / t.live_bytes if t.live_bytes > 0 else 1.0
         return Stats(
             t.entries, t.blocks, t.logical_bytes, t.physical_bytes, ratio, t.lookups, t.hits
         )
@@ -702,6 +776,18 @@ class Store:
 
 class _PrefixGone(Exception):
     """A reused prefix block vanished before the commit (its entry was collected)."""
+
+
+def _exit_flush(store: Store) -> Callable[[], None]:
+    """An exit hook that writes ``store``'s pending stamps; it does not keep the store alive."""
+    ref = weakref.ref(store)
+
+    def hook() -> None:
+        s = ref()
+        if s is not None:
+            s.flush_access()
+
+    return hook
 
 
 def _has_reach_markers(index: Index, *, writable: bool = True) -> bool:

@@ -49,7 +49,7 @@ def test_export_inspect_import_round_trip(shared_root: Root, tmp_path: Path) -> 
     assert b["new_bytes"] == 0  # the same entry twice: the second import is free
     human_import = run("import", v3, "--root", target)
     assert human_import.code == 0
-    assert human_import.out == (f"imported {v3} -> {a['id'][:12]} (70 tokens, 8.8 KiB, 0 B new)"
+    assert human_import.out == (f"already present: {v3} -> {a['id'][:12]} (70 tokens, 8.8 KiB)"
                                 "\n")
     listed = run_here("ls", "--json", "--root", target).json()["entries"]
     assert [(e["id"], e["n_tokens"]) for e in listed] == [(a["id"], 70)]
