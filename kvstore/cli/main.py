@@ -409,7 +409,7 @@ def import_(files: tuple[Path, ...], as_json: bool) -> None:
     file's outcome is printed as it is known (imported, already present, or an error
     line); the exit status is 2 when any file failed, after the others were imported.
     """
-    from .errors import KVStoreError
+    from ..errors import KVStoreError
 
     done: list[dict[str, Any]] = []
     failed: list[dict[str, str]] = []

@@ -161,7 +161,7 @@ def test_bench_help_lists_only_the_options_it_uses() -> None:
     for unused in ("--root", "--quiet"):
         assert unused not in r.out, unused
     from kvstore.bench.common import CONFIGS
-    from kvstore.cli import BENCH_CONFIGS
+    from kvstore.cli.main import BENCH_CONFIGS
 
     assert sorted(BENCH_CONFIGS) == sorted(CONFIGS)
 
