@@ -34,14 +34,14 @@ import blake3
 import mlx.core as mx
 import msgspec
 import numpy as np
-from kvstore.store.lookup import prefix_items, trimmable
-from kvstore.store.store import CODEC_PROVIDER
 from mlx_lm.models.cache import KVCache
 
 from kvstore import Namespace, Store
 from kvstore.index import EntryRecord, SavePlan, now_ms
 from kvstore.schema import Manifest, encode_manifest
 from kvstore.store import keys as P
+from kvstore.store.lookup import prefix_items, trimmable
+from kvstore.store.store import CODEC_PROVIDER
 
 VOCAB = 32000
 _ns_json = msgspec.json.Encoder()
