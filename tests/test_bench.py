@@ -28,6 +28,11 @@ EXPECTED = (
     "time to first token, 300 tokens",
     "restore throughput, 1 process",
     "restore throughput, 2 process",
+    "limit: save 600 durable",
+    "limit: save 600 non-durable",
+    "limit: restore 600 page cache",
+    "limit: restore 600 verify=True",
+    "limit: restore 600 after eviction",
 )
 
 
@@ -39,7 +44,7 @@ def test_smoke_run_writes_every_row_with_both_figures(tmp_path: Path) -> None:
     names = [r["name"] for r in rows]
     for want in EXPECTED:
         assert any(n.startswith(want) for n in names), f"no row {want!r} in {names}"
-    assert {r["group"] for r in rows} == set(GROUPS)
+    assert {r["group"] for r in rows} == set(GROUPS) | {"limit"}
     for r in rows:
         for key in ("kvstore", "baseline", "ratio"):
             assert isinstance(r[key], float | int) and math.isfinite(r[key]), (r["name"], key)
@@ -48,6 +53,8 @@ def test_smoke_run_writes_every_row_with_both_figures(tmp_path: Path) -> None:
     assert doc["machine"]["nproc"] >= 1 and doc["targets"]
     held = {t["name"] for t in doc["targets"]}
     assert not any("part of the" in t for t in held), "the parts are not saves"
+    limits = [t for t in doc["targets"] if t["name"].startswith("machine limit: ")]
+    assert limits and all(t["want"] == ">= 0.8x of the limit" for t in limits)
     assert any(t.startswith("save speed: save 600 non-durable") for t in held)
     assert list(tmp_path.iterdir()) == [out], "the scratch roots were not removed"
 

@@ -36,7 +36,15 @@ def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
         log: Callable[[str], None] = print) -> list[Row]:
     """Run the chosen cases of ``cfg`` under ``scratch``; returns their rows."""
     from .index_cases import lookup_rows, ttft_rows
-    from .io_cases import SavedPair, multiturn_rows, restore_rows, save_rows, shared_rows
+    from .io_cases import (
+        SavedPair,
+        _label,
+        multiturn_rows,
+        restore_rows,
+        save_rows,
+        shared_rows,
+    )
+    from .limits import restore_limit_rows
 
     rows: list[Row] = []
 
@@ -57,6 +65,7 @@ def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
                 try:
                     if "restore" in groups:
                         add(restore_rows(cfg, pair))
+                        add(restore_limit_rows(cfg, pair, _label(n)))
                     if "concurrency" in groups and n == cfg.sizes[0]:
                         _concurrency(cfg, scratch, add, log)
                 finally:

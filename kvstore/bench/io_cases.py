@@ -36,6 +36,7 @@ from .common import (
     read_all,
     settle,
 )
+from .limits import limit_row, raw_durable_write
 
 NS = Namespace(model_id="kvstore-bench", config_fingerprint="synthetic")
 MLX = "mlx-lm save_prompt_cache"
@@ -99,6 +100,9 @@ def save_rows(cfg: Config, scratch: Path, n: int, cache: list[Any]) -> list[Row]
     toks = tokens_for(n, seed=n)
     nbytes = cache_bytes(cache)
     hashing, writing = _save_parts(scratch, n, cache)
+    _, placed = place([snapshot(c) for c in cache], n, DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK)
+    raw_blocks = placed.token_pieces + placed.state_pieces
+    parallel = io_pool()._max_workers
 
     def kv(durable: bool) -> float:
         root = Path(tempfile.mkdtemp(prefix="save-", dir=scratch))
@@ -128,6 +132,7 @@ def save_rows(cfg: Config, scratch: Path, n: int, cache: list[Any]) -> list[Row]
             "ml_n": lambda: ml(False),
             "hash": hashing,
             "write": writing,
+            "raw_d": lambda: raw_durable_write(scratch, raw_blocks, parallel),
         },
         cfg.reps,
         before=settle,
@@ -144,6 +149,16 @@ def save_rows(cfg: Config, scratch: Path, n: int, cache: list[Any]) -> list[Row]
             median(res["hash"]), median(res["ml_n"]), MLX, "speedup", extra={"gb": gb}),
         Row("save", f"part of the {lab} non-durable save: writing every block, alone", "s",
             median(res["write"]), median(res["ml_n"]), MLX, "speedup", extra={"gb": gb}),
+        # the machine's own limits on the same bytes (issue 16)
+        limit_row(f"limit: save {lab} durable", median(res["kv_d"]), median(res["raw_d"]),
+                  f"its blocks written to as many files + one fsync round, {parallel} threads"),
+        limit_row(f"limit: save {lab} non-durable", median(res["kv_n"]),
+                  max(median(res["hash"]), median(res["write"])),
+                  "max(hashing alone, writing alone): perfect overlap"),
+        limit_row(f"limit: save {lab} non-durable, halves in sequence", median(res["kv_n"]),
+                  median(res["hash"]) + median(res["write"]),
+                  "hashing alone + writing alone: no overlap (each half already uses every core)",
+                  target=None),
     ]
 
 

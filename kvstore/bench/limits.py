@@ -1,0 +1,159 @@
+"""Limit rows: each kvstore figure against what the machine itself allows, on the same bytes.
+
+The rows beside mlx-lm say whether kvstore beats the peer; these say how far it
+is from the machine's own limit, measured in the same run, on the same block
+files or the same cache, with the same threads:
+
+- restore vs ``preadv`` of its block files straight into preallocated,
+  evaluated MLX arrays (and, for a verified restore, plus BLAKE3 of them);
+- a durable save vs writing its blocks to as many new files plus one round of
+  fsyncs (and the directory's);
+- a non-durable save vs max(hashing alone, writing alone), the bound if the two
+  halves overlapped perfectly, and vs their sum, the bound when each half
+  already keeps every core busy;
+
+Each row's ratio is limit / kvstore: 1.0 is the limit itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from ..blocks import new_hasher
+from ..blocks.local import _write_all, io_pool
+from ..store.reader import _THREADS as READ_THREADS
+from .common import Config, Row, block_files, fsync_path, interleave, median
+
+TARGET = 0.8  # issue 16: kvstore within 0.8x of the machine's limit
+
+
+def limit_row(name: str, kv: float, limit: float, label: str, *,
+              target: float | None = TARGET, extra: dict[str, float] | None = None) -> Row:
+    """A row of group ``limit``: kvstore's seconds against the limit's; ratio = limit / kvstore."""
+    ext = dict(extra or {})
+    if target is not None:
+        ext["target"] = target
+    return Row("limit", name, "s", kv, limit, label, "speedup", extra=ext)
+
+
+def _clock() -> float:
+    return time.perf_counter()
+
+
+def _balanced(sizes: Sequence[int], n: int) -> list[list[int]]:
+    """Indexes of ``sizes`` in ``n`` groups of about equal bytes (biggest first, to the least)."""
+    groups: list[list[int]] = [[] for _ in range(max(1, n))]
+    loads = [0] * len(groups)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        k = loads.index(min(loads))
+        groups[k].append(i)
+        loads[k] += sizes[i]
+    return [g for g in groups if g]
+
+
+class RawRead:
+    """The restore's limit: ``preadv`` of every block file into preallocated, evaluated arrays.
+
+    The files are opened and read inside the timed call, spread over as many
+    threads as a restore reads with (the caller's among them), each whole file
+    one ``preadv`` into its own uint8 array; ``hash`` adds BLAKE3 of each file's
+    bytes on the thread that read them, as a verified restore must.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.paths = [str(p) for p in block_files(root)]
+        self.sizes = [os.stat(p).st_size for p in self.paths]
+        self.arrays = [mx.zeros((s,), dtype=mx.uint8) for s in self.sizes]
+        mx.eval(self.arrays)
+        self.views = [memoryview(a).cast("B") for a in self.arrays]  # type: ignore[arg-type]
+        self.threads = READ_THREADS
+
+    def _job(self, idx: list[int], hash: bool) -> None:
+        for i in idx:
+            fd = os.open(self.paths[i], os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [self.views[i]], 0)
+            finally:
+                os.close(fd)
+            if got != self.sizes[i]:
+                raise OSError(f"{self.paths[i]}: read {got} of {self.sizes[i]} bytes")
+            if hash:
+                h = new_hasher("blake3")
+                h.update(self.views[i])
+                h.digest()
+
+    def __call__(self, *, hash: bool = False) -> float:
+        groups = _balanced(self.sizes, self.threads)
+        t = _clock()
+        futures = [io_pool().submit(self._job, g, hash) for g in groups[1:]]
+        self._job(groups[0], hash)
+        for f in futures:
+            f.result()
+        return _clock() - t
+
+
+def raw_durable_write(scratch: Path, blocks: Sequence[Sequence[memoryview]],
+                      parallel: int) -> float:
+    """The durable save's limit: its blocks written to as many new files, then one fsync round.
+
+    The writes run ``parallel`` at a time (as a save's do), the fsyncs all at
+    once over the I/O threads, then the directory's fsync so the names survive.
+    """
+    d = Path(tempfile.mkdtemp(prefix="raw-durable-", dir=scratch))
+    names = [f"{d}/{i}" for i in range(len(blocks))]
+
+    def write(idx: list[int]) -> None:
+        for i in idx:
+            fd = os.open(names[i], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(fd, blocks[i])
+            finally:
+                os.close(fd)
+
+    sizes = [sum(len(p) for p in b) for b in blocks]
+    try:
+        t = _clock()
+        groups = _balanced(sizes, parallel)
+        futures = [io_pool().submit(write, g) for g in groups[1:]]
+        write(groups[0])
+        for f in futures:
+            f.result()
+        list(io_pool().map(fsync_path, names))
+        fsync_path(d)
+        return _clock() - t
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def restore_limit_rows(cfg: Config, pair: Any, label: str) -> list[Row]:
+    """Restore (unverified, verified, after eviction) vs raw preadv of the same block files."""
+    raw = RawRead(pair.root)
+
+    def kv(verify: bool) -> float:
+        t = _clock()
+        cache, length = pair.store.restore(pair.tokens, verify=verify)
+        assert cache is not None and length == pair.n
+        return _clock() - t
+
+    pair.warm()
+    warm = interleave({"kv": lambda: kv(False), "raw": raw,
+                       "kv_v": lambda: kv(True), "raw_v": lambda: raw(hash=True)}, cfg.reps)
+    cold = interleave({"kv": lambda: kv(False), "raw": raw}, cfg.reps, before=pair.drop)
+    pair.warm()
+    th = f"{raw.threads} threads"
+    return [
+        limit_row(f"limit: restore {label} page cache (verify=False)", median(warm["kv"]),
+                  median(warm["raw"]), f"preadv of its block files into preallocated arrays, {th}"),
+        limit_row(f"limit: restore {label} verify=True (page cache)", median(warm["kv_v"]),
+                  median(warm["raw_v"]), f"the same preadv + BLAKE3 of every block, {th}"),
+        limit_row(f"limit: restore {label} after eviction (verify=False)", median(cold["kv"]),
+                  median(cold["raw"]), f"the same preadv after eviction, {th}"),
+    ]
