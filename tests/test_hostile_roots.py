@@ -259,7 +259,7 @@ def test_two_threads_creating_one_root_exactly_one_wins(
         got[bt] = s.settings.block_tokens
         s.close()
 
-    threads = [threading.Thread(target=open_with, args=(bt,)) for bt in (16, 32)]
+    threads = [threading.Thread(target=open_with, args=(bt,), daemon=True) for bt in (16, 32)]
     for t in threads:
         t.start()
     for t in threads:

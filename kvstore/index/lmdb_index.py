@@ -110,6 +110,9 @@ _totals_dec = msgspec.msgpack.Decoder(Totals)
 _lock = threading.Lock()
 # path -> (pid, environment, open count, identity of its lock file or None)
 _ENVS: dict[str, tuple[int, lmdb.Environment, int, tuple[int, int] | None]] = {}
+# path -> its named databases, opened once with the environment (see _open_dbs)
+_DBS: dict[str, dict[str, Any]] = {}
+_DB_NAMES = ("manifests", "prefix", "exact", "refs", "entries", "meta")
 # Environments inherited across fork, by path. A child must not use them, and py-lmdb
 # refuses to open the same files twice in one process, so the child closes the
 # inherited one and opens its own. The close must come first: closing any fd of
@@ -127,6 +130,7 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()  # another thread may have held it at fork time
     _INHERITED.update((key, held[1]) for key, held in _ENVS.items())
     _ENVS.clear()
+    _DBS.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -141,9 +145,24 @@ def _lock_identity(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def _open_dbs(env: lmdb.Environment, readonly: bool) -> dict[str, Any]:
+    """The named databases, opened once per environment, under ``_lock``.
+
+    py-lmdb's ``open_db`` begins its own write transaction while holding the GIL:
+    called while another thread of this process has a write transaction open (or
+    is opening a database too), it waits for LMDB's writer lock and that thread
+    waits for the GIL, forever. Opened here, before any other thread has the
+    environment, it cannot meet another of our write transactions.
+    """
+    return {
+        name: env.open_db(name.encode(), dupsort=(name == "prefix"), create=not readonly)
+        for name in _DB_NAMES
+    }
+
+
 def _open_env(
     path: Path, *, durable: bool, map_size: int, readonly: bool
-) -> tuple[lmdb.Environment, tuple[int, int] | None]:
+) -> tuple[lmdb.Environment, tuple[int, int] | None, dict[str, Any]]:
     key = str(path.resolve())
     with _lock:
         pid = os.getpid()
@@ -154,7 +173,7 @@ def _open_env(
                     f"{path}: already open read-only in this process; close those stores first"
                 )
             _ENVS[key] = (pid, held[1], held[2] + 1, held[3])
-            return held[1], held[3]
+            return held[1], held[3], _DBS[key]
         inherited = _INHERITED.pop(key, None)
         if inherited is not None:
             inherited.close()  # before this process takes any lock on lock.mdb
@@ -172,9 +191,15 @@ def _open_env(
             create=not readonly,
         )
         env.reader_check()  # clear reader slots of dead processes
+        try:
+            dbs = _open_dbs(env, readonly)
+        except BaseException:
+            env.close()
+            raise
         ident = _lock_identity(path)
         _ENVS[key] = (pid, env, 1, ident)
-        return env, ident
+        _DBS[key] = dbs
+        return env, ident, dbs
 
 
 def _close_env(path: Path) -> None:
@@ -187,6 +212,7 @@ def _close_env(path: Path) -> None:
             _ENVS[key] = (held[0], held[1], held[2] - 1, held[3])
             return
         del _ENVS[key]
+        _DBS.pop(key, None)
         held[1].close()
 
 
@@ -215,12 +241,9 @@ class Index:
             return self._env
         self._env = None  # inherited from the parent, if set: _open_env closes it
         try:
-            env, self._lock_id = _open_env(self.path, **self._opts)  # type: ignore[arg-type]
-            ro = bool(self._opts["readonly"])
-            self._dbs = {
-                name: env.open_db(name.encode(), dupsort=(name == "prefix"), create=not ro)
-                for name in ("manifests", "prefix", "exact", "refs", "entries", "meta")
-            }
+            env, self._lock_id, self._dbs = _open_env(
+                self.path, **self._opts  # type: ignore[arg-type]
+            )
         except lmdb.Error as e:
             raise IndexStoreError(f"{self.path}: cannot open the index: {e}") from e
         self._env, self._pid = env, os.getpid()
