@@ -151,11 +151,6 @@ def blocks_of(root: Path, entry_id: str) -> list[bytes]:
 
 # --- the default restore --------------------------------------------------------------------
 
-XFAIL_READ = pytest.mark.xfail(
-    strict=True, reason="issue 12: reads are not verified by default, nothing is quarantined"
-)
-
-
 CHILD_RESTORE = textwrap.dedent(
     """
     import json, logging, sys
@@ -185,7 +180,7 @@ def restore_in_child(root: Path, tokens: Sequence[int]) -> tuple[dict[str, Any],
     return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
 
 
-@pytest.mark.parametrize("how", [pytest.param(h, marks=XFAIL_READ) for h in DAMAGES])
+@pytest.mark.parametrize("how", DAMAGES)
 def test_default_restore_returns_the_intact_prefix_and_quarantines(
     two: tuple[Path, list[int], str, str],
     how: str,
@@ -222,7 +217,6 @@ def test_default_restore_returns_the_intact_prefix_and_quarantines(
         assert outside.read_bytes() == before  # the symlink's target was never touched
 
 
-@XFAIL_READ
 def test_a_lone_entry_is_cut_back_to_its_intact_blocks(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -242,7 +236,6 @@ def test_a_lone_entry_is_cut_back_to_its_intact_blocks(
     assert len(warnings_of(caplog)) == 1 and quarantined(root, bad)
 
 
-@XFAIL_READ
 def test_a_bad_first_block_is_a_miss(tmp_path: Path) -> None:
     root = tmp_path / "root"
     long = toks(40)
@@ -257,7 +250,6 @@ def test_a_bad_first_block_is_a_miss(tmp_path: Path) -> None:
     assert quarantined(root, bad)
 
 
-@XFAIL_READ
 def test_one_warning_names_every_entry_that_needed_the_block(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -287,8 +279,7 @@ def test_one_warning_names_every_entry_that_needed_the_block(
 # --- load, load_entry, export ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("how", [pytest.param(h, marks=XFAIL_READ) for h in
-                                 ("flip", "truncate", "swap", "symlink", "directory")])
+@pytest.mark.parametrize("how", ["flip", "truncate", "swap", "symlink", "directory"])
 def test_default_load_raises_corrupt_block_error_naming_the_block(
     two: tuple[Path, list[int], str, str], how: str, outside: Path
 ) -> None:
@@ -308,8 +299,7 @@ def test_default_load_raises_corrupt_block_error_naming_the_block(
         exact_refcounts(s)
 
 
-@pytest.mark.parametrize("how", [pytest.param(h, marks=XFAIL_READ) for h in
-                                 ("flip", "truncate", "swap", "symlink", "directory")])
+@pytest.mark.parametrize("how", ["flip", "truncate", "swap", "symlink", "directory"])
 def test_load_entry_and_export_fail_naming_the_block(
     two: tuple[Path, list[int], str, str], how: str, outside: Path, tmp_path: Path
 ) -> None:
@@ -329,7 +319,6 @@ def test_load_entry_and_export_fail_naming_the_block(
             assert blocks[1] not in [bytes(d) for d in s.manifest(e.id).token_blocks]
 
 
-@XFAIL_READ
 def test_load_entry_fails_and_a_second_read_finds_no_entry(
     two: tuple[Path, list[int], str, str]
 ) -> None:
@@ -343,7 +332,6 @@ def test_load_entry_fails_and_a_second_read_finds_no_entry(
             s.load_entry(long_id)
 
 
-@XFAIL_READ
 def test_cli_export_refuses_to_launder_a_corrupt_block(
     two: tuple[Path, list[int], str, str], tmp_path: Path
 ) -> None:
@@ -359,7 +347,6 @@ def test_cli_export_refuses_to_launder_a_corrupt_block(
     assert blocks[2].hex() in p.stderr and "Traceback" not in p.stderr
 
 
-@XFAIL_READ
 def test_import_of_a_v5_file_with_a_bad_block_names_the_block(
     two: tuple[Path, list[int], str, str], tmp_path: Path
 ) -> None:
@@ -379,7 +366,6 @@ def test_import_of_a_v5_file_with_a_bad_block_names_the_block(
         assert list(s.entries()) == []
 
 
-@XFAIL_READ
 def test_import_of_a_v5_file_with_a_symlinked_block_is_refused(
     two: tuple[Path, list[int], str, str], tmp_path: Path, outside: Path
 ) -> None:
@@ -405,7 +391,6 @@ def test_import_of_a_v5_file_with_a_symlinked_block_is_refused(
 # --- the raw-speed switch --------------------------------------------------------------------
 
 
-@XFAIL_READ
 def test_verify_reads_false_skips_the_check_and_verify_true_still_catches(
     two: tuple[Path, list[int], str, str]
 ) -> None:
@@ -434,9 +419,6 @@ def test_verify_false_per_call_on_a_default_store(two: tuple[Path, list[int], st
 # --- verify --read-data -------------------------------------------------------------------------
 
 
-XFAIL_FOLLOW = pytest.mark.xfail(
-    strict=True, reason="issue 17: verify follows a symlinked block file"
-)
 STRUCTURAL = {"truncate", "symlink", "fifo", "directory"}  # seen without reading the data
 
 
@@ -448,8 +430,7 @@ def run_cli(*args: str | Path, cwd: Path, timeout: float = 90) -> subprocess.Com
         pytest.fail(f"kvstore {' '.join(map(str, args))} hung")
 
 
-@pytest.mark.parametrize("how", [pytest.param(h, marks=XFAIL_FOLLOW if h == "symlink"
-                                              else ()) for h in DAMAGES])
+@pytest.mark.parametrize("how", DAMAGES)
 def test_verify_catches_each_damage(
     two: tuple[Path, list[int], str, str], how: str, outside: Path
 ) -> None:
@@ -467,7 +448,6 @@ def test_verify_catches_each_damage(
 # --- across two processes ---------------------------------------------------------------
 
 
-@XFAIL_READ
 @pytest.mark.parametrize("how", ["flip", "truncate", "swap"])
 def test_a_child_restores_what_the_parent_saved_and_spoiled(
     two: tuple[Path, list[int], str, str], how: str
@@ -502,7 +482,6 @@ CHILD_SAVE_AND_SPOIL = textwrap.dedent(
 )
 
 
-@XFAIL_READ
 @pytest.mark.parametrize("how", ["flip", "truncate", "swap"])
 def test_the_parent_restores_what_a_child_saved_and_spoiled(
     tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture

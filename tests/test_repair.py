@@ -27,13 +27,6 @@ from test_integrity import (
     toks,
 )
 
-XFAIL_REPAIR = pytest.mark.xfail(
-    strict=True, reason="issue 12: repair drops whole entries; it has no plan and no --dry-run"
-)
-XFAIL_17 = pytest.mark.xfail(
-    strict=True, reason="issue 17: verify crashes on a root holding a non-trimmable entry"
-)
-
 
 def cli(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvstore", *map(str, args)],
@@ -72,7 +65,6 @@ def spoil(root: Path, entry_id: str, index: int, how: str = "flip") -> bytes:
 # --- keeping the intact prefix ---------------------------------------------------------------
 
 
-@XFAIL_REPAIR
 @pytest.mark.parametrize("how", ["flip", "truncate", "swap"])
 def test_repair_cuts_a_trimmable_entry_back_to_its_intact_blocks(tmp_path: Path, how: str) -> None:
     root = tmp_path / "root"
@@ -96,7 +88,6 @@ def test_repair_cuts_a_trimmable_entry_back_to_its_intact_blocks(tmp_path: Path,
     assert quarantined(root, bad)
 
 
-@XFAIL_REPAIR
 def test_repair_drops_an_entry_whose_intact_prefix_is_already_stored(tmp_path: Path) -> None:
     root = tmp_path / "root"
     long = toks(80)
@@ -111,7 +102,6 @@ def test_repair_drops_an_entry_whose_intact_prefix_is_already_stored(tmp_path: P
     assert entries(root) == [(short_id, 32)] and quarantined(root, bad)
 
 
-@XFAIL_REPAIR
 def test_one_bad_shared_block_no_longer_drops_the_blocks_before_it(tmp_path: Path) -> None:
     """The issue's case: a corrupt block every entry shares dropped every entry."""
     root = tmp_path / "root"
@@ -132,7 +122,6 @@ def test_one_bad_shared_block_no_longer_drops_the_blocks_before_it(tmp_path: Pat
         exact_refcounts(s)
 
 
-@XFAIL_REPAIR
 def test_a_bad_first_block_drops_the_entry(tmp_path: Path) -> None:
     root = tmp_path / "root"
     long = toks(40)
@@ -185,7 +174,6 @@ def mixed(tmp_path: Path) -> tuple[Path, dict[str, str], dict[str, list[int]]]:
     return root, ids, t
 
 
-@XFAIL_17
 def test_verify_and_repair_of_a_sound_root_with_non_trimmable_entries(
     mixed: tuple[Path, dict[str, str], dict[str, list[int]]]
 ) -> None:
@@ -196,7 +184,6 @@ def test_verify_and_repair_of_a_sound_root_with_non_trimmable_entries(
         assert "Traceback" not in p.stderr
 
 
-@XFAIL_17
 @pytest.mark.parametrize("kind", ["ssm", "ring"])
 def test_repair_drops_a_non_trimmable_entry_with_a_bad_block(
     mixed: tuple[Path, dict[str, str], dict[str, list[int]]], kind: str
@@ -213,7 +200,6 @@ def test_repair_drops_a_non_trimmable_entry_with_a_bad_block(
     assert quarantined(root, bad)
 
 
-@XFAIL_17
 @pytest.mark.parametrize("kind", ["ssm", "ring"])
 def test_default_restore_of_a_non_trimmable_entry_with_a_bad_block_is_a_miss(
     mixed: tuple[Path, dict[str, str], dict[str, list[int]]], kind: str
@@ -231,7 +217,6 @@ def test_default_restore_of_a_non_trimmable_entry_with_a_bad_block_is_a_miss(
 # --- the plan: --dry-run, and nothing to repair ---------------------------------------------------
 
 
-@XFAIL_REPAIR
 def test_dry_run_changes_nothing_and_the_real_run_does_what_it_said(tmp_path: Path) -> None:
     root = tmp_path / "root"
     long, other = toks(80), toks(40, 3)
@@ -271,7 +256,6 @@ def test_dry_run_changes_nothing_and_the_real_run_does_what_it_said(tmp_path: Pa
         exact_refcounts(s)
 
 
-@XFAIL_REPAIR
 def test_repair_of_a_sound_store_says_nothing_needed_repair(tmp_path: Path) -> None:
     root = tmp_path / "root"
     long = toks(80)
@@ -285,7 +269,6 @@ def test_repair_of_a_sound_store_says_nothing_needed_repair(tmp_path: Path) -> N
     assert tree(root) == before
 
 
-@XFAIL_REPAIR
 def test_verify_without_read_data_says_block_contents_were_not_read(tmp_path: Path) -> None:
     root = tmp_path / "root"
     long = toks(40)

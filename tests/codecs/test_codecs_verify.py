@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from test_mlxlm_codecs import CASES
 
 import kvstore
@@ -28,7 +27,6 @@ def _block_file(root: Path, digest: bytes) -> Path:
     return root / "blocks" / hx[:2] / hx
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: verify crashes on non-trimmable entries")
 def test_every_codec_case_through_verify_read_data_and_repair(tmp_path: Path) -> None:
     root = tmp_path / "root"
     ids: dict[str, str] = {}
