@@ -6,6 +6,8 @@ Subclasses also inherit the builtin that fits, so ``except KeyError`` and
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class KVStoreError(Exception):
     """Root of every error raised by kvstore."""
@@ -111,13 +113,22 @@ class BlockNotFoundError(KVStoreError, KeyError):
 
 
 class CorruptBlockError(KVStoreError, ValueError):
-    """A block's bytes do not match its digest or its expected size."""
+    """A block's bytes do not match its digest or its expected size (or its file is
+    not a regular file). ``digest`` is the block's name (hex) when known."""
 
-    def __init__(self, path: str, expected: str, actual: str) -> None:
+    def __init__(self, path: str, expected: str, actual: str, *, digest: str = "") -> None:
         super().__init__(f"{path}: expected {expected}, got {actual}")
         self.path = path
         self.expected = expected
         self.actual = actual
+        self.digest = digest
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_corrupt_block, (self.path, self.expected, self.actual, self.digest))
+
+
+def _corrupt_block(path: str, expected: str, actual: str, digest: str) -> CorruptBlockError:
+    return CorruptBlockError(path, expected, actual, digest=digest)
 
 
 class EntryNotFoundError(KVStoreError, KeyError):
@@ -186,6 +197,31 @@ class TensorHashMismatchError(FileFormatError):
 
 class BlockReferenceError(FileFormatError):
     """A v5 tensor names a block that is malformed, missing or of the wrong size."""
+
+
+class CorruptFileBlockError(TensorHashMismatchError, CorruptBlockError):
+    """A v5 file's block does not hash to its name (also a :class:`CorruptBlockError`).
+
+    ``path`` is the v5 file, ``block_path`` the block file, ``digest`` its name.
+    """
+
+    def __init__(self, path: str, reason: str, expected: str, actual: str, *,
+                 block_path: str) -> None:
+        Exception.__init__(self, f"{path}: {reason}")  # both bases' messages in one
+        self.path, self.reason = path, reason
+        self.expected, self.actual = expected, actual
+        self.digest = expected
+        self.block_path = block_path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_corrupt_file_block,
+                (self.path, self.reason, self.expected, self.actual, self.block_path))
+
+
+def _corrupt_file_block(
+    path: str, reason: str, expected: str, actual: str, block_path: str
+) -> CorruptFileBlockError:
+    return CorruptFileBlockError(path, reason, expected, actual, block_path=block_path)
 
 
 # --- files: header fields and bounds (mlx-bun's reader, mirrored) -------------

@@ -107,26 +107,32 @@ def test_restoring_a_prefix_reads_only_its_blocks(store: kvstore.Store) -> None:
         store.load(store.lookup(toks))  # type: ignore[arg-type]
 
 
-def test_truncated_block_is_a_miss_and_a_flipped_byte_is_caught_by_verify(
+def test_truncated_or_flipped_block_gives_the_intact_prefix_and_is_quarantined(
     store: kvstore.Store,
 ) -> None:
     toks = list(range(40))
     store.save(toks, [kv_cache(40, 3)])
-    man = store.manifest(store.lookup(toks).entry_id)  # type: ignore[union-attr]
+    match = store.lookup(toks)
+    assert match is not None
+    man = store.manifest(match.entry_id)
     p = store.blocks.path(man.token_blocks[1])
     data = bytearray(p.read_bytes())
     os.chmod(p, 0o644)
     p.write_bytes(data[:-1])
-    assert store.restore(toks) == (None, 0)
     with pytest.raises(kvstore.CorruptBlockError) as e:
-        store.load(store.lookup(toks))  # type: ignore[arg-type]
-    assert e.value.expected != e.value.actual
-    data[5] ^= 0xFF
-    p.write_bytes(bytes(data))
-    assert store.restore(toks, verify=True) == (None, 0)
+        store.load(match)
+    assert e.value.digest == man.token_blocks[1].hex() and e.value.expected != e.value.actual
+    (c,), n = store.restore(toks)  # the entry was cut back to its intact first block
+    assert n == 16 and same_bits(c.keys[..., :16, :], kv_cache(40, 3).keys[..., :16, :])
+    assert (store.blocks.quarantine_dir / man.token_blocks[1].hex()).exists()
+    store.save(toks, [kv_cache(40, 3)])  # saving again writes good bytes
+    match = store.lookup(toks)
+    assert match is not None and match.length == 40
+    p.write_bytes(bytes(data[:5]) + bytes([data[5] ^ 0xFF]) + bytes(data[6:]))
     with pytest.raises(kvstore.CorruptBlockError) as e:
-        store.load(store.lookup(toks), verify=True)  # type: ignore[arg-type]
-    assert e.value.expected == man.token_blocks[1].hex()
+        store.load(match)  # verified by default
+    assert e.value.digest == man.token_blocks[1].hex()
+    assert store.verify(read_data=True).sound
 
 
 def test_same_tokens_twice_is_idempotent(store: kvstore.Store) -> None:

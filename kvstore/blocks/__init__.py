@@ -4,6 +4,7 @@ Blocks are bytes named by their digest; nothing here knows of tokens or caches.
 """
 
 from .base import BlockStat
+from .check import BlockCheck
 from .hashing import (
     ALGORITHMS,
     Digest,
@@ -19,6 +20,7 @@ from .local import BlockStore, LocalBlockStore, open_real_dir
 __all__ = [
     "ALGORITHMS",
     "BlockStat",
+    "BlockCheck",
     "BlockStore",
     "LocalBlockStore",
     "Digest",

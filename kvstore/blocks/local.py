@@ -14,6 +14,7 @@ import errno
 import itertools
 import os
 import secrets
+import stat
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -33,6 +34,24 @@ from .hashing import Digest, check_digest, new_hasher
 Buffer = bytes | memoryview
 _IOV_MAX = 1024
 _counter = itertools.count()
+# Block files are opened without following a symlink and without blocking on a FIFO;
+# what is opened is then checked to be a regular file (see BlockStore.open).
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, in words (for errors and reports)."""
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
 
 
 def _write_all(fd: int, pieces: Sequence[Buffer]) -> int:
@@ -126,18 +145,30 @@ class LocalBlockStore(base.BlockStore):
         return f"{self._blocks}/{hx[:2]}/{hx}"
 
     def exists(self, digest: bytes) -> bool:
-        return os.path.exists(self._path(digest))
+        """Whether the block is a regular file (a symlink or a FIFO in its place is not)."""
+        try:
+            return stat.S_ISREG(os.lstat(self._path(digest)).st_mode)
+        except FileNotFoundError:
+            return False
 
     def size(self, digest: bytes) -> int | None:
+        """The block file's size (of the name itself: a symlink is not followed)."""
         try:
-            return self.path(digest).stat().st_size
+            return os.lstat(self._path(digest)).st_size
         except FileNotFoundError:
             return None
 
     def freshen(self, digest: bytes) -> bool:
-        """Touch an existing block's mtime (so a grace period spares it); False if missing."""
+        """Touch an existing block's mtime (so a grace period spares it); False if missing.
+
+        Only a regular file is freshened (and so reused by a save): a symlink is
+        never followed to touch the file it points at.
+        """
+        path = self._path(digest)
         try:
-            os.utime(self._path(digest))
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                return False
+            os.utime(path, follow_symlinks=False)
             return True
         except FileNotFoundError:
             return False
@@ -200,6 +231,13 @@ class LocalBlockStore(base.BlockStore):
             created = True
         except FileExistsError:
             created = False
+            if not self.exists(digest) and self.quarantine(digest) is not None:
+                # a symlink, FIFO or directory held the name: moved aside, ours goes in
+                try:
+                    os.link(tmp, final)
+                    created = True
+                except FileExistsError:
+                    pass
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -227,20 +265,49 @@ class LocalBlockStore(base.BlockStore):
 
     # --- reads -----------------------------------------------------------
 
-    def open(self, digest: bytes) -> int:
-        """An O_RDONLY fd of the block (the caller closes it)."""
+    def open(self, digest: bytes, size: int | None = None) -> int:
+        """A read-only fd of the block (the caller closes it).
+
+        The name must be a regular file (of ``size`` bytes, when given): a
+        symlink is not followed, a FIFO is not waited on, and either, like a
+        directory or a file of the wrong size, is a :class:`CorruptBlockError`.
+        A missing file is a :class:`BlockNotFoundError`.
+        """
+        path = self._path(digest)
         try:
-            return os.open(self.path(digest), os.O_RDONLY)
+            fd = os.open(path, _OPEN_FLAGS)
         except FileNotFoundError:
             raise BlockNotFoundError(f"block {digest.hex()} is missing") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CorruptBlockError(path, "a regular file", "a symbolic link",
+                                        digest=digest.hex()) from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptBlockError(path, "a regular file", file_kind(st.st_mode),
+                                        digest=digest.hex())
+            if size is not None and st.st_size != size:
+                raise CorruptBlockError(path, f"{size} bytes", f"{st.st_size} bytes",
+                                        digest=digest.hex())
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def get(self, digest: bytes, *, verify: bool = True) -> bytes:
         """The block's bytes, checked against its digest when ``verify``."""
-        path = self.path(digest)
+        fd = self.open(digest)
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise BlockNotFoundError(f"block {digest.hex()} is missing") from None
+            chunks = []
+            pos = 0
+            while chunk := os.pread(fd, 1 << 22, pos):
+                chunks.append(chunk)
+                pos += len(chunk)
+        finally:
+            os.close(fd)
+        data = b"".join(chunks)
         if verify:
             self.check(digest, data)
         return data
@@ -251,43 +318,90 @@ class LocalBlockStore(base.BlockStore):
         h.update(data)
         got = h.digest()
         if got != digest:
-            raise CorruptBlockError(str(self.path(digest)), digest.hex(), got.hex())
+            raise CorruptBlockError(self._path(digest), digest.hex(), got.hex(),
+                                    digest=digest.hex())
 
     def hash_file(self, digest: bytes) -> bytes:
-        """The digest of the block file's current bytes."""
+        """The digest of the block file's current bytes (a regular file, opened as by open)."""
         h = new_hasher(self.algo)
-        with open(self.path(digest), "rb") as f:
-            while chunk := f.read(1 << 22):
+        fd = self.open(digest)
+        try:
+            pos = 0
+            while chunk := os.pread(fd, 1 << 22, pos):
                 h.update(chunk)
+                pos += len(chunk)
+        finally:
+            os.close(fd)
         return h.digest()
+
+    def inspect(self, digest: bytes, size: int, *, read_data: bool) -> tuple[str, str, int]:
+        """``(state, what is wrong, bytes hashed)`` of one block file; state is 'ok',
+        'missing' or 'corrupt' (not a regular file, the wrong size, or with
+        ``read_data`` bytes that do not hash to ``digest``)."""
+        try:
+            st = os.lstat(self._path(digest))
+        except FileNotFoundError:
+            return "missing", "no file", 0
+        if not stat.S_ISREG(st.st_mode):
+            return "corrupt", file_kind(st.st_mode), 0
+        if st.st_size != size:
+            return "corrupt", f"{st.st_size} bytes, not {size}", 0
+        if not read_data:
+            return "ok", "", 0
+        try:
+            got = self.hash_file(digest)
+        except BlockNotFoundError:
+            return "missing", "no file", 0
+        except CorruptBlockError as e:
+            return "corrupt", e.actual, 0
+        if got != digest:
+            return "corrupt", f"bytes hashing to {got.hex()}", st.st_size
+        return "ok", "", st.st_size
 
     # --- deletion and listing ----------------------------------------------
 
     def delete(self, digest: bytes) -> bool:
-        """Unlink the block; False when it was already gone."""
+        """Unlink the block; False when it was already gone.
+
+        A directory in a block's place is moved to ``quarantine/`` instead
+        (unlink cannot remove it, and GC must not stop at it).
+        """
         self._check_writable()
         try:
             self.path(digest).unlink()
             return True
         except FileNotFoundError:
             return False
+        except IsADirectoryError:
+            return self.quarantine(digest) is not None
 
     def quarantine(self, digest: bytes) -> Path | None:
         """Move a (corrupt) block aside into ``quarantine/``; None when it was gone.
 
         The move goes through a descriptor of ``quarantine/`` opened without
-        following a symlink, so it can never land outside the root.
+        following a symlink, so it can never land outside the root. The name is
+        moved, never what a symlink points at; a directory or a FIFO moves like a
+        file. A block already in quarantine is replaced (a directory there is
+        given a numbered name beside it).
         """
         self._check_writable()
         self.quarantine_dir.mkdir(exist_ok=True)
         dfd = open_real_dir(self.quarantine_dir)
+        name = digest.hex()
         try:
-            os.replace(self.path(digest), digest.hex(), dst_dir_fd=dfd)
-        except FileNotFoundError:
-            return None
+            for i in range(100):
+                try:
+                    os.replace(self._path(digest), name, dst_dir_fd=dfd)
+                    return self.quarantine_dir / name
+                except FileNotFoundError:
+                    return None
+                except OSError as e:  # a directory on one side of the rename, not both
+                    if e.errno not in (errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST):
+                        raise
+                    name = f"{digest.hex()}.{i + 1}"
         finally:
             os.close(dfd)
-        return self.quarantine_dir / digest.hex()
+        return None
 
     def stat(self, digest: bytes) -> base.BlockStat | None:
         try:

@@ -362,39 +362,71 @@ def compact(max_bytes: int | None, namespace_max_bytes: int | None, grace: float
 @cli.command()
 @click.option("--read-data", is_flag=True, help="Also hash every block file (reads all data).")
 @click.option("--repair", is_flag=True,
-              help="Move corrupt blocks to quarantine/ and drop the entries that need them.")
+              help="Quarantine corrupt blocks; cut back (or drop) the entries that need them.")
+@click.option("--dry-run", is_flag=True,
+              help="With --repair: say what it would do, change nothing.")
 @json_option
 @common
-def verify(read_data: bool, repair: bool, as_json: bool) -> None:
+def verify(read_data: bool, repair: bool, dry_run: bool, as_json: bool) -> None:
     """Check the index against the block files.
 
-    Exits 1 when a problem is found (0 when the store is sound).
+    Without --read-data, blocks are checked for presence, type and size; their
+    contents are not read. Exits 1 when a problem is found (0 when the store is sound).
     """
+    if dry_run and not repair:
+        raise UserError("--dry-run goes with --repair (verify alone changes nothing)")
     with open_store() as store:
         run = method(store, "verify", "verify")
-        report = call_with_progress(run, "verify", read_data=read_data,
-                                    repair=repair)
+        report = call_with_progress(run, "verify", read_data=read_data, repair=repair,
+                                    **({"dry_run": True} if dry_run else {}))
     data = H.report_dict(report)
     sound = bool(getattr(report, "sound", data.get("sound", False)))
     if as_json:
-        emit({"root": str(store.root), "sound": sound, "report": data})
-    elif sound:
-        if not opts().quiet:
+        emit({"root": str(store.root), "sound": sound, "dry_run": dry_run, "report": data})
+    else:
+        _print_verify(data, sound, repair=repair, dry_run=dry_run, root=str(store.root))
+    if not sound:
+        click.get_current_context().exit(1)
+
+
+_VERIFY_SKIP = ("entries", "blocks", "bytes_hashed", "data_read", "dry_run", "repaired",
+                "quarantined", "dropped_entries", "cut_entries", "orphans_removed", "plan")
+
+
+def _print_verify(data: dict[str, Any], sound: bool, *, repair: bool, dry_run: bool,
+                  root: str) -> None:
+    plan = data.get("plan") or {}
+    actions = H.plan_lines(plan)
+    if dry_run:
+        click.echo("dry run: nothing was changed; "
+                   + ("repair would do this:" if actions else "nothing needed repair"))
+    quiet = opts().quiet
+    if sound:
+        if not quiet:
             checked = [H.plural(data[k], w) for k, w in (("entries", "entry"), ("blocks", "block"))
                        if isinstance(data.get(k), int)]
             if data.get("bytes_hashed"):
                 checked.append(f"{H.format_bytes(data['bytes_hashed'])} hashed")
             click.echo(f"ok: the store is sound (checked {', '.join(checked)})")
-            notes = H.render_report(data, skip_empty=True,
-                                    skip=("entries", "blocks", "bytes_hashed"))
+            notes = H.render_report(data, skip_empty=True, skip=_VERIFY_SKIP)
             if notes:
                 click.echo("\n".join(notes))
     else:
-        click.echo("\n".join(H.render_report(data, skip_empty=True)))
-        hint = "" if repair else "; 'kvstore verify --repair' can fix it"
-        click.echo(f"kvstore: verify found problems in {store.root}{hint}", err=True)
+        click.echo("\n".join(H.render_report(data, skip_empty=True, skip=_VERIFY_SKIP)))
+    if not quiet and not data.get("data_read"):
+        click.echo("note: block contents were not read (only presence, type and size); "
+                   "'kvstore verify --read-data' hashes every block")
+    if repair and not dry_run:
+        if not actions:
+            if not quiet:
+                click.echo("nothing needed repair")
+        else:
+            click.echo("repair did this:")
+    if actions and (dry_run or repair):
+        click.echo("\n".join(f"  {line}" for line in actions))
     if not sound:
-        click.get_current_context().exit(1)
+        hint = "" if repair else "; 'kvstore verify --repair' can fix it"
+        click.echo(f"kvstore: verify found problems in {root}{hint}", err=True)
 
 
 @cli.command(name="import")

@@ -12,7 +12,7 @@ import math
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -168,10 +168,47 @@ def table(
 def report_dict(report: Any) -> dict[str, Any]:
     """A backend's dataclass report (or dict) as a JSON-ready dict."""
     if is_dataclass(report) and not isinstance(report, type):
-        return asdict(report)
+        out: dict[str, Any] = {}
+        for f in fields(report):
+            v = getattr(report, f.name)
+            # a plan (verify --repair) says itself what it holds; the rest is plain data
+            out[f.name] = v.as_dict() if hasattr(v, "as_dict") else _plain(v)
+        return out
     if isinstance(report, dict):
         return report
     raise TypeError(f"expected a dataclass report, got {type(report).__name__}")
+
+
+_REBUILD_WORDS = {
+    "refcounts": "fix {} refcount records",
+    "dangling_keys": "remove {} keys that name no manifest",
+    "entry_records": "rebuild {} missing entry records",
+    "totals": "fix {} running totals",
+    "dangling_refs": "remove {} zero-refcount records whose file is gone",
+    "orphans": "remove {} orphan block files",
+}
+
+
+def plan_lines(plan: dict[str, Any]) -> list[str]:
+    """A repair plan (``RepairPlan.as_dict()``) in words, one action a line."""
+    why = plan.get("why", {})
+    out = [f"quarantine block {b} ({why.get(b, 'corrupt')})" for b in plan.get("quarantine", [])]
+    out += [f"cut back entry {c['entry']} to its first {plural(c['n_tokens'], 'token')} "
+            f"(new entry {c['to']})" for c in plan.get("cut", [])]
+    out += [f"drop entry {d}" for d in plan.get("drop", [])]
+    out += [f"drop undecodable manifest {d}" for d in plan.get("undecodable", [])]
+    out += [w.format(plan[k]) for k, w in _REBUILD_WORDS.items() if plan.get(k)]
+    return out
+
+
+def _plain(v: Any) -> Any:
+    if is_dataclass(v) and not isinstance(v, type):
+        return asdict(v)
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
 
 
 def _is_bytes_field(name: str) -> bool:

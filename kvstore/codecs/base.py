@@ -81,6 +81,30 @@ class Codec(ABC):
         """Rows to allocate on the token axis when restoring ``n_tokens``."""
         return n_tokens
 
+    def cut(self, record: Any, n_tokens: int) -> Layer | None:
+        """The record of the first ``n_tokens`` of this layer, kept in the same token blocks.
+
+        None when the kind cannot say that without other bytes (state that is
+        not token-aligned): an entry holding such a layer is dropped, not cut
+        back, when one of its blocks goes bad.
+        """
+        return None
+
+
+def cut_token_specs(record: Layer, n_tokens: int, **fields: Any) -> Layer | None:
+    """``record`` with every token tensor ``n_tokens`` long (and ``fields`` replaced).
+
+    None when the record holds a tensor without a token axis.
+    """
+    specs = []
+    for spec in record.tensors:
+        if spec.token_axis is None:
+            return None
+        shape = list(spec.shape)
+        shape[spec.token_axis] = n_tokens
+        specs.append(msgspec.structs.replace(spec, shape=tuple(shape)))
+    return msgspec.structs.replace(record, tensors=tuple(specs), **fields)
+
 
 _BY_KIND: dict[str, Codec] = {}
 

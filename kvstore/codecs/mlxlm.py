@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 from mlx_lm.models import cache as _cache
 
 from ..errors import CacheMismatchError
@@ -22,6 +23,7 @@ from .base import (
     Snapshot,
     TensorData,
     codec_for_record,
+    cut_token_specs,
     leaf,
     register,
     snapshot,
@@ -89,6 +91,9 @@ class KVCodec(Codec):
     def token_capacity(self, record: Any, n_tokens: int) -> int:
         return step_capacity(n_tokens, C.KVCache.step)
 
+    def cut(self, record: Any, n_tokens: int) -> Layer | None:
+        return cut_token_specs(record, n_tokens, offset=n_tokens)
+
 
 class QuantizedCodec(Codec):
     kind = "qkv"
@@ -118,6 +123,9 @@ class QuantizedCodec(Codec):
 
     def token_capacity(self, record: Any, n_tokens: int) -> int:
         return step_capacity(n_tokens, C.QuantizedKVCache.step)
+
+    def cut(self, record: Any, n_tokens: int) -> Layer | None:
+        return cut_token_specs(record, n_tokens, offset=n_tokens)
 
 
 class RotatingCodec(Codec):
@@ -194,6 +202,11 @@ class ChunkedCodec(Codec):
     def token_capacity(self, record: Any, n_tokens: int) -> int:
         return step_capacity(n_tokens, C.ChunkedKVCache.step)
 
+    def cut(self, record: Any, n_tokens: int) -> Layer | None:
+        if record.start_position != 0:
+            return None
+        return cut_token_specs(record, n_tokens, offset=n_tokens)
+
 
 def _arrays_classes() -> dict[str, type]:
     classes: dict[str, type] = {"ArraysCache": C.ArraysCache}
@@ -269,6 +282,16 @@ class ListCodec(Codec):
 
     def token_capacity(self, record: Any, n_tokens: int) -> int:
         raise AssertionError("a CacheList has no tensors of its own")
+
+    def cut(self, record: Any, n_tokens: int) -> Layer | None:
+        children = []
+        for child in record.children:
+            c = codec_for_record(child).cut(child, n_tokens)
+            if c is None:
+                return None
+            children.append(c)
+        out: Layer = msgspec.structs.replace(record, children=tuple(children))
+        return out
 
 
 for _codec in (

@@ -26,7 +26,7 @@ from ..errors import (
     BlockFileTypeError,
     BlockReferenceError,
     CacheMismatchError,
-    TensorHashMismatchError,
+    CorruptFileBlockError,
 )
 from ..schema import Namespace
 from . import _v3json
@@ -161,7 +161,7 @@ class BlockRange(PieceSource):
     def verify(self, verify: bool) -> None:
         if not verify:
             return
-        for i, (digest, _, n) in enumerate(self.files):
+        for i, (digest, file, n) in enumerate(self.files):
             if self._next[i] != n:  # not read in order: hash the block again
                 self._sha[i] = hashlib.sha256()
                 buf = memoryview(bytearray(min(n, 1 << 20)))
@@ -171,9 +171,9 @@ class BlockRange(PieceSource):
                     self._sha[i].update(piece)
             got = self._sha[i].hexdigest()
             if got != digest:
-                raise TensorHashMismatchError(
+                raise CorruptFileBlockError(
                     self.path, f"{self.where}: KV block mismatch: block {digest} hashes to {got}",
-                    digest, got,
+                    digest, got, block_path=str(file),
                 )
 
     def close(self) -> None:

@@ -460,34 +460,41 @@ class Index:
                 return False
             if self.get_manifest(plan.digest, txn) is not None:
                 return False  # the very same manifest is already committed
-            t = self.totals(txn)
-            refs = self.db("refs")
-            for d, size in plan.blocks.items():
-                raw = txn.get(d, db=refs)
-                if raw is None:
-                    plan.ensure_block(d)  # a GC may have removed it: rewrite
-                    ref = RefInfo(1, size, 0)
-                    t.blocks += 1
-                    t.physical_bytes += size
-                else:
-                    old = _unpack_ref(bytes(raw))
-                    if old.refcount == 0:
-                        plan.ensure_block(d)
-                        t.zero_bytes -= old.size
-                    ref = RefInfo(old.refcount + 1, old.size, 0)
-                txn.put(d, _pack_ref(ref), db=refs)
-            txn.put(plan.digest, plan.manifest, db=self.db("manifests"))
-            prefix = self.db("prefix")
-            for k, v in plan.prefix_items:
-                txn.put(k, v, db=prefix, dupdata=True)
-            txn.put(plan.exact_key, plan.digest, db=self.db("exact"))
-            txn.put(plan.digest, _enc.encode(plan.entry), db=self.db("entries"))
-            t.entries += 1
-            t.logical_bytes += plan.entry.logical_bytes
-            self._put_totals(txn, t)
+            self.add_entry(txn, plan)
             if before_commit is not None:
                 before_commit()
         return True
+
+    def add_entry(self, txn: lmdb.Transaction, plan: SavePlan) -> None:
+        """Inside ``txn``: count the plan's block references, put its manifest, keys and record.
+
+        The caller has checked that neither the manifest nor its exact key is there.
+        """
+        t = self.totals(txn)
+        refs = self.db("refs")
+        for d, size in plan.blocks.items():
+            raw = txn.get(d, db=refs)
+            if raw is None:
+                plan.ensure_block(d)  # a GC may have removed it: rewrite
+                ref = RefInfo(1, size, 0)
+                t.blocks += 1
+                t.physical_bytes += size
+            else:
+                old = _unpack_ref(bytes(raw))
+                if old.refcount == 0:
+                    plan.ensure_block(d)
+                    t.zero_bytes -= old.size
+                ref = RefInfo(old.refcount + 1, old.size, 0)
+            txn.put(d, _pack_ref(ref), db=refs)
+        txn.put(plan.digest, plan.manifest, db=self.db("manifests"))
+        prefix = self.db("prefix")
+        for k, v in plan.prefix_items:
+            txn.put(k, v, db=prefix, dupdata=True)
+        txn.put(plan.exact_key, plan.digest, db=self.db("exact"))
+        txn.put(plan.digest, _enc.encode(plan.entry), db=self.db("entries"))
+        t.entries += 1
+        t.logical_bytes += plan.entry.logical_bytes
+        self._put_totals(txn, t)
 
     def remove_entry(
         self,

@@ -148,7 +148,7 @@ def export_entry(
     *,
     format: Literal["v3", "v5"] = "v3",
     block_bytes: int | None = None,
-    verify: bool | None = None,
+    verify: bool = True,
 ) -> Path:
     """Write one entry as an mlx-bun file and return its path.
 
@@ -156,7 +156,11 @@ def export_entry(
     has attachments); ``"v5"`` writes a header file plus SHA-256 blocks in
     ``<dir of path>/blocks/``, cut at ``block_bytes`` (default: the imported
     file's block size, else mlx-bun's 32 KiB). ``entry_id`` may be a unique
-    hex prefix. ``verify`` checks every store block's digest while reading.
+    hex prefix. Every store block's digest is checked over the bytes read
+    (whatever the store's ``verify_reads``: a file written from damaged bytes
+    would carry fresh hashes of them); a bad block is a
+    :class:`~kvstore.errors.CorruptBlockError` naming it, quarantined as a
+    restore would, and no file is written. ``verify=False`` skips the check.
     """
     if format not in ("v3", "v5"):
         raise ValueError(f"format must be 'v3' or 'v5', not {format!r}")

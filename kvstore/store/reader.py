@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..blocks import BlockCheck
 from ..blocks.local import io_pool
 from ..codecs._mxload import TensorStream, load_tensors
 from ..codecs.layout import block_rows, geometry, spec_nbytes
-from ..errors import CorruptBlockError
 from ..schema import TensorSpec
 
 _ZEROS = bytes(1 << 20)
@@ -34,6 +34,10 @@ class Run:
     Piece i comes from ``fd`` at ``src + i*src_stride``, or is zeros (fd -1).
     A run is one tensor's share of one block: its ``outer`` runs of rows sit
     back to back in the block file, so a whole-block run is one ``preadv``.
+    ``slot`` is the block's place in the read (its :class:`BlockCheck` slot).
+    ``skip`` is how many bytes after each piece the file holds that the
+    restore does not need (the rows of a partly restored last block); a
+    verified read reads them too, into scratch memory, to hash the whole block.
     """
 
     dst: int
@@ -43,6 +47,8 @@ class Run:
     count: int = 1
     stride: int = 0
     src_stride: int = 0
+    slot: int = -1
+    skip: int = 0
 
     @property
     def end(self) -> int:
@@ -71,7 +77,8 @@ def plan_runs(
     """For each tensor: (dtype, shape as restored) and the runs that fill it.
 
     ``n_tokens`` is the entry's length (it fixes the block layout); ``length``
-    the prefix restored (it fixes which rows are read).
+    the prefix restored (it fixes which rows are read). Token block ``b`` is
+    slot ``b``, state block ``j`` slot ``len(token_fds) + j``.
     """
     specs = [w.spec for w in wants]
     token_specs = [s for s in specs if s.token_axis is not None]
@@ -103,7 +110,8 @@ def plan_runs(
                     break
                 rows_b = block_rows(b, n_tokens, block_tokens)
                 runs.append(Run(r0 * g.row_bytes, take * g.row_bytes, token_fds[b],
-                                before[id(s)][b], g.outer, stride, rows_b * g.row_bytes))
+                                before[id(s)][b], g.outer, stride, rows_b * g.row_bytes,
+                                slot=b, skip=(rows_b - take) * g.row_bytes))
             if cap > length:
                 runs.append(Run(length * g.row_bytes, (cap - length) * g.row_bytes, -1, 0,
                                 g.outer, stride))
@@ -114,7 +122,8 @@ def plan_runs(
             while pos < end:
                 blk, off = divmod(pos, state_block)
                 take = min(end - pos, state_block - off)
-                runs.append(Run(pos - s.state_offset, take, state_fds[blk], off))
+                runs.append(Run(pos - s.state_offset, take, state_fds[blk], off,
+                                slot=n_blocks + blk))
                 pos += take
         shapes.append((s.dtype, shape))
         plans.append(runs)
@@ -122,16 +131,22 @@ def plan_runs(
 
 
 class BlockStream(TensorStream):
-    """A read-only safetensors file assembled on the fly from block files."""
+    """A read-only safetensors file assembled on the fly from block files.
+
+    Every byte read from a block is passed to ``check`` (which hashes it when
+    the read is verified) by the thread that read it.
+    """
 
     def __init__(
         self,
         shapes: Sequence[tuple[str, list[int]]],
         plans: Sequence[list[Run]],
         errors: list[BaseException],
+        check: BlockCheck,
     ) -> None:
         super().__init__(shapes, errors)
         self._runs: list[list[Run]] = list(plans)
+        self._check = check
 
     def fill(self, index: int, offset: int, out: memoryview) -> None:
         self._fill(index, offset, offset + len(out), out)
@@ -142,8 +157,12 @@ class BlockStream(TensorStream):
         The reads are gathered into one ``preadv`` per (run, block) — many
         iovecs, each straight into the array's memory — and spread over the
         I/O threads (``preadv`` releases the GIL); the spare rows are zeroed
-        meanwhile on this thread.
+        meanwhile on this thread. A verified read of a partly restored block
+        reads the rows it does not need into scratch memory, in the same
+        ``preadv``, so that the whole block is hashed.
         """
+        check = self._check
+        whole = check.hashing
         reads: list[_Read] = []
         zeros: list[memoryview] = []
         for r in self._runs[t]:
@@ -155,10 +174,16 @@ class BlockStream(TensorStream):
                 views = [out[d - a : d - a + r.length] for d in starts]
                 if r.fd < 0:
                     zeros.extend(views)
+                elif whole and r.skip:
+                    scratch = memoryview(bytearray(r.skip * len(views)))
+                    iov: list[memoryview] = []
+                    for i, v in enumerate(views):
+                        iov += (v, scratch[i * r.skip : (i + 1) * r.skip])
+                    reads.append(_Read(r.fd, r.src, iov, r.slot, check))
                 elif r.src_stride == r.length or r.count == 1:
-                    reads.append(_Read(r.fd, r.src, views))
+                    reads.append(_Read(r.fd, r.src, views, r.slot, check))
                 else:
-                    reads.extend(_Read(r.fd, r.src + i * r.src_stride, [v])
+                    reads.extend(_Read(r.fd, r.src + i * r.src_stride, [v], r.slot, check)
                                  for i, v in enumerate(views))
                 continue
             for i in range(r.count):
@@ -169,8 +194,11 @@ class BlockStream(TensorStream):
                 view = out[lo - a : hi - a]
                 if r.fd < 0:
                     zeros.append(view)
-                else:
-                    reads.append(_Read(r.fd, r.src + i * r.src_stride + (lo - d0), [view]))
+                    continue
+                iov = [view]
+                if whole and r.skip and hi == d0 + r.length:
+                    iov.append(memoryview(bytearray(r.skip)))
+                reads.append(_Read(r.fd, r.src + i * r.src_stride + (lo - d0), iov, r.slot, check))
         _run_reads(reads, zeros)
 
 
@@ -181,19 +209,33 @@ class _Read:
     fd: int
     offset: int
     views: list[memoryview]
+    slot: int
+    check: BlockCheck = field(repr=False)
 
     @property
     def nbytes(self) -> int:
         return sum(len(v) for v in self.views)
 
     def run(self) -> None:
+        """Read, then hand the bytes to the check while they are in this core's cache.
+
+        A short read (a regular file reads short only at its end: truncated
+        under us) or a read error marks the block bad instead of raising, so
+        the restore finishes and the caller decides what a bad block means.
+        """
         pos = self.offset
         for i in range(0, len(self.views), _IOV_MAX):
             batch = self.views[i : i + _IOV_MAX]
             want = sum(len(v) for v in batch)
-            got = os.preadv(self.fd, batch, pos)
-            if got != want:  # a regular file reads short only at its end: truncated
-                raise CorruptBlockError(f"fd {self.fd}", f"{want} bytes at {pos}", f"{got}")
+            try:
+                got = os.preadv(self.fd, batch, pos)
+            except OSError as e:
+                self.check.fail(self.slot, f"a read error ({e.strerror})")
+                return
+            if got != want:
+                self.check.fail(self.slot, f"{got} of {want} bytes at offset {pos}")
+                return
+            self.check.feed(self.slot, pos, batch)
             pos += got
 
 
@@ -233,7 +275,11 @@ def _run_reads(reads: list[_Read], zeros: list[memoryview]) -> None:
 
 
 def load_arrays(
-    shapes: Sequence[tuple[str, list[int]]], plans: Sequence[list[Run]]
+    shapes: Sequence[tuple[str, list[int]]], plans: Sequence[list[Run]], check: BlockCheck
 ) -> list[mx.array]:
-    """Restore the tensors in one ``mx.load`` of a :class:`BlockStream`."""
-    return load_tensors(lambda errors: BlockStream(shapes, plans, errors), len(shapes))
+    """Restore the tensors in one ``mx.load`` of a :class:`BlockStream`.
+
+    Afterwards ``check.bad()`` says which blocks did not read right (or, when
+    it hashes, did not hash to their names): the arrays then hold wrong bytes.
+    """
+    return load_tensors(lambda errors: BlockStream(shapes, plans, errors, check), len(shapes))

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from ..blocks import BlockStore, from_hex, new_hasher
+from ..blocks import BlockCheck, BlockStore, from_hex, new_hasher
 from ..codecs import AttachmentData, RawCache, codec_for_record, snapshot
 from ..codecs.layout import manifest_block_sizes, n_token_blocks
 from ..errors import (
@@ -24,6 +24,7 @@ from ..errors import (
     EntryNotFoundError,
     InvalidDigestError,
     KVStoreError,
+    ManifestError,
     NamespaceRequiredError,
     ReadOnlyStoreError,
 )
@@ -54,6 +55,7 @@ _log = logging.getLogger("kvstore")
 
 CODEC_PROVIDER = "kvstore-mlx/1"
 ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory before a write
+_RESTORE_TRIES = 4  # lookups one restore makes when what it found went bad or away
 PRIORITIES = {"assistant": 0, "user": 1, "system": 2}
 MIN_ID_PREFIX = 4  # hex chars of an entry id that resolve() accepts
 
@@ -165,7 +167,7 @@ class Store:
         state_block_bytes: int | None = None,
         durable: bool = True,
         create: bool = True,
-        verify_reads: bool = False,
+        verify_reads: bool = True,
         map_size: int | None = None,
         max_bytes: int | None = None,
         gc_grace: float | None = None,
@@ -178,10 +180,12 @@ class Store:
         With ``max_bytes`` every save that takes the live bytes over it evicts
         least-recently-used entries until they fit (see :mod:`kvstore.gc`);
         ``gc_grace`` (default 600 s) is the grace that eviction honours.
-        ``read_only=True`` opens without writing anything (stats, listing, lookup,
-        restore, verify); every write raises :class:`ReadOnlyStoreError`. The
-        default, None, opens read-only (with one logged notice) when the root
-        cannot be written, e.g. on a read-only mount.
+ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory before a write
+
+        ``verify_reads`` (the default) checks every block a restore, load or
+        export reads against its digest, over the bytes read; ``False`` skips
+        the hashing for raw speed, and a block damaged on disk is then returned
+        as cache data (sizes and file types are still checked). See the README.
         """
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
@@ -518,9 +522,13 @@ class Store:
         Reads only the first ``ceil(length / block_tokens)`` token blocks and the
         state blocks. A load counts as a hit of the :meth:`lookup` that found
         ``match`` (the hit rate of ``kvstore stats``) and stamps the entry's last
-        access. A missing block raises :class:`BlockNotFoundError`, a block
-        of the wrong size (or, with ``verify``, the wrong digest)
-        :class:`CorruptBlockError`.
+        access. ``verify`` (None: the store's ``verify_reads``) checks each
+        block's digest over the bytes read. A missing block raises
+        :class:`BlockNotFoundError`; a corrupt one (the wrong digest, the wrong
+        size, not a regular file) is quarantined, the entries that need it are
+        cut back or dropped (see :mod:`kvstore.store.repair`), and
+        :class:`CorruptBlockError` names it: a new lookup then finds the
+        longest intact prefix.
         """
         digest = self._digest(match.entry_id)
         _, cache, _ = self._read(digest, match.length, verify)
@@ -530,16 +538,36 @@ class Store:
     def load_entry(
         self, entry_id: str | bytes, *, verify: bool | None = None
     ) -> tuple[list[int], list[Any], list[AttachmentData]]:
-        """Tokens, cache and attachments of a whole entry (for export)."""
+        """Tokens, cache and attachments of a whole entry (for export); as :meth:`load`."""
         m, cache, atts = self._read(self._digest(entry_id), None, verify)
         return list(P.tokens_from_le(m.tokens)), cache, atts
 
     def _read(
         self, digest: bytes, length: int | None, verify: bool | None
     ) -> tuple[Manifest, list[Any], list[AttachmentData]]:
+        """Read an entry (its first ``length`` tokens); a bad block is dealt with here.
+
+        A block found bad is re-checked under the writer lock; if it reads right
+        by then (another process replaced it) the read is tried once more.
+        """
+        verify = self.verify_reads if verify is None else verify
+        for _ in range(2):
+            try:
+                return self._read_once(digest, length, verify)
+            except _BadBlocks as e:
+                if self._repair_bad(e.bad):
+                    d = min(e.bad)
+                    path, why = self.blocks.path(d), e.bad[d][0]
+                    raise CorruptBlockError(
+                        str(path), f"block {d.hex()}", why, digest=d.hex()
+                    ) from None
+        return self._read_once(digest, length, verify)
+
+    def _read_once(
+        self, digest: bytes, length: int | None, verify: bool
+    ) -> tuple[Manifest, list[Any], list[AttachmentData]]:
         """Resolve an entry and open the blocks of its first ``length`` tokens in one
         read transaction (a GC cannot unlink them from under us), then restore."""
-        verify = self.verify_reads if verify is None else verify
         fds: dict[bytes, int] = {}
         try:
             with self.index.read() as txn:
@@ -560,33 +588,51 @@ class Store:
                 for d, size in needed:
                     if d in fds:
                         continue
-                    fds[d] = fd = self.blocks.open(d)
-                    got = os.fstat(fd).st_size
-                    if got != size:
-                        raise CorruptBlockError(
-                            str(self.blocks.path(d)), f"{size} bytes", f"{got} bytes"
-                        )
-            if verify:
-                for d, fd in fds.items():
-                    self._verify_fd(d, fd)
-            cache, atts = self._materialize(m, length, fds)
+                    try:
+                        fds[d] = self.blocks.open(d, size)
+                    except CorruptBlockError as e:
+                        raise _BadBlocks({d: (e.actual, size)}) from None
+            check = BlockCheck(self.settings.hash, needed, hashing=verify)
+            cache, atts = self._materialize(m, length, fds, check)
+            bad = check.bad()
+            if bad:
+                sizes = dict(needed)
+                raise _BadBlocks({d: (why, sizes[d]) for d, why in bad.items()})
         finally:
             for fd in fds.values():
                 os.close(fd)
         return m, cache, atts
 
-    def _verify_fd(self, digest: bytes, fd: int) -> None:
-        h = new_hasher(self.settings.hash)
-        pos = 0
-        while chunk := os.pread(fd, 1 << 22, pos):
-            h.update(chunk)
-            pos += len(chunk)
-        got = h.digest()
-        if got != digest:
-            raise CorruptBlockError(str(self.blocks.path(digest)), digest.hex(), got.hex())
+    def _repair_bad(self, bad: dict[bytes, tuple[str, int]]) -> bool:
+        """Quarantine the blocks a read found bad and cut back or drop the entries that
+        need them (one write transaction, one warning); False when every block now
+        reads right (it was replaced meanwhile: read again)."""
+        from .repair import plan_for_blocks
+
+        try:
+            with self.index.write() as txn:
+                confirmed: dict[bytes, str] = {}
+                gone: set[bytes] = set()
+                for d, (why, size) in bad.items():
+                    state, now, _ = self.blocks.inspect(d, size, read_data=True)
+                    if state == "corrupt":
+                        confirmed[d] = now or why
+                    elif state == "missing":
+                        gone.add(d)
+                if not confirmed and not gone:
+                    return False
+                plan = plan_for_blocks(self, txn, confirmed, gone)
+                plan.execute(self, txn)
+        except (KVStoreError, OSError) as e:
+            names = ", ".join(f"{d.hex()} ({why})" for d, (why, _) in sorted(bad.items()))
+            _log.warning("kvstore: corrupt block %s could not be quarantined: %s", names, e)
+            return True
+        if not plan.empty():
+            _log.warning("%s", plan.summary())
+        return True
 
     def _materialize(
-        self, m: Manifest, length: int, fds: dict[bytes, int]
+        self, m: Manifest, length: int, fds: dict[bytes, int], check: BlockCheck
     ) -> tuple[list[Any], list[AttachmentData]]:
         wants: list[Want] = []
         for layer in _leaves(m.layers):
@@ -606,7 +652,7 @@ class Store:
             state_fds=[fds[d] for d in m.state_blocks],
             state_block=m.state_block_bytes,
         )
-        arrays = load_arrays(shapes, plans)
+        arrays = load_arrays(shapes, plans, check)
         out: list[Any] = []
         pos = 0
         for layer in m.layers:
@@ -642,24 +688,38 @@ class Store:
         path: str | os.PathLike[str],
         *,
         format: Literal["v3", "v5"] = "v3",
+        verify: bool = True,
     ) -> Path:
         """Write an entry as an mlx-bun file; see :func:`kvstore.bridge.export_entry`."""
         from .bridge import export_entry
 
-        return export_entry(self, entry_id, path, format=format)
+        return export_entry(self, entry_id, path, format=format, verify=verify)
 
     def restore(
         self, tokens: Any, *, namespace: Namespace | None = None, verify: bool | None = None
     ) -> tuple[list[Any] | None, int]:
-        """Lookup and load; ``(None, 0)`` on a miss, also when a block is gone or corrupt."""
-        match = self.lookup(tokens, namespace=namespace)  # counts the lookup; load the hit
-        cache = None
-        if match is not None:
+        """Lookup and load: ``(cache, length)`` of the longest intact stored prefix, or
+        ``(None, 0)``.
+
+        Never raises for what it finds on disk: a corrupt block is quarantined (see
+        :meth:`load`) and the lookup is made again, so the caller gets the longest
+        prefix still stored intact; a block or entry removed meanwhile (evicted by
+        another process) is looked up again too.
+        """
+        cache: list[Any] | None = None
+        length = 0
+        tried: set[tuple[str, int]] = set()
+        for _ in range(_RESTORE_TRIES):
+            match = self.lookup(tokens, namespace=namespace)
+            if match is None or (match.entry_id, match.length) in tried:
+                break
+            tried.add((match.entry_id, match.length))
             try:
-                cache = self.load(match, verify=verify)
-            except (BlockNotFoundError, CorruptBlockError, EntryNotFoundError):
-                cache = None
-        return (cache, match.length) if cache is not None and match is not None else (None, 0)
+                cache, length = self.load(match, verify=verify), match.length
+                break
+            except (BlockNotFoundError, CorruptBlockError, EntryNotFoundError, ManifestError):
+                continue
+        return (cache, length) if cache is not None else (None, 0)
 
     # --- entries -------------------------------------------------------------------------------
 
@@ -750,14 +810,18 @@ class Store:
             dry_run=dry_run,
         )
 
-    def verify(self, *, read_data: bool = False, repair: bool = False) -> VerifyReport:
-        """Check refcounts, blocks and keys; see :func:`kvstore.verify.verify`."""
+    def verify(
+        self, *, read_data: bool = False, repair: bool = False, dry_run: bool = False
+    ) -> VerifyReport:
+        """Check refcounts, blocks and keys (and, with ``read_data``, every block's
+        bytes); ``repair`` fixes what it finds, ``dry_run`` only says how. See
+        :func:`kvstore.verify.verify`."""
         from .verify import verify
 
         if repair:
             self._check_writable("repair")
         self.flush_access()
-        return verify(self, read_data=read_data, repair=repair)
+        return verify(self, read_data=read_data, repair=repair, dry_run=dry_run)
 
     def stats(self) -> Stats:
         """Entries, blocks, logical vs physical bytes and the dedup ratio.
@@ -788,6 +852,14 @@ def _exit_flush(store: Store) -> Callable[[], None]:
             s.flush_access()
 
     return hook
+
+
+class _BadBlocks(Exception):
+    """Blocks a read found bad: digest -> (what is wrong, expected size)."""
+
+    def __init__(self, bad: dict[bytes, tuple[str, int]]) -> None:
+        super().__init__(", ".join(d.hex() for d in bad))
+        self.bad = bad
 
 
 def _has_reach_markers(index: Index, *, writable: bool = True) -> bool:

@@ -1,11 +1,14 @@
 """Verification of a root: recount references, check every block, repair.
 
-Part of the GC (see :mod:`kvstore.gc`, which re-exports :func:`verify` and
-:class:`VerifyReport`): the repair runs in one write transaction, recounting
-from the manifests under the writer lock, so it is safe while other processes
-save, restore and compact. Moving a corrupt block to ``quarantine/`` happens
-inside that transaction; a repair killed before its commit leaves the block
-missing (never wrong bytes), and the next repair drops its entries.
+Without ``read_data`` the blocks are checked for presence, file type and size
+only; their contents are not read (as ``restic check`` without
+``--read-data``). The repair is a :class:`~kvstore.repair.RepairPlan` made and
+executed in one write transaction, recounting from the manifests under the
+writer lock, so it is safe while other processes save, restore and compact;
+``dry_run`` makes the same plan in a read transaction and executes nothing.
+Moving a corrupt block to ``quarantine/`` happens inside that transaction; a
+repair killed before its commit leaves the block missing (never wrong bytes),
+and the next repair deals with its entries.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ..index import EntryRecord, RefInfo, now_ms
 from ..schema import Manifest, decode_manifest
 from . import keys as P
 from .gc import _block_files, manifest_blocks
+from .repair import RepairPlan, plan_for_blocks
 
 if TYPE_CHECKING:
     from .store import Store
@@ -53,10 +57,15 @@ class VerifyReport:
     totals_drift: list[tuple[str, int, int]] = field(default_factory=list)  # field, stored, counted
     orphans: list[str] = field(default_factory=list)
     dangling_refs: list[str] = field(default_factory=list)
+    data_read: bool = False  # whether block contents were hashed (read_data)
+    dry_run: bool = False
     repaired: bool = False
     quarantined: list[str] = field(default_factory=list)
     dropped_entries: list[str] = field(default_factory=list)
+    cut_entries: list[tuple[str, str, int]] = field(default_factory=list)  # old, new, tokens
     orphans_removed: int = 0
+    # with repair: what it did (or, with dry_run, would do)
+    plan: RepairPlan | None = None
 
     @property
     def sound(self) -> bool:
@@ -111,7 +120,7 @@ def _scan(store: Store, txn: Any, report: VerifyReport) -> _Scan:
         report.missing_entry_records.append(d.hex())
     report.dangling_keys += len(entries.keys() - s.manifests)
     for _, v in txn.cursor(db=idx.db("prefix")):
-        if P.split_value(bytes(v))[2] not in s.manifests:
+        if _value_digest(bytes(v)) not in s.manifests:
             report.dangling_keys += 1
     for _, v in txn.cursor(db=idx.db("exact")):
         if bytes(v) not in s.manifests:
@@ -139,89 +148,120 @@ def _scan(store: Store, txn: Any, report: VerifyReport) -> _Scan:
     return s
 
 
-def _check_file(store: Store, d: bytes, size: int, read_data: bool) -> tuple[str, int]:
-    """('ok' | 'missing' | 'corrupt', bytes hashed) for one block file."""
-    got = store.blocks.size(d)
-    if got is None:
-        return "missing", 0
-    if got != size:
-        return "corrupt", 0
-    if read_data:
-        try:
-            ok = store.blocks.hash_file(d) == d
-        except FileNotFoundError:
-            return "missing", 0
-        return ("ok" if ok else "corrupt"), got
-    return "ok", 0
+def _value_digest(v: bytes) -> bytes:
+    """The manifest a prefix-db value names: a trimmable entry's value ends in the
+    digest; a non-trimmable entry's state and reach keys hold the bare digest."""
+    return v if len(v) == 32 else P.split_value(v)[2]
 
 
-def verify(store: Store, *, read_data: bool = False, repair: bool = False) -> VerifyReport:
+def verify(
+    store: Store, *, read_data: bool = False, repair: bool = False, dry_run: bool = False
+) -> VerifyReport:
     """Check the index against the manifests and the block files; optionally repair.
 
-    Repair quarantines corrupt blocks, drops the entries that need a missing or
-    corrupt block (with their prefix keys), rebuilds refcounts and totals from
-    the surviving manifests, removes dangling keys, dangling zero records and
-    orphan block files, all in one write transaction.
+    Repair quarantines corrupt blocks, cuts back or drops the entries that need a
+    missing or corrupt block (see :mod:`kvstore.repair`), rebuilds refcounts and
+    totals from the surviving manifests, removes dangling keys, dangling zero
+    records and orphan block files, all in one write transaction. With
+    ``dry_run`` (only with ``repair``) the plan is made and nothing is changed.
     """
-    report = VerifyReport()
+    if dry_run and not repair:
+        raise ValueError("dry_run is a dry run of repair: pass repair=True as well")
+    report = VerifyReport(data_read=read_data, dry_run=dry_run)
     with store.index.read() as txn:
         s = _scan(store, txn, report)
     referenced = {b for b, n in s.counted.items() if n > 0}
-    bad_blocks: dict[bytes, str] = {}
+    bad_blocks: dict[bytes, tuple[str, str]] = {}  # block -> (state, what is wrong)
     for b in sorted(set(s.refs) | referenced):
         size = s.expected.get(b, s.refs[b].size if b in s.refs else 0)
-        state, hashed = _check_file(store, b, size, read_data)
+        state, why, hashed = store.blocks.inspect(b, size, read_data=read_data)
         report.bytes_hashed += hashed
         if state == "ok":
             continue
-        if b in referenced:
-            bad_blocks[b] = state
-        elif state == "missing":
-            report.dangling_refs.append(b.hex())
+        if b in referenced or state == "corrupt":  # garbage, but corrupt: quarantine it too
+            bad_blocks[b] = (state, why)
         else:
-            bad_blocks[b] = state  # garbage, but corrupt: quarantine it too
+            report.dangling_refs.append(b.hex())
     if bad_blocks:  # a concurrent evict + GC may have removed some since the snapshot
         with store.index.read() as txn:
             for b in list(bad_blocks):
                 ref = store.index.get_ref(b, txn)
-                if bad_blocks[b] == "missing" and (ref is None or ref.refcount == 0):
+                if bad_blocks[b][0] == "missing" and (ref is None or ref.refcount == 0):
                     del bad_blocks[b]
-    report.missing_blocks = sorted(b.hex() for b, st in bad_blocks.items() if st == "missing")
-    report.corrupt_blocks = sorted(b.hex() for b, st in bad_blocks.items() if st == "corrupt")
+    report.missing_blocks = sorted(b.hex() for b, (st, _) in bad_blocks.items() if st == "missing")
+    report.corrupt_blocks = sorted(b.hex() for b, (st, _) in bad_blocks.items() if st == "corrupt")
     report.orphans = sorted(d.hex() for d, _ in _block_files(store) if d not in s.refs)
-    if repair:
+    if repair and dry_run:
+        with store.index.read() as txn:
+            report.plan = _plan(store, txn, s, bad_blocks, report)
+    elif repair:
         _repair(store, set(bad_blocks), read_data, report)
     return report
 
 
+def _plan(
+    store: Store, txn: Any, s: _Scan, bad: dict[bytes, tuple[str, str]], found: VerifyReport
+) -> RepairPlan:
+    """The repair of what a scan ``s`` (with ``found``, its report) and the block checks saw."""
+    corrupt = {b: why for b, (st, why) in bad.items() if st == "corrupt"}
+    missing = {b for b, (st, _) in bad.items() if st == "missing"}
+    plan = plan_for_blocks(store, txn, corrupt, missing, skip=s.bad)
+    plan.undecodable = sorted(s.bad)
+    plan.rebuild = {
+        "refcounts": len(found.refcount_drift) + len(found.size_drift),
+        "dangling_keys": found.dangling_keys,
+        "entry_records": len(found.missing_entry_records),
+        "totals": len(found.totals_drift),
+        "dangling_refs": len(found.dangling_refs),
+    }
+    plan.orphans = sorted(bytes.fromhex(h) for h in found.orphans)
+    return plan
+
+
+class _NothingToDo(Exception):
+    """Aborts a repair's write transaction: a sound store is left byte for byte as it was."""
+
+
 def _repair(store: Store, suspects: set[bytes], read_data: bool, report: VerifyReport) -> None:
-    idx = store.index
-    with idx.write() as txn:
-        scan = _scan(store, txn, VerifyReport())  # current state, under the writer lock
-        bad: set[bytes] = set()
-        for b in suspects:
-            size = scan.expected.get(b, scan.refs[b].size if b in scan.refs else 0)
-            state, _ = _check_file(store, b, size, read_data)
-            if state == "ok":
-                continue
-            bad.add(b)
-            if state == "corrupt" and store.blocks.quarantine(b) is not None:
-                report.quarantined.append(b.hex())
-        # drop the entries that need a bad block, and the undecodable manifests
-        for d in sorted(scan.manifests):
-            if d in scan.bad:
-                txn.delete(d, db=idx.db("manifests"))
-                txn.delete(d, db=idx.db("entries"))
-                report.dropped_entries.append(d.hex())
-            elif scan.needs[d] & bad:
-                m = decode_manifest(idx.get_manifest(d, txn) or b"")
-                idx.remove_entry(txn, d, store.delete_plan(m, d))
-                report.dropped_entries.append(d.hex())
-        _rebuild(store, txn, bad, report)
+    try:
+        _repair_in_txn(store, suspects, read_data, report)
+    except _NothingToDo:
+        pass
     report.repaired = True
 
 
-def _rebuild(store: Store, txn: Any, bad: set[bytes], report: VerifyReport) -> None:
+def _repair_in_txn(
+    store: Store, suspects: set[bytes], read_data: bool, report: VerifyReport
+) -> None:
+    idx = store.index
+    with idx.write() as txn:
+        found = VerifyReport()
+        scan = _scan(store, txn, found)  # current state, under the writer lock
+        referenced = {b for b, n in scan.counted.items() if n > 0}
+        bad: dict[bytes, tuple[str, str]] = {}
+        for b in suspects:
+            size = scan.expected.get(b, scan.refs[b].size if b in scan.refs else 0)
+            state, why, _ = store.blocks.inspect(b, size, read_data=read_data)
+            if state == "corrupt" or (state == "missing" and b in referenced):
+                bad[b] = (state, why)
+        for b, ref in scan.refs.items():
+            if ref.refcount == 0 and b not in referenced and not store.blocks.exists(b):
+                found.dangling_refs.append(b.hex())
+        found.orphans = sorted(d.hex() for d, _ in _block_files(store) if d not in scan.refs)
+        plan = _plan(store, txn, scan, bad, found)
+        report.plan = plan
+        if plan.empty():
+            raise _NothingToDo
+        moved = plan.execute(store, txn)
+        _rebuild(store, txn, set(bad), plan, report)
+    report.quarantined = sorted(b.hex() for b in moved)
+    report.dropped_entries = [d.hex() for d in (*plan.undecodable, *plan.drop)]
+    report.cut_entries = [(c.entry.hex(), c.to.hex(), c.n_tokens) for c in plan.cut]
+
+
+def _rebuild(
+    store: Store, txn: Any, bad: set[bytes], plan: RepairPlan, report: VerifyReport
+) -> None:
     """Recount refs from the manifests in ``txn``; fix keys, records and totals."""
     idx = store.index
     manifests: dict[bytes, dict[bytes, int]] = {}
@@ -250,7 +290,7 @@ def _rebuild(store: Store, txn: Any, bad: set[bytes], report: VerifyReport) -> N
     stale = [
         (bytes(k), bytes(v))
         for k, v in txn.cursor(db=prefix_db)
-        if P.split_value(bytes(v))[2] not in manifests
+        if _value_digest(bytes(v)) not in manifests
     ]
     for k, v in stale:
         txn.delete(k, v, db=prefix_db)
@@ -264,7 +304,7 @@ def _rebuild(store: Store, txn: Any, bad: set[bytes], report: VerifyReport) -> N
         entries[d] = _entry_from_manifest(decode_manifest(idx.get_manifest(d, txn) or b""))
         txn.put(d, _entry_enc(entries[d]), db=idx.db("entries"))
     # orphan files: nothing references them; a save in flight rewrites in its commit
-    for d, _ in list(_block_files(store)):
+    for d in plan.orphans:
         if idx.get_ref(d, txn) is None and store.blocks.delete(d):
             report.orphans_removed += 1
     refs = dict(idx.iter_refs(txn))

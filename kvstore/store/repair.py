@@ -1,0 +1,236 @@
+"""Repair as a plan, then its execution: what to do about blocks that went bad.
+
+One planner serves ``verify --repair`` (and ``--dry-run``, which prints the
+plan a real run would execute, so the two cannot disagree) and a verified read
+that finds a block whose bytes do not match its name.
+
+A bad block is moved to ``quarantine/``. Each entry that needs it is cut back
+to the blocks before it when it can serve a shorter prefix: a trimmable entry
+whose first bad block is token block *k* >= 1 becomes a new, shorter entry of
+its first *k* blocks, with its own manifest, refcounts and prefix keys, unless
+an entry for that prefix is already stored. Any other entry that needs a bad
+block is dropped. Everything happens in one write transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ..blocks import new_hasher
+from ..codecs import codec_for_record
+from ..errors import KVStoreError
+from ..index import EntryRecord, SavePlan
+from ..schema import Layer, Manifest, decode_manifest, encode_manifest
+from . import keys as P
+from .gc import manifest_blocks
+from .lookup import prefix_items, trimmable
+
+if TYPE_CHECKING:
+    from .store import Store
+
+
+class _Blocks(msgspec.Struct):
+    """The two digest lists of a manifest; decoding only these skips the rest."""
+
+    token_blocks: tuple[bytes, ...] = ()
+    state_blocks: tuple[bytes, ...] = ()
+
+
+_blocks_dec = msgspec.msgpack.Decoder(_Blocks)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """An entry cut back to its intact first blocks: a new manifest replaces it."""
+
+    entry: bytes
+    to: bytes
+    n_tokens: int
+    save: SavePlan = field(repr=False, compare=False)
+
+
+@dataclass
+class RepairPlan:
+    """What a repair does; :meth:`execute` does exactly that, nothing else."""
+
+    quarantine: dict[bytes, str] = field(default_factory=dict)  # block -> what is wrong
+    gone: set[bytes] = field(default_factory=set)  # needed blocks with no file at all
+    cut: list[Cut] = field(default_factory=list)
+    drop: list[bytes] = field(default_factory=list)
+    undecodable: list[bytes] = field(default_factory=list)  # manifests removed as they are
+    # verify only: recount refs, keys, records and totals from the manifests
+    rebuild: dict[str, int] = field(default_factory=dict)
+    orphans: list[bytes] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.quarantine or self.cut or self.drop or self.undecodable
+                    or any(self.rebuild.values()) or self.orphans)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "quarantine": sorted(b.hex() for b in self.quarantine),
+            "why": {b.hex(): why for b, why in sorted(self.quarantine.items())},
+            "cut": [{"entry": c.entry.hex(), "to": c.to.hex(), "n_tokens": c.n_tokens}
+                    for c in self.cut],
+            "drop": [d.hex() for d in self.drop],
+            "undecodable": [d.hex() for d in self.undecodable],
+            **{k: v for k, v in sorted(self.rebuild.items())},
+            "orphans": len(self.orphans),
+        }
+
+    def summary(self) -> str:
+        """One line for the log: the blocks, what they were, and what became of the entries."""
+        blocks = ", ".join(f"{b.hex()} ({why})" for b, why in sorted(self.quarantine.items()))
+        fate = [f"{c.entry.hex()} cut back to {c.n_tokens} tokens (now {c.to.hex()})"
+                for c in self.cut] + [f"{d.hex()} dropped" for d in self.drop]
+        return (f"kvstore: corrupt block {blocks} moved to quarantine/; entries that needed it: "
+                + (", ".join(fate) if fate else "none"))
+
+    def execute(self, store: Store, txn: Any) -> list[bytes]:
+        """Do the plan inside the write transaction ``txn``; returns the blocks moved aside.
+
+        Cuts are added before the entries they replace are removed, so the blocks
+        they keep never pass through refcount zero.
+        """
+        idx = store.index
+        for c in self.cut:
+            idx.add_entry(txn, c.save)
+        for d in [*self.drop, *(c.entry for c in self.cut)]:
+            raw = idx.get_manifest(d, txn)
+            if raw is not None:
+                idx.remove_entry(txn, d, store.delete_plan(decode_manifest(raw), d))
+        for d in self.undecodable:
+            txn.delete(d, db=idx.db("manifests"))
+            txn.delete(d, db=idx.db("entries"))
+        moved: list[bytes] = []
+        for b in sorted({*self.quarantine, *self.gone}):
+            ref = idx.get_ref(b, txn)
+            if ref is not None and ref.refcount == 0:
+                idx.drop_ref(txn, b)
+            if b in self.quarantine and store.blocks.quarantine(b) is not None:
+                moved.append(b)
+        return moved
+
+
+def plan_for_blocks(
+    store: Store,
+    txn: Any,
+    bad: dict[bytes, str],
+    gone: Iterable[bytes] = (),
+    *,
+    skip: Iterable[bytes] = (),
+) -> RepairPlan:
+    """The plan for blocks found bad (``bad``: digest -> what is wrong) or missing (``gone``).
+
+    Finds every manifest that references one of them (decoding only the digest
+    lists), and cuts back or drops each. ``skip``: manifests already planned
+    for otherwise (undecodable ones).
+    """
+    plan = RepairPlan(quarantine=dict(bad), gone=set(gone) - set(bad))
+    hit = set(bad) | plan.gone
+    if not hit:
+        return plan
+    idx = store.index
+    skipped = set(skip)
+    users: list[bytes] = []
+    for k, v in txn.cursor(db=idx.db("manifests")):
+        d = bytes(k)
+        if d in skipped:
+            continue
+        try:
+            b = _blocks_dec.decode(v)
+        except msgspec.DecodeError:
+            continue  # verify reports it as a bad manifest
+        if hit.intersection(b.token_blocks) or hit.intersection(b.state_blocks):
+            users.append(d)
+    removed = set(users)
+    taken: set[bytes] = set()
+    for d in sorted(users):
+        raw = idx.get_manifest(d, txn)
+        try:
+            m = decode_manifest(raw or b"")
+            cut = _cut(store, txn, d, m, hit, removed, taken)
+        except (KVStoreError, ValueError):
+            cut = None
+        if cut is None:
+            plan.drop.append(d)
+        else:
+            plan.cut.append(cut)
+            taken.add(cut.save.exact_key)
+    return plan
+
+
+def cut_layers(layers: tuple[Layer, ...], n_tokens: int) -> tuple[Layer, ...] | None:
+    """The layer records of the first ``n_tokens`` of the same token blocks, or None."""
+    out = []
+    for layer in layers:
+        c = codec_for_record(layer).cut(layer, n_tokens)
+        if c is None:
+            return None
+        out.append(c)
+    return tuple(out)
+
+
+def _cut(
+    store: Store,
+    txn: Any,
+    digest: bytes,
+    m: Manifest,
+    bad: set[bytes],
+    removed: set[bytes],
+    taken: set[bytes],
+) -> Cut | None:
+    """The entry ``m`` cut back to the token blocks before its first bad one, if it can be."""
+    if bad.intersection(m.state_blocks) or not trimmable(m.layers):
+        return None
+    k = next((i for i, b in enumerate(m.token_blocks) if b in bad), 0)
+    T = m.block_tokens
+    n = k * T
+    if n == 0:
+        return None
+    layers = cut_layers(m.layers, n)
+    if layers is None:
+        return None
+    idx = store.index
+    tok_le = m.tokens[: 4 * n]
+    keys = P.chain(P.root_key(m.namespace, m.codec, T, m.hash), tok_le, T, m.hash, k)
+    xkey = P.exact_key_for(keys, tok_le, n, T, m.hash)
+    have = idx.find_exact(xkey, txn)
+    if xkey in taken or (
+        have is not None and have not in removed and idx.get_manifest(have, txn) is not None
+    ):
+        return None  # that prefix is stored already: it serves
+    short = msgspec.structs.replace(
+        m, n_tokens=n, tokens=tok_le, layers=layers, token_blocks=m.token_blocks[:k]
+    )
+    encoded = encode_manifest(short)
+    h = new_hasher(m.hash)
+    h.update(encoded)
+    to = h.digest()
+    if idx.get_manifest(to, txn) is not None:
+        return None
+    sizes = manifest_blocks(short)
+    listed = sum(sizes[bytes(b)] for b in (*short.token_blocks, *short.state_blocks))
+    rec = idx.get_entry(digest, txn)
+    entry = EntryRecord(
+        namespace=rec.namespace if rec else msgspec.json.encode(m.namespace).decode(),
+        n_tokens=n,
+        logical_bytes=listed,
+        created_at=rec.created_at if rec else m.created_at,
+        last_access=rec.last_access if rec else m.created_at,
+        hits=rec.hits if rec else 0,
+        priority=rec.priority if rec else 0,
+    )
+    save = SavePlan(
+        digest=to,
+        manifest=encoded,
+        blocks=sizes,
+        prefix_items=prefix_items(keys, P.tokens_from_le(tok_le), T, True, to),
+        exact_key=xkey,
+        entry=entry,
+    )
+    return Cut(digest, to, n, save)
