@@ -371,11 +371,11 @@ def ro_mount(tmp_path: Path) -> Iterator[Path]:
     mnt = tmp_path / "ro"
     mnt.mkdir()
     if shutil.which("mount") is None:
-        pytest.skip(reason="the read-only tests need the mount command")
+        pytest.skip(reason="requires the mount command (root, to mount a tmpfs)")
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
                        capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(reason=f"the read-only tests need a tmpfs: {r.stderr.strip()}")
+        pytest.skip(reason=f"requires mounting a tmpfs: {r.stderr.strip()}")
     try:
         yield mnt
     finally:

@@ -23,48 +23,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache
+from helpers.kv import make_cache, matches
 
 import kvstore
 from kvstore.errors import CorruptBlockError
 
 NS = kvstore.Namespace(model_id="integrity", config_fingerprint="cfg", tokenizer_hash="tok")
 T = 16  # block_tokens of every root here
-H, D = 2, 8
 DAMAGES = ["flip", "truncate", "swap", "symlink", "fifo", "directory"]
 
 
 # --- helpers ----------------------------------------------------------------------------
 
 
-def rows(tokens: Sequence[int], salt: int) -> mx.array:
-    """[1, H, len, D] float16 integers, a function of each token (as a causal model's rows)."""
-    t = mx.array(list(tokens), dtype=mx.int32).reshape(1, 1, -1, 1)
-    h = mx.arange(H, dtype=mx.int32).reshape(1, H, 1, 1)
-    d = mx.arange(D, dtype=mx.int32).reshape(1, 1, 1, D)
-    return ((t * 131 + h * 17 + d * 7 + salt) % 2039).astype(mx.float16)
-
-
-def make_cache(tokens: Sequence[int]) -> list[Any]:
-    c = KVCache()
-    c.update_and_fetch(rows(tokens, 0), rows(tokens, 1000))
-    return [c]
-
-
 def holds(cache: list[Any] | None, tokens: Sequence[int], length: int) -> bool:
     """True when ``cache`` holds exactly the rows of ``tokens[:length]``."""
-    if cache is None or len(cache) != 1:
-        return False
-    c = cache[0]
-    if c.offset != length or c.keys is None or c.keys.shape[2] < length:
-        return False
-    want = list(tokens[:length])
-    return bool(
-        mx.array_equal(c.keys[:, :, :length], rows(want, 0)).item()
-        and mx.array_equal(c.values[:, :, :length], rows(want, 1000)).item()
-    )
+    return cache is not None and matches(cache, tokens, length)
 
 
 def toks(n: int, seed: int = 1) -> list[int]:
