@@ -192,6 +192,20 @@ def test_default_restore_returns_the_intact_prefix_and_quarantines(
         assert outside.read_bytes() == before  # the symlink's target was never touched
 
 
+def test_a_restore_that_retries_past_a_bad_block_counts_one_lookup_and_one_hit(
+    two: tuple[Path, list[int], str, str], outside: Path
+) -> None:
+    root, long, long_id, _ = two
+    blocks = blocks_of(root, long_id)
+    damage(root, blocks[2], "flip", blocks[3], outside)
+    with open_store(root) as s:
+        cache, n = s.restore(long)  # finds long, loses it to the bad block, finds short
+        assert n == 32 and holds(cache, long, n)
+    with open_store(root) as s:
+        st = s.stats()
+        assert (st.lookups, st.hits) == (1, 1)
+
+
 def test_a_lone_entry_is_cut_back_to_its_intact_blocks(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

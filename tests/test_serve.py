@@ -43,9 +43,12 @@ def test_help_lists_both_option_sets_and_touches_no_root(
     assert not (tmp_path / "root").exists()
 
 
-@pytest.mark.parametrize(("flag", "reuse"), [([], True), (["--no-reuse-prefix"], False)])
+@pytest.mark.parametrize(
+    ("flag", "reuse", "verify"),
+    [([], True, True), (["--no-reuse-prefix"], False, True), (["--no-verify-reads"], True, False)],
+)
 def test_server_prompt_cache_is_ours_with_the_options_given(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: list[str], reuse: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: list[str], reuse: bool, verify: bool
 ) -> None:
     from kvstore.mlx_lm import PersistentPromptCache
 
@@ -60,6 +63,7 @@ def test_server_prompt_cache_is_ours_with_the_options_given(
     (cache,) = built
     assert isinstance(cache, PersistentPromptCache)
     assert (cache.reuse_prefix, cache.min_tokens, cache.ns, cache.max_size) == (reuse, 32, "ns", 3)
+    assert cache.store.verify_reads is verify
 
 
 def test_bad_mlx_lm_option_is_a_usage_error(tmp_path: Path) -> None:

@@ -94,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
         "--no-durable", action="store_true", help="skip fsync on writes (faster, not crash-safe)"
     )
     g.add_argument(
+        "--no-verify-reads",
+        action="store_true",
+        help="do not check each block's digest as a restore reads it (faster restores; "
+        "a block damaged on disk is then handed to the model)",
+    )
+    g.add_argument(
         "--no-reuse-prefix",
         action="store_true",
         help="hash every block of every save instead of referencing the blocks a stored "
@@ -194,7 +200,12 @@ def _serve(argv: list[str]) -> int:
     root = ours.root if ours.root is not None else default_root()
     made: list[PersistentPromptCache] = []
     code: int = 0
-    with Store.open(root, durable=not ours.no_durable, max_bytes=ours.max_bytes) as store:
+    with Store.open(
+        root,
+        durable=not ours.no_durable,
+        max_bytes=ours.max_bytes,
+        verify_reads=not ours.no_verify_reads,
+    ) as store:
 
         def factory(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:
             cache = PersistentPromptCache(

@@ -494,6 +494,11 @@ ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory before a
         seeks (a binary search over the chain), whatever the number of stored
         entries; a root without reach markers falls back to one seek per block.
         """
+        match = self._find(tokens, namespace)
+        self._note_access(lookup=True)
+        return match
+
+    def _find(self, tokens: Any, namespace: Namespace | None) -> Match | None:
         ns = self._ns(namespace)
         q = P.as_tokens(tokens)
         T = self.block_tokens
@@ -501,9 +506,7 @@ ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory before a
         depth = len(q) // T
         keys = P.chain(self._c0(ns), q_le, T, self.settings.hash, depth)
         with self.index.read() as txn:
-            match = find(self.index, txn, keys, q, q_le, T, self.settings.hash, bisect=self._bisect)
-        self._note_access(lookup=True)
-        return match
+            return find(self.index, txn, keys, q, q_le, T, self.settings.hash, bisect=self._bisect)
 
     # --- load --------------------------------------------------------------------------------
 
@@ -709,8 +712,9 @@ ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory before a
         cache: list[Any] | None = None
         length = 0
         tried: set[tuple[str, int]] = set()
+        self._note_access(lookup=True)  # one lookup, however many tries it takes
         for _ in range(_RESTORE_TRIES):
-            match = self.lookup(tokens, namespace=namespace)
+            match = self._find(tokens, namespace)
             if match is None or (match.entry_id, match.length) in tried:
                 break
             tried.add((match.entry_id, match.length))
