@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..blocks import BlockCheck
-from ..blocks.local import io_pool
+from ..blocks.local import READ_WORKERS, read_pool
 from ..codecs._mxload import TensorStream, load_tensors
 from ..codecs.layout import block_rows, geometry, spec_nbytes
 from ..schema import TensorSpec
@@ -24,7 +24,7 @@ from ..schema import TensorSpec
 _ZEROS = bytes(1 << 20)
 _IOV_MAX = 1024
 _PARALLEL_BYTES = 1 << 20  # smaller tensors are read on the caller's thread
-_THREADS = max(2, min(4, os.cpu_count() or 2))  # reads in flight per tensor
+_THREADS = READ_WORKERS  # reads in flight per tensor (the caller's thread is one)
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def _run_reads(reads: list[_Read], zeros: list[memoryview]) -> None:
             k = loads.index(min(loads))
             groups[k].append(job)
             loads[k] += job.nbytes
-        pool = io_pool()
+        pool = read_pool()
         reads = groups[0]
         for g in groups[1:]:
             try:
