@@ -33,8 +33,6 @@ from kvstore.store.bridge import (
     CREATED_AT_KEY,
     FORMAT_VERSION_KEY,
     IDENTITY_KEY,
-    export_entry,
-    import_file,
 )
 
 SAMPLES = Path(__file__).resolve().parent / "data" / "mlx-bun-v3"
@@ -109,7 +107,7 @@ def test_v3_sample_round_trips_byte_for_byte(tmp_path: Path, name: str) -> None:
     src = _sample(name)
     original = load_v3(src, verify=True)
     with _open(tmp_path / "root") as store:
-        info = import_file(store, src)
+        info = store.import_file(src)
         m = store.manifest(info.id)
         assert m.namespace == original.namespace
         assert m.metadata[CREATED_AT_KEY] == str(original.header["createdAt"])
@@ -119,11 +117,11 @@ def test_v3_sample_round_trips_byte_for_byte(tmp_path: Path, name: str) -> None:
 
         (tmp_path / "v3").mkdir()
         (tmp_path / "v5").mkdir()
-        v3 = export_entry(store, info.id, tmp_path / "v3" / src.name)
+        v3 = store.export(info.id, tmp_path / "v3" / src.name)
         assert v3.read_bytes() == src.read_bytes()
         _same_file_content(load_v3(v3, verify=True), original)
 
-        v5 = export_entry(store, info.id, tmp_path / "v5" / src.name, format="v5")
+        v5 = store.export(info.id, tmp_path / "v5" / src.name, format="v5")
         again = load_v3(v5, verify=True)
         assert again.format_version == 5
         _same_file_content(again, original)
@@ -133,20 +131,20 @@ def test_v5_sample_round_trips_with_its_blocks(tmp_path: Path) -> None:
     src = _sample("mixed-blocks-v5")
     original = load_v3(src, verify=True)
     with _open(tmp_path / "root") as store:
-        info = import_file(store, src)
+        info = store.import_file(src)
         m = store.manifest(info.id)
         assert m.metadata[FORMAT_VERSION_KEY] == "5"
         assert m.metadata[BLOCK_BYTES_KEY] == "32768"
 
         (tmp_path / "v5").mkdir()
-        v5 = export_entry(store, info.id, tmp_path / "v5" / src.name, format="v5")
+        v5 = store.export(info.id, tmp_path / "v5" / src.name, format="v5")
         assert v5.read_bytes() == src.read_bytes()
         ours = {p.name: p.read_bytes() for p in (tmp_path / "v5" / "blocks").iterdir()}
         theirs = {p.name: p.read_bytes() for p in (SAMPLES / "blocks").iterdir()}
         assert ours == theirs
         _same_file_content(load_v3(v5, verify=True), original)
 
-        v3 = export_entry(store, info.id, tmp_path / "x.kv")
+        v3 = store.export(info.id, tmp_path / "x.kv")
         back = load_v3(v3, verify=True)
         assert back.format_version == 3
         _same_file_content(back, original)
@@ -170,7 +168,7 @@ def test_store_methods_delegate_and_accept_an_id_prefix(tmp_path: Path) -> None:
 def test_namespace_override_and_identity_less_files(tmp_path: Path) -> None:
     other = kvstore.Namespace(model_id="m2", config_fingerprint="c2", tokenizer_hash="t2", ns="x")
     with _open(tmp_path / "root") as store:
-        info = import_file(store, _sample("tiny"), namespace=other)
+        info = store.import_file(_sample("tiny"), namespace=other)
         assert store.manifest(info.id).namespace == other
         head = load_v3(store.export(info.id, tmp_path / "o.kv")).header
         assert (head["modelId"], head["configFingerprint"], head["tokenizerHash"], head["ns"]) == (
@@ -185,9 +183,9 @@ def test_namespace_override_and_identity_less_files(tmp_path: Path) -> None:
         save_v3(bare, list(range(40)), [kv_cache(40, seed=3)], created_at=1234)
         before = _snapshot(store)
         with pytest.raises(NamespaceRequiredError):
-            import_file(store, bare)
+            store.import_file(bare)
         assert _snapshot(store) == before
-        info = import_file(store, bare, namespace=NS)
+        info = store.import_file(bare, namespace=NS)
         assert store.manifest(info.id).metadata[IDENTITY_KEY] == "none"
         assert store.export(info.id, tmp_path / "bare2.kv").read_bytes() == bare.read_bytes()
 
@@ -222,8 +220,8 @@ def test_saved_entry_exports_and_reimports_the_same_tensors(tmp_path: Path) -> N
         _, want, want_atts = store.load_entry(info.id)
         (tmp_path / "v5").mkdir()
         files = [
-            export_entry(store, info.id, tmp_path / "x.kv"),
-            export_entry(store, info.id, tmp_path / "v5" / "x.kv", format="v5"),
+            store.export(info.id, tmp_path / "x.kv"),
+            store.export(info.id, tmp_path / "v5" / "x.kv", format="v5"),
         ]
         for f in files:
             loaded = load_v3(f, verify=True)
@@ -232,12 +230,12 @@ def test_saved_entry_exports_and_reimports_the_same_tensors(tmp_path: Path) -> N
             assert loaded.tokens == tokens
             assert loaded.format_version == (4 if f.parent == tmp_path else 5)
         # into the same store: the same entry, nothing written
-        again = import_file(store, files[0])
+        again = store.import_file(files[0])
         assert (again.id, again.new_bytes) == (info.id, 0)
 
     for i, f in enumerate(files):
         with _open(tmp_path / f"b{i}") as fresh:
-            got_info = import_file(fresh, f)
+            got_info = fresh.import_file(f)
             got_tokens, got, got_atts = fresh.load_entry(got_info.id)
             assert got_tokens == tokens
             assert [type(c) for c in got] == [type(c) for c in want]
@@ -276,13 +274,13 @@ def test_imports_sharing_a_prefix_store_its_blocks_once(tmp_path: Path) -> None:
 
     def alone(name: str) -> kvstore.Stats:
         with _open(tmp_path / f"alone-{name}", block_tokens=T) as s:
-            import_file(s, tmp_path / name)
+            s.import_file(tmp_path / name)
             return s.stats()
 
     sa, sb = alone("a.kv"), alone("b.kv")
     with _open(tmp_path / "both", block_tokens=T) as store:
-        ia = import_file(store, tmp_path / "a.kv")
-        ib = import_file(store, tmp_path / "b.kv")
+        ia = store.import_file(tmp_path / "a.kv")
+        ib = store.import_file(tmp_path / "b.kv")
         s = store.stats()
     shared_bytes = 4 * T * 2 * (2 * 2 * 32 * 2)  # 4 blocks x 2 layers x (K+V, H=2, D=32, bf16)
     assert ia.new_bytes == sa.physical_bytes
@@ -305,16 +303,16 @@ def test_corrupt_files_raise_and_leave_the_store_unchanged(tmp_path: Path) -> No
     header = load_v3(src).header
     first = 16384 + header["caches"][0]["tensors"][0]["off"]  # dataStart + off
     with _open(tmp_path / "root") as store:
-        import_file(store, _sample("tiny"))
+        store.import_file(_sample("tiny"))
         before = _snapshot(store)
         bad_header = _flip(src, tmp_path / "h.kv", PREFIX_LEN + 5)
         with pytest.raises(HeaderHashMismatchError) as e:
-            import_file(store, bad_header)
+            store.import_file(bad_header)
         assert isinstance(e.value, FileFormatError) and e.value.path == str(bad_header)
         assert _snapshot(store) == before
 
         bad_tensor = _flip(src, tmp_path / "t.kv", first + 3)
         with pytest.raises(TensorHashMismatchError):
-            import_file(store, bad_tensor)
+            store.import_file(bad_tensor)
         assert _snapshot(store) == before
         assert not list((store.root / "tmp").iterdir())

@@ -39,25 +39,21 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
-
-from mlx_lm.models import cache as _cache
+from typing import Any, Literal, NamedTuple
 
 from ..errors import FileFormatError
 from ..formats.v3 import load_v3, save_v3
 from ..formats.v5file import DEFAULT_BLOCK_BYTES, save_v5
-from ..schema import Namespace
-
-if TYPE_CHECKING:
-    from .store import EntryInfo, Store
+from ..schema import Manifest, Namespace
 
 __all__ = [
     "BLOCK_BYTES_KEY",
     "CREATED_AT_KEY",
     "FORMAT_VERSION_KEY",
     "IDENTITY_KEY",
-    "export_entry",
-    "import_file",
+    "FileEntry",
+    "read_file",
+    "write_file",
 ]
 
 CREATED_AT_KEY = "mlx-bun.createdAt"
@@ -66,8 +62,7 @@ BLOCK_BYTES_KEY = "mlx-bun.blockBytes"
 IDENTITY_KEY = "mlx-bun.identity"
 _OWN_PREFIX = "mlx-bun."  # keys derived from the header, not exported as metadata
 _PRIORITIES = ("assistant", "user", "system")
-
-_C: Any = _cache  # mlx-lm ships no type hints
+Priority = Literal["assistant", "user", "system"]
 
 
 def _is_int(v: object) -> bool:
@@ -105,34 +100,34 @@ def _file_metadata(path: str, h: dict[str, Any], format_version: int) -> dict[st
     return meta
 
 
-def import_file(
-    store: Store,
-    path: str | os.PathLike[str],
-    *,
-    verify: bool = True,
-    namespace: Namespace | None = None,
-) -> EntryInfo:
-    """Put an mlx-bun v3/v4/v5 file into ``store`` as one entry.
+class FileEntry(NamedTuple):
+    """What an mlx-bun file holds, as :meth:`Store.save` takes it."""
 
-    The whole file is read (and, with ``verify``, every tensor or v5 block hash
-    checked) before anything is written, so a malformed file raises its
-    :class:`~kvstore.errors.FileFormatError` and leaves the store unchanged.
-    The entry's namespace is ``namespace``, else the header's identity, else
-    the store's default (:class:`~kvstore.errors.NamespaceRequiredError` when
-    there is none).
-    """
+    tokens: Any
+    cache: list[Any]
+    namespace: Namespace | None
+    metadata: dict[str, str]
+    attachments: list[Any]
+    priority: Priority
+    created_at: int | None
+
+
+def read_file(path: str | os.PathLike[str], *, verify: bool = True) -> FileEntry:
+    """Read an mlx-bun v3/v4/v5 file whole (and, with ``verify``, check every tensor or
+    v5 block hash): a malformed file raises its :class:`~kvstore.errors.FileFormatError`
+    before anything is stored."""
     loaded = load_v3(path, verify=verify)
     h = loaded.header
     meta = _file_metadata(os.fspath(path), h, loaded.format_version)
     cache_type = meta.get("cache_type")
-    return store.save(
+    return FileEntry(
         loaded.tokens,
         loaded.cache,
-        namespace=namespace or loaded.namespace,
-        metadata=meta,
-        attachments=loaded.attachments,
-        priority=cache_type if cache_type in _PRIORITIES else "assistant",  # type: ignore[arg-type]
-        created_at=int(h["createdAt"]) if _is_int(h.get("createdAt")) else None,
+        loaded.namespace,
+        meta,
+        loaded.attachments,
+        cache_type if cache_type in _PRIORITIES else "assistant",  # type: ignore[arg-type]
+        int(h["createdAt"]) if _is_int(h.get("createdAt")) else None,
     )
 
 
@@ -141,32 +136,25 @@ def _created_at(metadata: dict[str, str], default: int) -> int:
     return int(raw) if raw.isdigit() else default
 
 
-def export_entry(
-    store: Store,
-    entry_id: str | bytes,
+def write_file(
+    m: Manifest,
+    tokens: Any,
+    cache: list[Any],
+    attachments: list[Any],
     path: str | os.PathLike[str],
     *,
     format: Literal["v3", "v5"] = "v3",
     block_bytes: int | None = None,
-    verify: bool = True,
 ) -> Path:
-    """Write one entry as an mlx-bun file and return its path.
+    """Write one entry (its manifest ``m`` and what it loads to) as an mlx-bun file.
 
     ``format="v3"`` writes a monolithic file (formatVersion 4 when the entry
     has attachments); ``"v5"`` writes a header file plus SHA-256 blocks in
     ``<dir of path>/blocks/``, cut at ``block_bytes`` (default: the imported
-    file's block size, else mlx-bun's 32 KiB). ``entry_id`` may be a unique
-    hex prefix. Every store block's digest is checked over the bytes read
-    (whatever the store's ``verify_reads``: a file written from damaged bytes
-    would carry fresh hashes of them); a bad block is a
-    :class:`~kvstore.errors.CorruptBlockError` naming it, quarantined as a
-    restore would, and no file is written. ``verify=False`` skips the check.
+    file's block size, else mlx-bun's 32 KiB).
     """
     if format not in ("v3", "v5"):
         raise ValueError(f"format must be 'v3' or 'v5', not {format!r}")
-    eid = store.resolve(entry_id) if isinstance(entry_id, str) else entry_id
-    m = store.manifest(eid)
-    tokens, cache, attachments = store.load_entry(eid, verify=verify)
     ns = None if m.metadata.get(IDENTITY_KEY) == "none" else m.namespace
     created_at = _created_at(m.metadata, m.created_at)
     meta = {k: v for k, v in m.metadata.items() if not k.startswith(_OWN_PREFIX)}

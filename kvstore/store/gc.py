@@ -1,4 +1,4 @@
-"""Garbage collection, the byte budget, and verification of a shared root.
+"""Garbage collection and the byte budget of a shared root.
 
 Many processes share one root, so every step here is a short LMDB write
 transaction that re-checks what it acts on; nothing relies on a snapshot taken
@@ -34,7 +34,7 @@ least-recently-used queue per priority (assistant, user, system); take from the
 lowest class whose queue is at least as long as the next class's, else move up.
 A restore counts as an access (``Store.load`` stamps ``last_access``).
 
-Verification and repair live in :mod:`kvstore.verify`.
+Verification and repair live in :mod:`kvstore.store.verify` and :mod:`kvstore.store.repair`.
 """
 
 from __future__ import annotations
@@ -45,16 +45,15 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..blocks import open_real_dir
 from ..codecs.layout import manifest_block_sizes
 from ..index import EntryRecord, RefInfo, Totals, now_ms
 from ..schema import Manifest, decode_manifest, iter_tensor_specs
 from ._crash import crash_point
-
-if TYPE_CHECKING:
-    from .store import Store
+from .lookup import delete_plan
+from .root import Root
 
 DEFAULT_GRACE = 600.0  # seconds
 TMP_MAX_AGE = 24 * 3600.0  # a temp file this old is stale even if its pid looks alive
@@ -169,18 +168,18 @@ class _Snapshot:
     totals: Totals
 
 
-def _snapshot(store: Store) -> _Snapshot:
-    with store.index.read() as txn:
+def _snapshot(root: Root) -> _Snapshot:
+    with root.index.read() as txn:
         return _Snapshot(
-            entries=dict(store.index.iter_entries(txn)),
-            refs=dict(store.index.iter_refs(txn)),
-            totals=store.index.totals(txn),
+            entries=dict(root.index.iter_entries(txn)),
+            refs=dict(root.index.iter_refs(txn)),
+            totals=root.index.totals(txn),
         )
 
 
-def _blocks_of(store: Store, digest: bytes) -> list[bytes]:
-    with store.index.read() as txn:
-        raw = store.index.get_manifest(digest, txn)
+def _blocks_of(root: Root, digest: bytes) -> list[bytes]:
+    with root.index.read() as txn:
+        raw = root.index.get_manifest(digest, txn)
     if raw is None:
         return []
     m = decode_manifest(raw)
@@ -188,18 +187,18 @@ def _blocks_of(store: Store, digest: bytes) -> list[bytes]:
 
 
 def plan_evictions(
-    store: Store, max_bytes: int | None, namespace_max_bytes: int | None
+    root: Root, max_bytes: int | None, namespace_max_bytes: int | None
 ) -> tuple[list[bytes], int]:
     """Victims (in order) that bring live bytes within the budgets; and live bytes after."""
-    victims, live, _ = _plan(store, max_bytes, namespace_max_bytes)
+    victims, live, _ = _plan(root, max_bytes, namespace_max_bytes)
     return victims, live
 
 
 def _plan(
-    store: Store, max_bytes: int | None, namespace_max_bytes: int | None
+    root: Root, max_bytes: int | None, namespace_max_bytes: int | None
 ) -> tuple[list[bytes], int, dict[bytes, int]]:
     """`plan_evictions`, and the blocks (with their sizes) the victims leave unreferenced."""
-    snap = _snapshot(store)
+    snap = _snapshot(root)
     counts = {d: r.refcount for d, r in snap.refs.items()}
     sizes = {d: r.size for d, r in snap.refs.items()}
     live = sum(sizes[d] for d, c in counts.items() if c > 0)
@@ -210,7 +209,7 @@ def _plan(
 
     def blocks(d: bytes) -> list[bytes]:
         if d not in blocks_cache:
-            blocks_cache[d] = _blocks_of(store, d)
+            blocks_cache[d] = _blocks_of(root, d)
         return blocks_cache[d]
 
     def evict(d: bytes) -> None:
@@ -254,9 +253,9 @@ def _plan(
     return victims, live, zeroed
 
 
-def _evict(store: Store, victims: list[bytes], grace: float, report: CompactReport) -> None:
+def _evict(root: Root, victims: list[bytes], grace: float, report: CompactReport) -> None:
     """Remove the victims in short transactions; unlink what they zero if the grace allows."""
-    idx = store.index
+    idx = root.index
     for batch in _batches(victims, 64):
         zeroed: list[bytes] = []
         with idx.write() as txn:
@@ -264,7 +263,7 @@ def _evict(store: Store, victims: list[bytes], grace: float, report: CompactRepo
                 raw = idx.get_manifest(d, txn)
                 if raw is None:
                     continue  # deleted meanwhile by another process
-                zeroed += idx.remove_entry(txn, d, store.delete_plan(decode_manifest(raw), d))
+                zeroed += idx.remove_entry(txn, d, delete_plan(decode_manifest(raw), d))
                 report.evicted.append(d.hex())
             crash_point("delete_before_commit")
         # Unlink in a transaction of its own: were it the eviction's, a crash after
@@ -272,66 +271,66 @@ def _evict(store: Store, victims: list[bytes], grace: float, report: CompactRepo
         # The cutoff is taken after remove_entry stamped zero_since: grace 0 frees now.
         if zeroed:
             with idx.write() as txn:
-                _unlink_zero(store, txn, zeroed, _cutoff_ms(grace), report)
+                _unlink_zero(root, txn, zeroed, _cutoff_ms(grace), report)
 
 
 def _unlink_zero(
-    store: Store, txn: Any, digests: Iterable[bytes], cutoff: int, report: CompactReport
+    root: Root, txn: Any, digests: Iterable[bytes], cutoff: int, report: CompactReport
 ) -> None:
     """Inside ``txn``: unlink each block still at refcount zero since before ``cutoff``."""
-    idx = store.index
+    idx = root.index
     for d in digests:
         ref = idx.get_ref(d, txn)
         if ref is None or ref.refcount != 0 or ref.zero_since > cutoff:
             continue
         crash_point("gc_before_unlink")
-        if store.blocks.delete(d):
+        if root.blocks.delete(d):
             report.freed_blocks += 1
             report.freed_bytes += ref.size
         crash_point("gc_after_unlink")
         idx.drop_ref(txn, d)
 
 
-def enforce_budget(store: Store, max_bytes: int, *, grace: float) -> CompactReport | None:
+def enforce_budget(root: Root, max_bytes: int, *, grace: float) -> CompactReport | None:
     """Evict until live bytes are within ``max_bytes``; None when already within.
 
     Cheap when within budget (one read of the totals); called after each save
     of a store opened with ``max_bytes``.
     """
-    t = store.index.totals()
+    t = root.index.totals()
     if t.live_bytes <= max_bytes and t.physical_bytes <= max_bytes:
         return None
     report = CompactReport(physical_before=t.physical_bytes)
     cutoff = _cutoff_ms(grace)
-    _sweep_zero_refs(store, cutoff, report)
-    _apply_budget(store, max_bytes, None, grace, report)
-    after = store.index.totals()
+    _sweep_zero_refs(root, cutoff, report)
+    _apply_budget(root, max_bytes, None, grace, report)
+    after = root.index.totals()
     report.physical_after, report.live_after = after.physical_bytes, after.live_bytes
     return report
 
 
 def _apply_budget(
-    store: Store,
+    root: Root,
     max_bytes: int | None,
     namespace_max_bytes: int | None,
     grace: float,
     report: CompactReport,
 ) -> None:
     for _ in range(_ROUNDS):
-        victims, _ = plan_evictions(store, max_bytes, namespace_max_bytes)
+        victims, _ = plan_evictions(root, max_bytes, namespace_max_bytes)
         if not victims:
             return
-        _evict(store, victims, grace, report)
+        _evict(root, victims, grace, report)
 
 
 # --- sweeping ------------------------------------------------------------------------------
 
 
-def _sweep_zero_refs(store: Store, cutoff: int, report: CompactReport, dry: bool = False) -> None:
-    with store.index.read() as txn:
+def _sweep_zero_refs(root: Root, cutoff: int, report: CompactReport, dry: bool = False) -> None:
+    with root.index.read() as txn:
         due = [
             (d, r)
-            for d, r in store.index.iter_refs(txn)
+            for d, r in root.index.iter_refs(txn)
             if r.refcount == 0 and r.zero_since <= cutoff
         ]
     if dry:
@@ -339,22 +338,22 @@ def _sweep_zero_refs(store: Store, cutoff: int, report: CompactReport, dry: bool
         report.freed_bytes += sum(r.size for _, r in due)
         return
     for batch in _batches([d for d, _ in due]):
-        with store.index.write() as txn:
-            _unlink_zero(store, txn, batch, cutoff, report)
+        with root.index.write() as txn:
+            _unlink_zero(root, txn, batch, cutoff, report)
 
 
-def _block_files(store: Store) -> Iterator[tuple[bytes, os.stat_result]]:
-    for d in store.blocks:
+def _block_files(root: Root) -> Iterator[tuple[bytes, os.stat_result]]:
+    for d in root.blocks:
         try:
-            yield d, store.blocks.path(d).stat()
+            yield d, root.blocks.path(d).stat()
         except FileNotFoundError:
             continue
 
 
-def _sweep_orphans(store: Store, cutoff: int, report: CompactReport, dry: bool = False) -> None:
+def _sweep_orphans(root: Root, cutoff: int, report: CompactReport, dry: bool = False) -> None:
     """Unlink block files with no refs record, last touched before ``cutoff``."""
-    idx = store.index
-    files = [(d, st) for d, st in _block_files(store) if st.st_mtime * 1000 <= cutoff]
+    idx = root.index
+    files = [(d, st) for d, st in _block_files(root) if st.st_mtime * 1000 <= cutoff]
     with idx.read() as txn:
         cands = [(d, st) for d, st in files if idx.get_ref(d, txn) is None]
     if dry:
@@ -367,19 +366,19 @@ def _sweep_orphans(store: Store, cutoff: int, report: CompactReport, dry: bool =
                 if idx.get_ref(d, txn) is not None:
                     continue  # a save committed it meanwhile
                 try:
-                    st = store.blocks.path(d).stat()
+                    st = root.blocks.path(d).stat()
                 except FileNotFoundError:
                     continue
                 if st.st_mtime * 1000 > cutoff:
                     continue  # freshened by a save meanwhile
                 crash_point("gc_before_unlink")
-                if store.blocks.delete(d):
+                if root.blocks.delete(d):
                     report.orphans_removed += 1
                     report.orphan_bytes += st.st_size
                 crash_point("gc_after_unlink")
 
 
-def _sweep_tmp(store: Store, grace: float, report: CompactReport, dry: bool = False) -> None:
+def _sweep_tmp(root: Root, grace: float, report: CompactReport, dry: bool = False) -> None:
     """Unlink temp files older than the grace whose writer is gone.
 
     A temp file lives from ``write_tmp`` to ``publish``; its name starts with
@@ -388,7 +387,7 @@ def _sweep_tmp(store: Store, grace: float, report: CompactReport, dry: bool = Fa
     """
     now = time.time()
     try:  # through a descriptor that refuses a symlink: never a sweep outside the root
-        dfd = open_real_dir(store.blocks.tmp_dir)
+        dfd = open_real_dir(root.blocks.tmp_dir)
     except FileNotFoundError:
         return
     try:
@@ -418,7 +417,7 @@ def _sweep_tmp(store: Store, grace: float, report: CompactReport, dry: bool = Fa
 
 
 def compact(
-    store: Store,
+    root: Root,
     *,
     max_bytes: int | None = None,
     namespace_max_bytes: int | None = None,
@@ -438,34 +437,34 @@ def compact(
     for name, v in (("max_bytes", max_bytes), ("namespace_max_bytes", namespace_max_bytes)):
         if v is not None and v < 0:
             raise ValueError(f"{name} must be >= 0, got {v}")
-    store.index.reader_check()
-    before = store.index.totals()
+    root.index.reader_check()
+    before = root.index.totals()
     report = CompactReport(physical_before=before.physical_bytes, dry_run=dry_run, grace=grace)
     if dry_run:
-        victims, live, zeroed = _plan(store, max_bytes, namespace_max_bytes)
+        victims, live, zeroed = _plan(root, max_bytes, namespace_max_bytes)
         report.evicted = [v.hex() for v in victims]
-        _sweep_zero_refs(store, _cutoff_ms(grace), report, dry=True)
+        _sweep_zero_refs(root, _cutoff_ms(grace), report, dry=True)
         # with grace 0 every zero-ref block goes, the evictions' too: live bytes remain
         report.physical_after = live if grace == 0 else before.physical_bytes - report.freed_bytes
         report.live_after = live
         if grace > 0:  # what the evictions would zero waits for the grace, from now
-            _held(store, grace, report, {d: (size, now_ms()) for d, size in zeroed.items()})
-        _sweep_orphans(store, _cutoff_ms(grace), report, dry=True)
-        _sweep_tmp(store, grace, report, dry=True)
+            _held(root, grace, report, {d: (size, now_ms()) for d, size in zeroed.items()})
+        _sweep_orphans(root, _cutoff_ms(grace), report, dry=True)
+        _sweep_tmp(root, grace, report, dry=True)
         return report
     if max_bytes is not None or namespace_max_bytes is not None:
-        _apply_budget(store, max_bytes, namespace_max_bytes, grace, report)
-    _sweep_zero_refs(store, _cutoff_ms(grace), report)
-    _sweep_orphans(store, _cutoff_ms(grace), report)
-    _sweep_tmp(store, grace, report)
-    after = store.index.totals()
+        _apply_budget(root, max_bytes, namespace_max_bytes, grace, report)
+    _sweep_zero_refs(root, _cutoff_ms(grace), report)
+    _sweep_orphans(root, _cutoff_ms(grace), report)
+    _sweep_tmp(root, grace, report)
+    after = root.index.totals()
     report.physical_after, report.live_after = after.physical_bytes, after.live_bytes
-    _held(store, grace, report)
+    _held(root, grace, report)
     return report
 
 
 def _held(
-    store: Store,
+    root: Root,
     grace: float,
     report: CompactReport,
     extra: dict[bytes, tuple[int, int]] | None = None,
@@ -473,10 +472,10 @@ def _held(
     """Fill ``report.held_*``: the zero-ref blocks younger than the grace (and ``extra``,
     digest -> (size, zero since), for a dry run's evictions)."""
     cutoff = _cutoff_ms(grace)
-    with store.index.read() as txn:
+    with root.index.read() as txn:
         held = {
             d: (r.size, r.zero_since)
-            for d, r in store.index.iter_refs(txn)
+            for d, r in root.index.iter_refs(txn)
             if r.refcount == 0 and r.zero_since > cutoff
         }
     held.update(extra or {})

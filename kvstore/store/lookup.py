@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..codecs import codec_for_record
-from ..index import Index
-from ..schema import Layer, decode_manifest
+from ..index import DeletePlan, Index
+from ..schema import Layer, Manifest, decode_manifest
 from . import keys as P
 
 SCAN = 8  # prefix values examined on each side of a lookup's probe
@@ -197,3 +197,17 @@ def _best_exact(
         can_trim = trimmable(decode_manifest(raw).layers)
         return Match(digest.hex(), length, length == len(q), can_trim, length)
     return best
+
+
+def delete_plan(m: Manifest, digest: bytes) -> DeletePlan:
+    """The blocks, prefix keys and exact key entry ``digest`` (of manifest ``m``) holds."""
+    toks = P.tokens_from_le(m.tokens)
+    T = m.block_tokens
+    c0 = P.root_key(m.namespace, m.codec, T, m.hash)
+    keys = P.chain(c0, m.tokens, T, m.hash, m.n_tokens // T)
+    can_trim = trimmable(m.layers)
+    return DeletePlan(
+        blocks=list(dict.fromkeys((*m.token_blocks, *m.state_blocks))),
+        prefix_items=prefix_items(keys, toks, T, can_trim, digest),
+        exact_key=P.exact_key_for(keys, m.tokens, m.n_tokens, T, m.hash),
+    )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -27,10 +27,8 @@ from ..index import EntryRecord, SavePlan
 from ..schema import Layer, Manifest, decode_manifest, encode_manifest
 from . import keys as P
 from .gc import manifest_blocks
-from .lookup import prefix_items, trimmable
-
-if TYPE_CHECKING:
-    from .store import Store
+from .lookup import delete_plan, prefix_items, trimmable
+from .root import Root
 
 
 class _Blocks(msgspec.Struct):
@@ -90,19 +88,19 @@ class RepairPlan:
         return (f"kvstore: corrupt block {blocks} moved to quarantine/; entries that needed it: "
                 + (", ".join(fate) if fate else "none"))
 
-    def execute(self, store: Store, txn: Any) -> list[bytes]:
+    def execute(self, root: Root, txn: Any) -> list[bytes]:
         """Do the plan inside the write transaction ``txn``; returns the blocks moved aside.
 
         Cuts are added before the entries they replace are removed, so the blocks
         they keep never pass through refcount zero.
         """
-        idx = store.index
+        idx = root.index
         for c in self.cut:
             idx.add_entry(txn, c.save)
         for d in [*self.drop, *(c.entry for c in self.cut)]:
             raw = idx.get_manifest(d, txn)
             if raw is not None:
-                idx.remove_entry(txn, d, store.delete_plan(decode_manifest(raw), d))
+                idx.remove_entry(txn, d, delete_plan(decode_manifest(raw), d))
         for d in self.undecodable:
             txn.delete(d, db=idx.db("manifests"))
             txn.delete(d, db=idx.db("entries"))
@@ -111,13 +109,13 @@ class RepairPlan:
             ref = idx.get_ref(b, txn)
             if ref is not None and ref.refcount == 0:
                 idx.drop_ref(txn, b)
-            if b in self.quarantine and store.blocks.quarantine(b) is not None:
+            if b in self.quarantine and root.blocks.quarantine(b) is not None:
                 moved.append(b)
         return moved
 
 
 def plan_for_blocks(
-    store: Store,
+    root: Root,
     txn: Any,
     bad: dict[bytes, str],
     gone: Iterable[bytes] = (),
@@ -134,7 +132,7 @@ def plan_for_blocks(
     hit = set(bad) | plan.gone
     if not hit:
         return plan
-    idx = store.index
+    idx = root.index
     skipped = set(skip)
     users: list[bytes] = []
     for k, v in txn.cursor(db=idx.db("manifests")):
@@ -153,7 +151,7 @@ def plan_for_blocks(
         raw = idx.get_manifest(d, txn)
         try:
             m = decode_manifest(raw or b"")
-            cut = _cut(store, txn, d, m, hit, removed, taken)
+            cut = _cut(root, txn, d, m, hit, removed, taken)
         except (KVStoreError, ValueError):
             cut = None
         if cut is None:
@@ -176,7 +174,7 @@ def cut_layers(layers: tuple[Layer, ...], n_tokens: int) -> tuple[Layer, ...] | 
 
 
 def _cut(
-    store: Store,
+    root: Root,
     txn: Any,
     digest: bytes,
     m: Manifest,
@@ -195,7 +193,7 @@ def _cut(
     layers = cut_layers(m.layers, n)
     if layers is None:
         return None
-    idx = store.index
+    idx = root.index
     tok_le = m.tokens[: 4 * n]
     keys = P.chain(P.root_key(m.namespace, m.codec, T, m.hash), tok_le, T, m.hash, k)
     xkey = P.exact_key_for(keys, tok_le, n, T, m.hash)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import platformdirs
 
-from ..blocks import ALGORITHMS
+from ..blocks import ALGORITHMS, LocalBlockStore
 from ..errors import NotAStoreError, RootSettingsError, UnsafeRootError
 from ..index import Index, now_ms
 from ._fs import check_filesystem
@@ -34,6 +35,16 @@ class RootSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _settings_dec = msgspec.msgpack.Decoder(RootSettings)
+
+
+@dataclass(frozen=True)
+class Root:
+    """An open root's parts: what gc, verify and repair work on (never the Store)."""
+
+    path: Path
+    settings: RootSettings
+    index: Index
+    blocks: LocalBlockStore
 
 
 def default_root() -> Path:

@@ -10,7 +10,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -42,14 +42,22 @@ from ..schema import (
 )
 from . import keys as P
 from ._crash import crash_point
-from .lookup import REACH_META, Match, add_reach_markers, find, prefix_items, trimmable
+from .bridge import Priority, read_file, write_file
+from .gc import CompactReport, compact, enforce_budget
+from .lookup import (
+    REACH_META,
+    Match,
+    add_reach_markers,
+    delete_plan,
+    find,
+    prefix_items,
+    trimmable,
+)
 from .reader import Want, load_arrays, plan_runs
-from .root import RootSettings, default_root, open_root
+from .repair import plan_for_blocks
+from .root import Root, RootSettings, default_root, open_root
+from .verify import VerifyReport, verify
 from .writer import place, write_blocks
-
-if TYPE_CHECKING:
-    from .gc import CompactReport
-    from .verify import VerifyReport
 
 _log = logging.getLogger("kvstore")
 
@@ -138,6 +146,7 @@ class Store:
         self.durable = durable
         self.verify_reads = verify_reads
         self.blocks = BlockStore(root, settings.hash, durable=durable, read_only=read_only)
+        self.parts = Root(root, settings, index, self.blocks)  # what gc and verify work on
         # Access stamps and hit counts are advisory (they order evictions), so
         # they are batched: a timer writes them ACCESS_FLUSH_SECONDS after the
         # first one (never on the caller's path), close() and interpreter exit
@@ -178,7 +187,7 @@ class Store:
         ``hash`` and ``block_tokens`` are fixed when a root is created; passing
         other values for an existing root is a :class:`RootSettingsError`.
         With ``max_bytes`` every save that takes the live bytes over it evicts
-        least-recently-used entries until they fit (see :mod:`kvstore.gc`);
+        least-recently-used entries until they fit (see :mod:`kvstore.store.gc`);
         ``gc_grace`` (default 600 s) is the grace that eviction honours.
 ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory before a write
 
@@ -328,7 +337,7 @@ ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory before a
         *,
         namespace: Namespace | None = None,
         metadata: dict[str, str] | None = None,
-        priority: Literal["assistant", "user", "system"] = "assistant",
+        priority: Priority = "assistant",
         attachments: Sequence[AttachmentData] = (),
         reuse_prefix: bool = False,
         created_at: int | None = None,
@@ -447,9 +456,7 @@ ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory before a
             )
         crash_point("after_commit")
         if created and self.max_bytes is not None:
-            from .gc import enforce_budget
-
-            enforce_budget(self, self.max_bytes, grace=self.gc_grace)
+            enforce_budget(self.parts, self.max_bytes, grace=self.gc_grace)
         if not created:  # a concurrent save of the same tokens won
             with self.index.read() as txn:
                 existing = self.index.find_exact(xkey, txn)
@@ -610,8 +617,6 @@ ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory before a
         """Quarantine the blocks a read found bad and cut back or drop the entries that
         need them (one write transaction, one warning); False when every block now
         reads right (it was replaced meanwhile: read again)."""
-        from .repair import plan_for_blocks
-
         try:
             with self.index.write() as txn:
                 confirmed: dict[bytes, str] = {}
@@ -624,8 +629,8 @@ ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory before a
                         gone.add(d)
                 if not confirmed and not gone:
                     return False
-                plan = plan_for_blocks(self, txn, confirmed, gone)
-                plan.execute(self, txn)
+                plan = plan_for_blocks(self.parts, txn, confirmed, gone)
+                plan.execute(self.parts, txn)
         except (KVStoreError, OSError) as e:
             names = ", ".join(f"{d.hex()} ({why})" for d, (why, _) in sorted(bad.items()))
             _log.warning("kvstore: corrupt block %s could not be quarantined: %s", names, e)
@@ -679,11 +684,25 @@ ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory before a
         verify: bool = True,
         namespace: Namespace | None = None,
     ) -> EntryInfo:
-        """Store an mlx-bun v3/v4/v5 file as an entry; see :func:`kvstore.bridge.import_file`."""
-        from .bridge import import_file
+        """Store an mlx-bun v3/v4/v5 file as one entry.
 
+        The whole file is read (and, with ``verify``, every tensor or v5 block hash
+        checked) before anything is written, so a malformed file raises its
+        :class:`~kvstore.errors.FileFormatError` and leaves the store unchanged.
+        The entry's namespace is ``namespace``, else the header's identity, else
+        the store's default (:class:`NamespaceRequiredError` when there is none).
+        """
         self._check_writable("import")
-        return import_file(self, path, verify=verify, namespace=namespace)
+        f = read_file(path, verify=verify)
+        return self.save(
+            f.tokens,
+            f.cache,
+            namespace=namespace or f.namespace,
+            metadata=f.metadata,
+            attachments=f.attachments,
+            priority=f.priority,
+            created_at=f.created_at,
+        )
 
     def export(
         self,
@@ -693,10 +712,21 @@ ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory before a
         format: Literal["v3", "v5"] = "v3",
         verify: bool = True,
     ) -> Path:
-        """Write an entry as an mlx-bun file; see :func:`kvstore.bridge.export_entry`."""
-        from .bridge import export_entry
+        """Write one entry as an mlx-bun file (see :func:`kvstore.store.bridge.write_file`)
+        and return its path; ``entry_id`` may be a unique hex prefix.
 
-        return export_entry(self, entry_id, path, format=format, verify=verify)
+        Every block's digest is checked over the bytes read (whatever the store's
+        ``verify_reads``: a file written from damaged bytes would carry fresh hashes
+        of them); a bad block is a :class:`CorruptBlockError` naming it,
+        quarantined as a restore would, and no file is written. ``verify=False``
+        skips the check.
+        """
+        if format not in ("v3", "v5"):
+            raise ValueError(f"format must be 'v3' or 'v5', not {format!r}")
+        eid = self.resolve(entry_id) if isinstance(entry_id, str) else entry_id
+        m = self.manifest(eid)
+        tokens, cache, attachments = self.load_entry(eid, verify=verify)
+        return write_file(m, tokens, cache, attachments, path, format=format)
 
     def restore(
         self, tokens: Any, *, namespace: Namespace | None = None, verify: bool | None = None
@@ -755,22 +785,13 @@ ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory before a
             raw = self.index.get_manifest(digest, txn)
             if raw is None:
                 return False
-            self.index.remove_entry(txn, digest, self.delete_plan(decode_manifest(raw), digest))
+            self.index.remove_entry(txn, digest, delete_plan(decode_manifest(raw), digest))
             crash_point("delete_before_commit")
         return True
 
     def delete_plan(self, m: Manifest, digest: bytes) -> DeletePlan:
         """The blocks, prefix keys and exact key an entry holds."""
-        toks = P.tokens_from_le(m.tokens)
-        T = m.block_tokens
-        c0 = P.root_key(m.namespace, m.codec, T, m.hash)
-        keys = P.chain(c0, m.tokens, T, m.hash, m.n_tokens // T)
-        can_trim = trimmable(m.layers)
-        return DeletePlan(
-            blocks=list(dict.fromkeys((*m.token_blocks, *m.state_blocks))),
-            prefix_items=prefix_items(keys, toks, T, can_trim, digest),
-            exact_key=P.exact_key_for(keys, m.tokens, m.n_tokens, T, m.hash),
-        )
+        return delete_plan(m, digest)
 
     def entries(self, *, namespace: Namespace | None = None) -> Iterator[Entry]:
         """Every entry (or those of one namespace)."""
@@ -800,14 +821,12 @@ ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory before a
         grace: float = 600.0,
         dry_run: bool = False,
     ) -> CompactReport:
-        """Evict above the byte budgets, delete expired garbage; see :func:`kvstore.gc.compact`."""
-        from .gc import compact
-
+        """Evict above the byte budgets, delete expired garbage (:func:`.gc.compact`)."""
         if not dry_run:
             self._check_writable("compact")
         self.flush_access()
         return compact(
-            self,
+            self.parts,
             max_bytes=max_bytes,
             namespace_max_bytes=namespace_max_bytes,
             grace=grace,
@@ -820,12 +839,10 @@ ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory before a
         """Check refcounts, blocks and keys (and, with ``read_data``, every block's
         bytes); ``repair`` fixes what it finds, ``dry_run`` only says how. See
         :func:`kvstore.verify.verify`."""
-        from .verify import verify
-
         if repair:
             self._check_writable("repair")
         self.flush_access()
-        return verify(self, read_data=read_data, repair=repair, dry_run=dry_run)
+        return verify(self.parts, read_data=read_data, repair=repair, dry_run=dry_run)
 
     def stats(self) -> Stats:
         """Entries, blocks, logical vs physical bytes and the dedup ratio.

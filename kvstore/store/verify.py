@@ -2,7 +2,7 @@
 
 Without ``read_data`` the blocks are checked for presence, file type and size
 only; their contents are not read (as ``restic check`` without
-``--read-data``). The repair is a :class:`~kvstore.repair.RepairPlan` made and
+``--read-data``). The repair is a :class:`~kvstore.store.repair.RepairPlan` made and
 executed in one write transaction, recounting from the manifests under the
 writer lock, so it is safe while other processes save, restore and compact;
 ``dry_run`` makes the same plan in a read transaction and executes nothing.
@@ -14,7 +14,7 @@ and the next repair deals with its entries.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -24,9 +24,7 @@ from ..schema import Manifest, decode_manifest
 from . import keys as P
 from .gc import _block_files, manifest_blocks
 from .repair import RepairPlan, plan_for_blocks
-
-if TYPE_CHECKING:
-    from .store import Store
+from .root import Root
 
 
 @dataclass
@@ -95,8 +93,8 @@ class _Scan:
     bad: set[bytes] = field(default_factory=set)  # undecodable manifests
 
 
-def _scan(store: Store, txn: Any, report: VerifyReport) -> _Scan:
-    idx = store.index
+def _scan(root: Root, txn: Any, report: VerifyReport) -> _Scan:
+    idx = root.index
     s = _Scan()
     for k, v in txn.cursor(db=idx.db("manifests")):
         d = bytes(k)
@@ -155,12 +153,12 @@ def _value_digest(v: bytes) -> bytes:
 
 
 def verify(
-    store: Store, *, read_data: bool = False, repair: bool = False, dry_run: bool = False
+    root: Root, *, read_data: bool = False, repair: bool = False, dry_run: bool = False
 ) -> VerifyReport:
     """Check the index against the manifests and the block files; optionally repair.
 
     Repair quarantines corrupt blocks, cuts back or drops the entries that need a
-    missing or corrupt block (see :mod:`kvstore.repair`), rebuilds refcounts and
+    missing or corrupt block (see :mod:`kvstore.store.repair`), rebuilds refcounts and
     totals from the surviving manifests, removes dangling keys, dangling zero
     records and orphan block files, all in one write transaction. With
     ``dry_run`` (only with ``repair``) the plan is made and nothing is changed.
@@ -168,13 +166,13 @@ def verify(
     if dry_run and not repair:
         raise ValueError("dry_run is a dry run of repair: pass repair=True as well")
     report = VerifyReport(data_read=read_data, dry_run=dry_run)
-    with store.index.read() as txn:
-        s = _scan(store, txn, report)
+    with root.index.read() as txn:
+        s = _scan(root, txn, report)
     referenced = {b for b, n in s.counted.items() if n > 0}
     bad_blocks: dict[bytes, tuple[str, str]] = {}  # block -> (state, what is wrong)
     for b in sorted(set(s.refs) | referenced):
         size = s.expected.get(b, s.refs[b].size if b in s.refs else 0)
-        state, why, hashed = store.blocks.inspect(b, size, read_data=read_data)
+        state, why, hashed = root.blocks.inspect(b, size, read_data=read_data)
         report.bytes_hashed += hashed
         if state == "ok":
             continue
@@ -183,29 +181,29 @@ def verify(
         else:
             report.dangling_refs.append(b.hex())
     if bad_blocks:  # a concurrent evict + GC may have removed some since the snapshot
-        with store.index.read() as txn:
+        with root.index.read() as txn:
             for b in list(bad_blocks):
-                ref = store.index.get_ref(b, txn)
+                ref = root.index.get_ref(b, txn)
                 if bad_blocks[b][0] == "missing" and (ref is None or ref.refcount == 0):
                     del bad_blocks[b]
     report.missing_blocks = sorted(b.hex() for b, (st, _) in bad_blocks.items() if st == "missing")
     report.corrupt_blocks = sorted(b.hex() for b, (st, _) in bad_blocks.items() if st == "corrupt")
-    report.orphans = sorted(d.hex() for d, _ in _block_files(store) if d not in s.refs)
+    report.orphans = sorted(d.hex() for d, _ in _block_files(root) if d not in s.refs)
     if repair and dry_run:
-        with store.index.read() as txn:
-            report.plan = _plan(store, txn, s, bad_blocks, report)
+        with root.index.read() as txn:
+            report.plan = _plan(root, txn, s, bad_blocks, report)
     elif repair:
-        _repair(store, set(bad_blocks), read_data, report)
+        _repair(root, set(bad_blocks), read_data, report)
     return report
 
 
 def _plan(
-    store: Store, txn: Any, s: _Scan, bad: dict[bytes, tuple[str, str]], found: VerifyReport
+    root: Root, txn: Any, s: _Scan, bad: dict[bytes, tuple[str, str]], found: VerifyReport
 ) -> RepairPlan:
     """The repair of what a scan ``s`` (with ``found``, its report) and the block checks saw."""
     corrupt = {b: why for b, (st, why) in bad.items() if st == "corrupt"}
     missing = {b for b, (st, _) in bad.items() if st == "missing"}
-    plan = plan_for_blocks(store, txn, corrupt, missing, skip=s.bad)
+    plan = plan_for_blocks(root, txn, corrupt, missing, skip=s.bad)
     plan.undecodable = sorted(s.bad)
     plan.rebuild = {
         "refcounts": len(found.refcount_drift) + len(found.size_drift),
@@ -222,48 +220,48 @@ class _NothingToDo(Exception):
     """Aborts a repair's write transaction: a sound store is left byte for byte as it was."""
 
 
-def _repair(store: Store, suspects: set[bytes], read_data: bool, report: VerifyReport) -> None:
+def _repair(root: Root, suspects: set[bytes], read_data: bool, report: VerifyReport) -> None:
     try:
-        _repair_in_txn(store, suspects, read_data, report)
+        _repair_in_txn(root, suspects, read_data, report)
     except _NothingToDo:
         pass
     report.repaired = True
 
 
 def _repair_in_txn(
-    store: Store, suspects: set[bytes], read_data: bool, report: VerifyReport
+    root: Root, suspects: set[bytes], read_data: bool, report: VerifyReport
 ) -> None:
-    idx = store.index
+    idx = root.index
     with idx.write() as txn:
         found = VerifyReport()
-        scan = _scan(store, txn, found)  # current state, under the writer lock
+        scan = _scan(root, txn, found)  # current state, under the writer lock
         referenced = {b for b, n in scan.counted.items() if n > 0}
         bad: dict[bytes, tuple[str, str]] = {}
         for b in suspects:
             size = scan.expected.get(b, scan.refs[b].size if b in scan.refs else 0)
-            state, why, _ = store.blocks.inspect(b, size, read_data=read_data)
+            state, why, _ = root.blocks.inspect(b, size, read_data=read_data)
             if state == "corrupt" or (state == "missing" and b in referenced):
                 bad[b] = (state, why)
         for b, ref in scan.refs.items():
-            if ref.refcount == 0 and b not in referenced and not store.blocks.exists(b):
+            if ref.refcount == 0 and b not in referenced and not root.blocks.exists(b):
                 found.dangling_refs.append(b.hex())
-        found.orphans = sorted(d.hex() for d, _ in _block_files(store) if d not in scan.refs)
-        plan = _plan(store, txn, scan, bad, found)
+        found.orphans = sorted(d.hex() for d, _ in _block_files(root) if d not in scan.refs)
+        plan = _plan(root, txn, scan, bad, found)
         report.plan = plan
         if plan.empty():
             raise _NothingToDo
-        moved = plan.execute(store, txn)
-        _rebuild(store, txn, set(bad), plan, report)
+        moved = plan.execute(root, txn)
+        _rebuild(root, txn, set(bad), plan, report)
     report.quarantined = sorted(b.hex() for b in moved)
     report.dropped_entries = [d.hex() for d in (*plan.undecodable, *plan.drop)]
     report.cut_entries = [(c.entry.hex(), c.to.hex(), c.n_tokens) for c in plan.cut]
 
 
 def _rebuild(
-    store: Store, txn: Any, bad: set[bytes], plan: RepairPlan, report: VerifyReport
+    root: Root, txn: Any, bad: set[bytes], plan: RepairPlan, report: VerifyReport
 ) -> None:
     """Recount refs from the manifests in ``txn``; fix keys, records and totals."""
-    idx = store.index
+    idx = root.index
     manifests: dict[bytes, dict[bytes, int]] = {}
     for k, v in txn.cursor(db=idx.db("manifests")):
         manifests[bytes(k)] = manifest_blocks(decode_manifest(bytes(v)))
@@ -275,7 +273,7 @@ def _rebuild(
     stamp = now_ms()
     refs_db = idx.db("refs")
     for b, ref in list(idx.iter_refs(txn)):
-        if b in bad or (b not in counted and not store.blocks.exists(b)):
+        if b in bad or (b not in counted and not root.blocks.exists(b)):
             txn.delete(b, db=refs_db)  # quarantined, or a zero record whose file is gone
             continue
         n, size = counted.get(b, (0, ref.size))
@@ -305,7 +303,7 @@ def _rebuild(
         txn.put(d, _entry_enc(entries[d]), db=idx.db("entries"))
     # orphan files: nothing references them; a save in flight rewrites in its commit
     for d in plan.orphans:
-        if idx.get_ref(d, txn) is None and store.blocks.delete(d):
+        if idx.get_ref(d, txn) is None and root.blocks.delete(d):
             report.orphans_removed += 1
     refs = dict(idx.iter_refs(txn))
     t = idx.totals(txn)

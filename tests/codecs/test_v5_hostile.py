@@ -19,7 +19,6 @@ import kvstore
 from kvstore.errors import BlockFileTypeError
 from kvstore.formats.v3 import load_v3, read_header
 from kvstore.formats.v5file import save_v5
-from kvstore.store.bridge import import_file
 
 NS = kvstore.Namespace(model_id="tiny", config_fingerprint="cfg", tokenizer_hash="tok")
 
@@ -96,7 +95,7 @@ def test_import_refuses_a_symlinked_block(v5: Path, tmp_path: Path) -> None:
     block.symlink_to(target)
     with kvstore.Store.open(tmp_path / "root", create=True, durable=False) as store:
         with pytest.raises(BlockFileTypeError):
-            import_file(store, v5)
+            store.import_file(v5)
         assert store.stats().entries == 0
 
 
@@ -126,7 +125,7 @@ def test_5000_block_file_imports_with_few_fds_open(
     loaded = load_v3(out, verify=True)
     assert same_bits(loaded.cache[0].keys[:, :, :1280], cache.keys[:, :, :1280])
     with kvstore.Store.open(tmp_path / "root", create=True, durable=False) as store:
-        info = import_file(store, out)
+        info = store.import_file(out)
         hit = store.restore(list(range(1280)), namespace=NS)
         assert info.n_tokens == 1280 and hit is not None
     mx.eval(loaded.cache[0].values)
