@@ -266,6 +266,7 @@ def test_save_survives_a_gc_between_its_block_writes_and_its_commit(tmp_path: Pa
     removed: list[int] = []
 
     def commit_after_gc(plan, **kw):  # type: ignore[no-untyped-def]
+        time.sleep(0.005)  # grace 0 frees files last touched before this ms: not in it
         r = gc_side.compact(grace=0)
         removed.append(r.freed_blocks + r.orphans_removed)
         return real(plan, **kw)

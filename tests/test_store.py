@@ -367,7 +367,9 @@ def test_reuse_prefix_falls_back_when_the_blocks_were_collected(
     store.compact(grace=0)
     assert not store.blocks.exists(gone[0])
     # as if the entry vanished between the lookup and the commit
-    monkeypatch.setattr(kvstore.Store, "_reusable_prefix", lambda self, *a: gone)
+    import kvstore.store.saving as saving
+
+    monkeypatch.setattr(saving, "reusable_prefix", lambda *a, **kw: gone)
     c = kv_cache(48, 5)
     info = store.save(a, [c], reuse_prefix=True)
     assert store.manifest(info.id).token_blocks[0] != gone[0]
@@ -386,7 +388,7 @@ def test_access_stamps_that_cannot_be_written_never_fail_a_restore(
         raise kvstore.errors.IndexStoreError("read-only index")
 
     monkeypatch.setattr(store.index, "record_access", refuse)
-    monkeypatch.setattr(kvstore.store.store, "ACCESS_FLUSH_SECONDS", 0.0)  # flush on every restore
+    monkeypatch.setattr(kvstore.store.access, "ACCESS_FLUSH_SECONDS", 0.0)  # flush on every restore
     (c,), n = store.restore(toks)
     assert n == 40 and c.offset == 40
     store.close()

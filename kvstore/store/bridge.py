@@ -45,6 +45,7 @@ from ..errors import FileFormatError
 from ..formats.v3 import load_v3, save_v3
 from ..formats.v5file import DEFAULT_BLOCK_BYTES, save_v5
 from ..schema import Manifest, Namespace
+from .saving import PRIORITIES, Priority
 
 __all__ = [
     "BLOCK_BYTES_KEY",
@@ -61,8 +62,6 @@ FORMAT_VERSION_KEY = "mlx-bun.formatVersion"
 BLOCK_BYTES_KEY = "mlx-bun.blockBytes"
 IDENTITY_KEY = "mlx-bun.identity"
 _OWN_PREFIX = "mlx-bun."  # keys derived from the header, not exported as metadata
-_PRIORITIES = ("assistant", "user", "system")
-Priority = Literal["assistant", "user", "system"]
 
 
 def _is_int(v: object) -> bool:
@@ -126,7 +125,7 @@ def read_file(path: str | os.PathLike[str], *, verify: bool = True) -> FileEntry
         loaded.namespace,
         meta,
         loaded.attachments,
-        cache_type if cache_type in _PRIORITIES else "assistant",  # type: ignore[arg-type]
+        cache_type if cache_type in PRIORITIES else "assistant",  # type: ignore[arg-type]
         int(h["createdAt"]) if _is_int(h.get("createdAt")) else None,
     )
 

@@ -21,6 +21,7 @@ import array
 import operator
 import sys
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
@@ -194,3 +195,30 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+@dataclass(frozen=True)
+class TokenKeys:
+    """A query's (or an entry's) tokens in every form the index needs, built once a call:
+    the tokens, their u32 LE bytes and the chain ``c_0 .. c_{n//T}``."""
+
+    tokens: array.array[int]
+    le: bytes
+    chain: list[bytes]
+    block_tokens: int
+    algo: str
+
+    @classmethod
+    def of(cls, tokens: Any, c0: bytes, block_tokens: int, algo: str) -> TokenKeys:
+        toks = as_tokens(tokens)
+        le = tokens_le(toks)
+        return cls(toks, le, chain(c0, le, block_tokens, algo, len(toks) // block_tokens),
+                   block_tokens, algo)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def exact_key(self, n: int | None = None) -> bytes:
+        """The exact key of the first ``n`` tokens (default: all of them)."""
+        n = len(self.tokens) if n is None else n
+        return exact_key_for(self.chain, self.le, n, self.block_tokens, self.algo)

@@ -16,15 +16,19 @@ blocks whose entries turn out not to serve the query.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..blocks import Digest
 from ..codecs import codec_for_record
+from ..errors import KVStoreError
 from ..index import DeletePlan, Index
 from ..schema import Layer, Manifest, decode_manifest
 from . import keys as P
 
+_log = logging.getLogger("kvstore")
 SCAN = 8  # prefix values examined on each side of a lookup's probe
 REACH_META = b"reach-markers"  # meta key: every non-trimmable entry has its reach markers
 
@@ -33,11 +37,16 @@ REACH_META = b"reach-markers"  # meta key: every non-trimmable entry has its rea
 class Match:
     """The longest usable stored prefix of a query."""
 
-    entry_id: str
+    digest: Digest  # the entry's (its manifest's) digest
     length: int
     exact: bool  # the entry's tokens are exactly the query
     trimmable: bool
     n_tokens: int  # the entry's own length (>= length)
+
+    @property
+    def entry_id(self) -> str:
+        """The entry's id: its digest in hex."""
+        return self.digest.hex()
 
 
 def trimmable(layers: Sequence[Layer]) -> bool:
@@ -60,22 +69,13 @@ def prefix_items(
     ]
 
 
-def find(
-    index: Index,
-    txn: Any,
-    keys: list[bytes],
-    q: Sequence[int],
-    q_le: bytes,
-    T: int,
-    algo: str,
-    *,
-    bisect: bool = True,
-) -> Match | None:
-    """The best match for query ``q`` given its chain ``keys`` (one per full block, plus c_0).
+def find(index: Index, txn: Any, tk: P.TokenKeys, *, bisect: bool = True) -> Match | None:
+    """The best match for the query ``tk`` (its chain has one key per full block, plus c_0).
 
     ``bisect=False`` walks every depth from the deepest down: for a root whose
     non-trimmable entries may lack reach markers (see :func:`add_reach_markers`).
     """
+    keys, q, q_le, T, algo = tk.chain, tk.tokens, tk.le, tk.block_tokens, tk.algo
     top = deepest_reached(index, txn, keys) if bisect else len(keys) - 1
     for k in range(top, -1, -1):
         best = None
@@ -168,7 +168,7 @@ def _best_trimmable(
             continue
         exact = n_entry == len(q) == length
         if best is None or (length, exact) > (best.length, best.exact):
-            best = Match(digest.hex(), length, exact, True, n_entry)
+            best = Match(Digest(digest), length, exact, True, n_entry)
     return best
 
 
@@ -195,7 +195,7 @@ def _best_exact(
         if raw is None:
             continue
         can_trim = trimmable(decode_manifest(raw).layers)
-        return Match(digest.hex(), length, length == len(q), can_trim, length)
+        return Match(Digest(digest), length, length == len(q), can_trim, length)
     return best
 
 
@@ -211,3 +211,23 @@ def delete_plan(m: Manifest, digest: bytes) -> DeletePlan:
         prefix_items=prefix_items(keys, toks, T, can_trim, digest),
         exact_key=P.exact_key_for(keys, m.tokens, m.n_tokens, T, m.hash),
     )
+
+
+def has_reach_markers(index: Index, *, writable: bool = True) -> bool:
+    """Whether lookups may bisect: the root's non-trimmable entries all have reach markers.
+
+    A root from before reach markers gets them here, once; if it cannot be
+    written, its lookups walk every depth instead (slower, same answers).
+    """
+    if index.get_meta(REACH_META) is not None:
+        return True
+    if not writable:
+        return False
+    try:
+        n = add_reach_markers(index)
+    except KVStoreError as e:
+        _log.warning("kvstore: lookups will not bisect: %s", e)
+        return False
+    if n:
+        _log.info("kvstore: added reach markers for %d non-trimmable entries", n)
+    return True

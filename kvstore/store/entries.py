@@ -1,0 +1,100 @@
+"""What the store says of its entries: a save's result, a listed entry, the totals."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import msgspec
+
+from ..blocks import from_hex
+from ..errors import EntryNotFoundError
+from ..index import EntryRecord
+from ..schema import Namespace
+from .saving import PRIORITIES
+
+MIN_ID_PREFIX = 4  # hex chars of an entry id that resolve() accepts
+_ns_dec = msgspec.json.Decoder(Namespace)
+_PRIORITY_NAMES = {v: k for k, v in PRIORITIES.items()}
+_HEX = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """What a save produced: the entry id, its size, and the bytes newly written.
+
+    ``created`` is False when the entry was already stored (the same tokens in the
+    same namespace): the save returned it and wrote nothing.
+    """
+
+    id: str
+    n_tokens: int
+    logical_bytes: int
+    new_bytes: int
+    created: bool = True
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One stored entry, as listed by :meth:`Store.entries`."""
+
+    id: str
+    namespace: Namespace
+    n_tokens: int
+    logical_bytes: int
+    created_at: int
+    last_access: int
+    hits: int
+    priority: str
+
+
+@dataclass(frozen=True)
+class Stats:
+    entries: int
+    blocks: int
+    logical_bytes: int
+    physical_bytes: int
+    dedup_ratio: float
+    lookups: int
+    hits: int
+
+
+def entries_of(
+    rows: Iterable[tuple[bytes, EntryRecord]], namespace: Namespace | None = None
+) -> Iterator[Entry]:
+    """The index's entry records as :class:`Entry` values (those of ``namespace``)."""
+    for digest, rec in rows:
+        ns = _ns_dec.decode(rec.namespace)
+        if namespace is not None and ns != namespace:
+            continue
+        yield Entry(
+            id=digest.hex(),
+            namespace=ns,
+            n_tokens=rec.n_tokens,
+            logical_bytes=rec.logical_bytes,
+            created_at=rec.created_at,
+            last_access=rec.last_access,
+            hits=rec.hits,
+            priority=_PRIORITY_NAMES.get(rec.priority, "assistant"),
+        )
+
+
+def resolve_id(entry_id: str, ids: Iterable[str]) -> str:
+    """The one id of ``ids`` that ``entry_id`` names: itself (64 hex chars) or a unique
+    prefix of at least ``MIN_ID_PREFIX`` hex chars."""
+    s = entry_id.strip().lower()
+    if len(s) == 64:
+        from_hex(s)  # an InvalidDigestError unless it is one
+        return s
+    if not s or not set(s) <= _HEX:
+        raise EntryNotFoundError(f"not an entry id or prefix: {entry_id!r}")
+    if len(s) < MIN_ID_PREFIX:
+        raise EntryNotFoundError(
+            f"entry id prefix {entry_id!r} is too short: give at least {MIN_ID_PREFIX} hex chars"
+        )
+    hits = [i for i in ids if i.startswith(s)]
+    if not hits:
+        raise EntryNotFoundError(f"no entry matches {entry_id!r}")
+    if len(hits) > 1:
+        raise EntryNotFoundError(f"{len(hits)} entries match {entry_id!r}: give more hex chars")
+    return hits[0]
