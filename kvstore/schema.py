@@ -145,6 +145,14 @@ class Manifest(Struct, frozen=True, kw_only=True):
     attachments: tuple[Attachment, ...] = ()
     metadata: dict[str, str] = {}
 
+    def tensor_specs(self) -> list[TensorSpec]:
+        """Every tensor the entry stores, in block order: the layers', then the attachments'."""
+        return iter_tensor_specs(self.layers) + [t for a in self.attachments for t in a.tensors]
+
+    def block_digests(self) -> list[bytes]:
+        """Every block the entry references, once each, token blocks first."""
+        return list(dict.fromkeys(bytes(d) for d in (*self.token_blocks, *self.state_blocks)))
+
 
 _encoder = msgspec.msgpack.Encoder(order="deterministic")
 _decoder = msgspec.msgpack.Decoder(Manifest)

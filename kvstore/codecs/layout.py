@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..schema import TensorSpec
+from ..errors import ManifestError
+from ..schema import Manifest, TensorSpec
 
 _ITEMSIZE = {
     "bool": 1,
@@ -107,3 +108,23 @@ def manifest_block_sizes(
     if not any(s.token_axis is not None for s in specs):
         tok = []
     return tok, state_block_sizes(state_bytes, state_block)
+
+
+def manifest_blocks(m: Manifest) -> dict[bytes, int]:
+    """The distinct blocks of a manifest with the size its tensors give each.
+
+    A :class:`ManifestError` when the digest lists and the tensor specs disagree.
+    """
+    tok, state = manifest_block_sizes(
+        m.tensor_specs(), m.n_tokens, m.block_tokens, m.state_bytes, m.state_block_bytes
+    )
+    if len(tok) != len(m.token_blocks) or len(state) != len(m.state_blocks):
+        raise ManifestError(
+            f"manifest lists {len(m.token_blocks)}+{len(m.state_blocks)} blocks, "
+            f"its tensors need {len(tok)}+{len(state)}"
+        )
+    out: dict[bytes, int] = {}
+    for d, size in zip((*m.token_blocks, *m.state_blocks), (*tok, *state), strict=True):
+        if out.setdefault(bytes(d), size) != size:
+            raise ManifestError(f"block {bytes(d).hex()} listed with two sizes")
+    return out

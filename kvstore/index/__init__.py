@@ -1,15 +1,7 @@
-"""The LMDB index: manifests, prefix keys, refcounts, stats."""
+"""The LMDB index: manifests, prefix keys, refcounts, stats. The only code that imports lmdb."""
 
-from .lmdb_index import (
-    DEFAULT_MAP_SIZE,
-    DeletePlan,
-    EntryRecord,
-    Index,
-    RefInfo,
-    SavePlan,
-    Totals,
-    now_ms,
-)
+from .lmdb_index import DEFAULT_MAP_SIZE, Index
+from .records import DeletePlan, EntryRecord, RefInfo, SavePlan, Totals, now_ms
 
 __all__ = [
     "DEFAULT_MAP_SIZE",

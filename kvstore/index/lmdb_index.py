@@ -8,212 +8,30 @@ One environment per process and path, reopened after ``fork``.
 from __future__ import annotations
 
 import os
-import struct
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import lmdb
-import msgspec
 
 from ..errors import IndexLockLostError, IndexStoreError, ReadOnlyStoreError, StoreFullError
+from ._env import close_env, lock_identity, open_env
+from .records import (
+    DeletePlan,
+    EntryRecord,
+    RefInfo,
+    SavePlan,
+    Totals,
+    decode_entry,
+    decode_totals,
+    encode,
+    now_ms,
+    pack_ref,
+    unpack_ref,
+)
 
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; the file grows as needed
-_REF = struct.Struct("<QQQ")  # refcount, size, zero_since_ms
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-class EntryRecord(msgspec.Struct, kw_only=True):
-    """Per-entry bookkeeping used for listing and eviction."""
-
-    namespace: str
-    n_tokens: int
-    logical_bytes: int
-    created_at: int
-    last_access: int
-    hits: int = 0
-    priority: int = 0  # 0 assistant (evicted first), 1 user, 2 system
-
-
-class Totals(msgspec.Struct, kw_only=True):
-    """Running totals, updated in the transaction that changes what they count.
-
-    ``physical_bytes`` is the size of every block with a refs record, referenced
-    or not; ``zero_bytes`` the part of it held by blocks whose refcount is zero
-    (garbage waiting for its grace period), so live bytes are the difference.
-    """
-
-    entries: int = 0
-    blocks: int = 0
-    logical_bytes: int = 0
-    physical_bytes: int = 0
-    hits: int = 0
-    lookups: int = 0
-    zero_bytes: int = 0
-
-    @property
-    def live_bytes(self) -> int:
-        """Bytes of the blocks some manifest references."""
-        return self.physical_bytes - self.zero_bytes
-
-
-@dataclass(frozen=True)
-class RefInfo:
-    refcount: int
-    size: int
-    zero_since: int
-
-
-def _pack_ref(r: RefInfo) -> bytes:
-    return _REF.pack(r.refcount, r.size, r.zero_since)
-
-
-def _unpack_ref(b: bytes) -> RefInfo:
-    return RefInfo(*_REF.unpack(b))
-
-
-@dataclass
-class SavePlan:
-    """Everything one save commits, computed before the transaction."""
-
-    digest: bytes
-    manifest: bytes
-    blocks: dict[bytes, int]  # distinct digest -> size
-    prefix_items: list[tuple[bytes, bytes]]
-    exact_key: bytes
-    entry: EntryRecord
-    # called inside the write transaction for a block with no refs record:
-    # must make sure the file is on disk (rewrite it when a GC removed it)
-    ensure_block: Callable[[bytes], None] = field(default=lambda d: None)
-
-
-@dataclass
-class DeletePlan:
-    """What removing one entry takes away (derived from its manifest)."""
-
-    blocks: list[bytes]
-    prefix_items: list[tuple[bytes, bytes]]
-    exact_key: bytes
-
-
-_enc = msgspec.msgpack.Encoder()
-_entry_dec = msgspec.msgpack.Decoder(EntryRecord)
-_totals_dec = msgspec.msgpack.Decoder(Totals)
-
-_lock = threading.Lock()
-# path -> (pid, environment, open count, identity of its lock file or None)
-_ENVS: dict[str, tuple[int, lmdb.Environment, int, tuple[int, int] | None]] = {}
-# path -> its named databases, opened once with the environment (see _open_dbs)
-_DBS: dict[str, dict[str, Any]] = {}
-_DB_NAMES = ("manifests", "prefix", "exact", "refs", "entries", "meta")
-# Environments inherited across fork, by path. A child must not use them, and py-lmdb
-# refuses to open the same files twice in one process, so the child closes the
-# inherited one and opens its own. The close must come first: closing any fd of
-# lock.mdb drops every POSIX lock this process holds on it, and after the fresh
-# open that would release the child's own lock (a newly starting process could
-# then think it is alone and reset the reader table). Before it, the child holds
-# none. (A transaction another thread had open at fork time would be aborted by
-# that close, clearing the parent's reader slot: fork while no thread is inside
-# a transaction, as pre-forking servers do.)
-_INHERITED: dict[str, lmdb.Environment] = {}
-
-
-def _after_fork_in_child() -> None:
-    global _lock
-    _lock = threading.Lock()  # another thread may have held it at fork time
-    _INHERITED.update((key, held[1]) for key, held in _ENVS.items())
-    _ENVS.clear()
-    _DBS.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _lock_identity(path: Path) -> tuple[int, int] | None:
-    """(device, inode) of the environment's lock file; None when it has none (read-only fs)."""
-    try:
-        st = os.stat(path / "lock.mdb")
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _open_dbs(env: lmdb.Environment, readonly: bool) -> dict[str, Any]:
-    """The named databases, opened once per environment, under ``_lock``.
-
-    py-lmdb's ``open_db`` begins its own write transaction while holding the GIL:
-    called while another thread of this process has a write transaction open (or
-    is opening a database too), it waits for LMDB's writer lock and that thread
-    waits for the GIL, forever. Opened here, before any other thread has the
-    environment, it cannot meet another of our write transactions.
-    """
-    return {
-        name: env.open_db(name.encode(), dupsort=(name == "prefix"), create=not readonly)
-        for name in _DB_NAMES
-    }
-
-
-def _open_env(
-    path: Path, *, durable: bool, map_size: int, readonly: bool
-) -> tuple[lmdb.Environment, tuple[int, int] | None, dict[str, Any]]:
-    key = str(path.resolve())
-    with _lock:
-        pid = os.getpid()
-        held = _ENVS.get(key)
-        if held and held[0] == pid:
-            if held[1].flags()["readonly"] and not readonly:
-                raise IndexStoreError(
-                    f"{path}: already open read-only in this process; close those stores first"
-                )
-            _ENVS[key] = (pid, held[1], held[2] + 1, held[3])
-            return held[1], held[3], _DBS[key]
-        inherited = _INHERITED.pop(key, None)
-        if inherited is not None:
-            inherited.close()  # before this process takes any lock on lock.mdb
-        env = lmdb.open(
-            key,
-            map_size=map_size,
-            max_dbs=8,
-            max_readers=1024,
-            subdir=True,
-            sync=durable,
-            metasync=durable,
-            readonly=readonly,
-            lock=True,
-            readahead=False,
-            create=not readonly,
-        )
-        env.reader_check()  # clear reader slots of dead processes
-        try:
-            dbs = _open_dbs(env, readonly)
-        except BaseException:
-            env.close()
-            raise
-        ident = _lock_identity(path)
-        _ENVS[key] = (pid, env, 1, ident)
-        _DBS[key] = dbs
-        return env, ident, dbs
-
-
-def _close_env(path: Path) -> None:
-    key = str(path.resolve())
-    with _lock:
-        held = _ENVS.get(key)
-        if not held or held[0] != os.getpid():
-            return
-        if held[2] > 1:
-            _ENVS[key] = (held[0], held[1], held[2] - 1, held[3])
-            return
-        del _ENVS[key]
-        _DBS.pop(key, None)
-        held[1].close()
 
 
 class Index:
@@ -239,9 +57,9 @@ class Index:
     def _ensure(self) -> lmdb.Environment:
         if self._env is not None and self._pid == os.getpid():
             return self._env
-        self._env = None  # inherited from the parent, if set: _open_env closes it
+        self._env = None  # inherited from the parent, if set: open_env closes it
         try:
-            env, self._lock_id, self._dbs = _open_env(
+            env, self._lock_id, self._dbs = open_env(
                 self.path, **self._opts  # type: ignore[arg-type]
             )
         except lmdb.Error as e:
@@ -251,7 +69,7 @@ class Index:
 
     def close(self) -> None:
         if self._env is not None and self._pid == os.getpid():
-            _close_env(self.path)
+            close_env(self.path)
         self._env = None
 
     # --- transactions ------------------------------------------------------
@@ -277,7 +95,7 @@ class Index:
         """
         if self.readonly:
             raise ReadOnlyStoreError(f"{self.path.parent}: the root is open read-only")
-        if self._lock_id is not None and _lock_identity(self.path) != self._lock_id:
+        if self._lock_id is not None and lock_identity(self.path) != self._lock_id:
             raise IndexLockLostError(
                 f"{self.path / 'lock.mdb'} was deleted or replaced while this process had "
                 "the index open; writing now could corrupt the index, so this process will "
@@ -331,9 +149,12 @@ class Index:
         with self.read() as t:
             return self.get_meta(key, t)
 
-    def put_meta(self, key: bytes, value: bytes) -> None:
-        with self.write() as txn:
+    def put_meta(self, key: bytes, value: bytes, txn: lmdb.Transaction | None = None) -> None:
+        if txn is not None:
             txn.put(key, value, db=self.db("meta"))
+            return
+        with self.write() as t:
+            self.put_meta(key, value, t)
 
     def put_meta_if_absent(self, key: bytes, value: bytes) -> bytes:
         """Store ``value`` unless ``key`` is set; returns what is stored, in one transaction.
@@ -351,10 +172,10 @@ class Index:
 
     def totals(self, txn: lmdb.Transaction | None = None) -> Totals:
         raw = self.get_meta(b"totals", txn)
-        return _totals_dec.decode(raw) if raw else Totals()
+        return decode_totals(raw) if raw else Totals()
 
     def _put_totals(self, txn: lmdb.Transaction, t: Totals) -> None:
-        txn.put(b"totals", _enc.encode(t), db=self.db("meta"))
+        txn.put(b"totals", encode(t), db=self.db("meta"))
 
     # --- reads -----------------------------------------------------------------
 
@@ -401,19 +222,41 @@ class Index:
 
     def get_entry(self, digest: bytes, txn: lmdb.Transaction) -> EntryRecord | None:
         v = txn.get(digest, db=self.db("entries"))
-        return _entry_dec.decode(v) if v is not None else None
+        return decode_entry(v) if v is not None else None
 
     def iter_entries(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, EntryRecord]]:
         for k, v in txn.cursor(db=self.db("entries")):
-            yield bytes(k), _entry_dec.decode(v)
+            yield bytes(k), decode_entry(v)
 
     def get_ref(self, digest: bytes, txn: lmdb.Transaction) -> RefInfo | None:
         v = txn.get(digest, db=self.db("refs"))
-        return _unpack_ref(bytes(v)) if v is not None else None
+        return unpack_ref(bytes(v)) if v is not None else None
 
     def iter_refs(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, RefInfo]]:
         for k, v in txn.cursor(db=self.db("refs")):
-            yield bytes(k), _unpack_ref(bytes(v))
+            yield bytes(k), unpack_ref(bytes(v))
+
+    def iter_manifests(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, bytes]]:
+        """Every (digest, encoded manifest), in digest order."""
+        for k, v in txn.cursor(db=self.db("manifests")):
+            yield bytes(k), bytes(v)
+
+    def iter_prefix(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, bytes]]:
+        """Every (prefix key, value) pair: a key holds one value per entry it leads to."""
+        for k, v in txn.cursor(db=self.db("prefix")):
+            yield bytes(k), bytes(v)
+
+    def prefix_values(self, key: bytes, txn: lmdb.Transaction) -> list[bytes]:
+        """The values stored under one prefix key, in sorted order."""
+        cur = txn.cursor(db=self.db("prefix"))
+        if not cur.set_key(key):
+            return []
+        return [bytes(v) for v in cur.iternext_dup()]
+
+    def iter_exact(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, bytes]]:
+        """Every (exact key, manifest digest)."""
+        for k, v in txn.cursor(db=self.db("exact")):
+            yield bytes(k), bytes(v)
 
     # --- writes ------------------------------------------------------------------
 
@@ -434,7 +277,7 @@ class Index:
                         continue
                     rec.last_access = stamp
                     rec.hits += n
-                    txn.put(digest, _enc.encode(rec), db=entries)
+                    txn.put(digest, encode(rec), db=entries)
                 if lookups:
                     t = self.totals(txn)
                     t.lookups += lookups
@@ -443,9 +286,7 @@ class Index:
         except StoreFullError:
             return
 
-    def commit_save(
-        self, plan: SavePlan, *, before_commit: Callable[[], None] | None = None
-    ) -> bool:
+    def commit_save(self, plan: SavePlan) -> bool:
         """Commit one save in one write transaction; False when the exact entry existed.
 
         Blocks with no refs record, or with a refcount of zero, are passed to
@@ -461,8 +302,6 @@ class Index:
             if self.get_manifest(plan.digest, txn) is not None:
                 return False  # the very same manifest is already committed
             self.add_entry(txn, plan)
-            if before_commit is not None:
-                before_commit()
         return True
 
     def add_entry(self, txn: lmdb.Transaction, plan: SavePlan) -> None:
@@ -480,18 +319,18 @@ class Index:
                 t.blocks += 1
                 t.physical_bytes += size
             else:
-                old = _unpack_ref(bytes(raw))
+                old = unpack_ref(bytes(raw))
                 if old.refcount == 0:
                     plan.ensure_block(d)
                     t.zero_bytes -= old.size
                 ref = RefInfo(old.refcount + 1, old.size, 0)
-            txn.put(d, _pack_ref(ref), db=refs)
+            txn.put(d, pack_ref(ref), db=refs)
         txn.put(plan.digest, plan.manifest, db=self.db("manifests"))
         prefix = self.db("prefix")
         for k, v in plan.prefix_items:
             txn.put(k, v, db=prefix, dupdata=True)
         txn.put(plan.exact_key, plan.digest, db=self.db("exact"))
-        txn.put(plan.digest, _enc.encode(plan.entry), db=self.db("entries"))
+        txn.put(plan.digest, encode(plan.entry), db=self.db("entries"))
         t.entries += 1
         t.logical_bytes += plan.entry.logical_bytes
         self._put_totals(txn, t)
@@ -516,11 +355,11 @@ class Index:
         stamp = now_ms()
         for d in dict.fromkeys(plan.blocks):
             raw = txn.get(d, db=refs)
-            if raw is None or _unpack_ref(bytes(raw)).refcount == 0:
+            if raw is None or unpack_ref(bytes(raw)).refcount == 0:
                 continue
-            old = _unpack_ref(bytes(raw))
+            old = unpack_ref(bytes(raw))
             count = old.refcount - 1
-            txn.put(d, _pack_ref(RefInfo(count, old.size, stamp if count == 0 else 0)), db=refs)
+            txn.put(d, pack_ref(RefInfo(count, old.size, stamp if count == 0 else 0)), db=refs)
             if count == 0:
                 zeroed.append(d)
                 t.zero_bytes += old.size
@@ -542,7 +381,7 @@ class Index:
         raw = txn.get(digest, db=refs)
         if raw is None:
             return None
-        ref = _unpack_ref(bytes(raw))
+        ref = unpack_ref(bytes(raw))
         txn.delete(digest, db=refs)
         t = self.totals(txn)
         t.blocks -= 1
@@ -552,8 +391,33 @@ class Index:
         self._put_totals(txn, t)
         return ref
 
+    # Raw records, for repair: they change one record and no total (``put_totals`` after).
+
     def put_ref(self, txn: lmdb.Transaction, digest: bytes, ref: RefInfo) -> None:
-        txn.put(digest, _pack_ref(ref), db=self.db("refs"))
+        txn.put(digest, pack_ref(ref), db=self.db("refs"))
+
+    def delete_ref(self, txn: lmdb.Transaction, digest: bytes) -> None:
+        txn.delete(digest, db=self.db("refs"))
+
+    def put_prefix(self, txn: lmdb.Transaction, key: bytes, value: bytes) -> None:
+        txn.put(key, value, db=self.db("prefix"), dupdata=True)
+
+    def delete_prefix(self, txn: lmdb.Transaction, key: bytes, value: bytes) -> None:
+        txn.delete(key, value, db=self.db("prefix"))
+
+    def delete_exact(self, txn: lmdb.Transaction, key: bytes) -> None:
+        txn.delete(key, db=self.db("exact"))
+
+    def put_entry(self, txn: lmdb.Transaction, digest: bytes, rec: EntryRecord) -> None:
+        txn.put(digest, encode(rec), db=self.db("entries"))
+
+    def delete_entry(self, txn: lmdb.Transaction, digest: bytes) -> None:
+        txn.delete(digest, db=self.db("entries"))
+
+    def delete_records(self, txn: lmdb.Transaction, digest: bytes) -> None:
+        """Drop a manifest and its entry record as they are (one that cannot be decoded)."""
+        txn.delete(digest, db=self.db("manifests"))
+        self.delete_entry(txn, digest)
 
     def put_totals(self, txn: lmdb.Transaction, t: Totals) -> None:
         self._put_totals(txn, t)

@@ -39,25 +39,19 @@ Verification and repair live in :mod:`kvstore.store.verify` and :mod:`kvstore.st
 
 from __future__ import annotations
 
-import os
-import stat
-import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..blocks import open_real_dir
-from ..codecs.layout import manifest_block_sizes
 from ..index import EntryRecord, RefInfo, Totals, now_ms
-from ..schema import Manifest, decode_manifest, iter_tensor_specs
+from ..schema import decode_manifest
 from ._crash import crash_point
 from .lookup import delete_plan
 from .root import Root
+from .sweep import batches, stale_tmp, unlink_orphans, unlink_tmp
 
 DEFAULT_GRACE = 600.0  # seconds
-TMP_MAX_AGE = 24 * 3600.0  # a temp file this old is stale even if its pid looks alive
-_BATCH = 256  # blocks or entries per write transaction: keeps the writer lock short
 _ROUNDS = 8  # budget passes before giving up on a store that concurrent saves keep filling
 
 
@@ -90,45 +84,8 @@ class CompactReport:
 # --- helpers -------------------------------------------------------------------------
 
 
-def manifest_blocks(m: Manifest) -> dict[bytes, int]:
-    """Distinct block digests of a manifest with their expected sizes.
-
-    Raises ManifestError-like ``ValueError`` when the digest lists and the
-    tensor specs disagree.
-    """
-    specs = iter_tensor_specs(m.layers) + [t for a in m.attachments for t in a.tensors]
-    tok, state = manifest_block_sizes(
-        specs, m.n_tokens, m.block_tokens, m.state_bytes, m.state_block_bytes
-    )
-    if len(tok) != len(m.token_blocks) or len(state) != len(m.state_blocks):
-        raise ValueError(
-            f"manifest lists {len(m.token_blocks)}+{len(m.state_blocks)} blocks, "
-            f"its tensors need {len(tok)}+{len(state)}"
-        )
-    out: dict[bytes, int] = {}
-    for d, size in zip((*m.token_blocks, *m.state_blocks), (*tok, *state), strict=True):
-        if out.setdefault(bytes(d), size) != size:
-            raise ValueError(f"block {bytes(d).hex()} listed with two sizes")
-    return out
-
-
 def _cutoff_ms(grace: float) -> int:
     return now_ms() - int(grace * 1000)
-
-
-def _batches(items: list[Any], n: int = _BATCH) -> Iterator[list[Any]]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class EvictionOrder:
@@ -182,8 +139,7 @@ def _blocks_of(root: Root, digest: bytes) -> list[bytes]:
         raw = root.index.get_manifest(digest, txn)
     if raw is None:
         return []
-    m = decode_manifest(raw)
-    return list(dict.fromkeys(bytes(d) for d in (*m.token_blocks, *m.state_blocks)))
+    return decode_manifest(raw).block_digests()
 
 
 def plan_evictions(
@@ -256,7 +212,7 @@ def _plan(
 def _evict(root: Root, victims: list[bytes], grace: float, report: CompactReport) -> None:
     """Remove the victims in short transactions; unlink what they zero if the grace allows."""
     idx = root.index
-    for batch in _batches(victims, 64):
+    for batch in batches(victims, 64):
         zeroed: list[bytes] = []
         with idx.write() as txn:
             for d in batch:
@@ -315,105 +271,119 @@ def _apply_budget(
     namespace_max_bytes: int | None,
     grace: float,
     report: CompactReport,
+    rounds: int = _ROUNDS,
 ) -> None:
-    for _ in range(_ROUNDS):
+    for _ in range(rounds):
         victims, _ = plan_evictions(root, max_bytes, namespace_max_bytes)
         if not victims:
             return
         _evict(root, victims, grace, report)
 
 
-# --- sweeping ------------------------------------------------------------------------------
+# --- the plan --------------------------------------------------------------------------------
 
 
-def _sweep_zero_refs(root: Root, cutoff: int, report: CompactReport, dry: bool = False) -> None:
-    with root.index.read() as txn:
-        due = [
-            (d, r)
-            for d, r in root.index.iter_refs(txn)
-            if r.refcount == 0 and r.zero_since <= cutoff
-        ]
-    if dry:
-        report.freed_blocks += len(due)
-        report.freed_bytes += sum(r.size for _, r in due)
-        return
-    for batch in _batches([d for d, _ in due]):
-        with root.index.write() as txn:
-            _unlink_zero(root, txn, batch, cutoff, report)
+@dataclass
+class CompactPlan:
+    """What one compact will do, read from the index; :meth:`execute` re-checks each step.
 
-
-def _block_files(root: Root) -> Iterator[tuple[bytes, os.stat_result]]:
-    for d in root.blocks:
-        try:
-            yield d, root.blocks.path(d).stat()
-        except FileNotFoundError:
-            continue
-
-
-def _sweep_orphans(root: Root, cutoff: int, report: CompactReport, dry: bool = False) -> None:
-    """Unlink block files with no refs record, last touched before ``cutoff``."""
-    idx = root.index
-    files = [(d, st) for d, st in _block_files(root) if st.st_mtime * 1000 <= cutoff]
-    with idx.read() as txn:
-        cands = [(d, st) for d, st in files if idx.get_ref(d, txn) is None]
-    if dry:
-        report.orphans_removed += len(cands)
-        report.orphan_bytes += sum(st.st_size for _, st in cands)
-        return
-    for batch in _batches(cands):
-        with idx.write() as txn:
-            for d, _ in batch:
-                if idx.get_ref(d, txn) is not None:
-                    continue  # a save committed it meanwhile
-                try:
-                    st = root.blocks.path(d).stat()
-                except FileNotFoundError:
-                    continue
-                if st.st_mtime * 1000 > cutoff:
-                    continue  # freshened by a save meanwhile
-                crash_point("gc_before_unlink")
-                if root.blocks.delete(d):
-                    report.orphans_removed += 1
-                    report.orphan_bytes += st.st_size
-                crash_point("gc_after_unlink")
-
-
-def _sweep_tmp(root: Root, grace: float, report: CompactReport, dry: bool = False) -> None:
-    """Unlink temp files older than the grace whose writer is gone.
-
-    A temp file lives from ``write_tmp`` to ``publish``; its name starts with
-    the writer's pid, and a file of a live writer is kept (unless absurdly old)
-    so that compaction never makes a save fail.
+    restic's ``PlanPrune`` then ``Execute``: a dry run is the plan's :meth:`report`,
+    not a flag threaded through the steps. Other processes keep saving meanwhile, so
+    execute acts only on what is still garbage in its own write transaction.
     """
-    now = time.time()
-    try:  # through a descriptor that refuses a symlink: never a sweep outside the root
-        dfd = open_real_dir(root.blocks.tmp_dir)
-    except FileNotFoundError:
-        return
-    try:
-        with os.scandir(dfd) as it:
-            entries = list(it)
-        for e in entries:
-            try:
-                st = os.stat(e.name, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            age = now - st.st_mtime
-            if age < grace or not stat.S_ISREG(st.st_mode):
-                continue
-            head = e.name.split("-", 1)[0]
-            if age < TMP_MAX_AGE and head.isdigit() and _pid_alive(int(head)):
-                continue
-            if dry:
-                report.tmp_removed += 1
-                continue
-            try:
-                os.unlink(e.name, dir_fd=dfd)
-                report.tmp_removed += 1
-            except FileNotFoundError:
-                pass
-    finally:
-        os.close(dfd)
+
+    max_bytes: int | None
+    namespace_max_bytes: int | None
+    grace: float
+    cutoff: int  # ms since the epoch: older than this is past the grace
+    physical_before: int
+    victims: list[bytes]  # entries to evict, in order
+    live_after: int
+    zeroed: dict[bytes, int]  # blocks the victims leave unreferenced -> size
+    zero_refs: list[tuple[bytes, RefInfo]]  # unreferenced blocks past the grace
+    orphans: list[tuple[bytes, int]]  # block files no record names, past the grace -> size
+    tmp: list[str]  # stale temp files of tmp/
+    held: dict[bytes, tuple[int, int]]  # unreferenced blocks the grace keeps: (size, since)
+
+    def report(self) -> CompactReport:
+        """What executing the plan would do (the dry run's report)."""
+        r = CompactReport(physical_before=self.physical_before, dry_run=True, grace=self.grace)
+        r.evicted = [v.hex() for v in self.victims]
+        r.freed_blocks = len(self.zero_refs)
+        r.freed_bytes = sum(ref.size for _, ref in self.zero_refs)
+        r.orphans_removed = len(self.orphans)
+        r.orphan_bytes = sum(size for _, size in self.orphans)
+        r.tmp_removed = len(self.tmp)
+        # with grace 0 every zero-ref block goes, the evictions' too: live bytes remain
+        r.physical_after = (
+            self.live_after if self.grace == 0 else self.physical_before - r.freed_bytes
+        )
+        r.live_after = self.live_after
+        held = dict(self.held)
+        if self.grace > 0:  # what the evictions would zero waits for the grace, from now
+            stamp = now_ms()
+            held.update((d, (size, stamp)) for d, size in self.zeroed.items())
+        _fill_held(r, held, self.grace)
+        return r
+
+    def execute(self, root: Root) -> CompactReport:
+        """Evict, then unlink the expired garbage; the report says what was done."""
+        report = CompactReport(physical_before=self.physical_before, grace=self.grace)
+        if self.victims:
+            _evict(root, self.victims, self.grace, report)
+            # saves committed meanwhile may be over the budget again: a few more rounds
+            _apply_budget(
+                root, self.max_bytes, self.namespace_max_bytes, self.grace, report, _ROUNDS - 1
+            )
+        for batch in batches([d for d, _ in self.zero_refs]):
+            with root.index.write() as txn:
+                _unlink_zero(root, txn, batch, self.cutoff, report)
+        report.orphans_removed, report.orphan_bytes = unlink_orphans(
+            root, self.orphans, self.cutoff
+        )
+        report.tmp_removed = unlink_tmp(root, self.tmp)
+        after = root.index.totals()
+        report.physical_after, report.live_after = after.physical_bytes, after.live_bytes
+        _fill_held(report, _held_blocks(root, self.grace), self.grace)
+        return report
+
+
+def plan_compact(
+    root: Root,
+    *,
+    max_bytes: int | None = None,
+    namespace_max_bytes: int | None = None,
+    grace: float = DEFAULT_GRACE,
+) -> CompactPlan:
+    """Plan a compact: the evictions the budgets need, and the garbage past the grace."""
+    if grace < 0:
+        raise ValueError(f"grace must be >= 0 seconds, got {grace}")
+    for name, v in (("max_bytes", max_bytes), ("namespace_max_bytes", namespace_max_bytes)):
+        if v is not None and v < 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+    root.index.reader_check()
+    physical = root.index.totals().physical_bytes
+    victims, live, zeroed = _plan(root, max_bytes, namespace_max_bytes)
+    cutoff = _cutoff_ms(grace)
+    with root.index.read() as txn:
+        zero = [(d, r) for d, r in root.index.iter_refs(txn) if r.refcount == 0]
+    files = [(d, st) for d, st in root.block_files() if st.mtime * 1000 <= cutoff]
+    with root.index.read() as txn:
+        orphans = [(d, st.size) for d, st in files if root.index.get_ref(d, txn) is None]
+    return CompactPlan(
+        max_bytes=max_bytes,
+        namespace_max_bytes=namespace_max_bytes,
+        grace=grace,
+        cutoff=cutoff,
+        physical_before=physical,
+        victims=victims,
+        live_after=live,
+        zeroed=zeroed,
+        zero_refs=[(d, r) for d, r in zero if r.zero_since <= cutoff],
+        orphans=orphans,
+        tmp=stale_tmp(root, grace),
+        held={d: (r.size, r.zero_since) for d, r in zero if r.zero_since > cutoff},
+    )
 
 
 def compact(
@@ -428,72 +398,54 @@ def compact(
 
     ``grace`` (seconds) protects zero-refcount blocks, orphan block files and
     temp files younger than it. ``namespace_max_bytes`` applies to each
-    namespace separately. With ``dry_run`` nothing is written; the report says
-    what would go (the evictions' own freed blocks are counted once grace 0
-    would unlink them).
+    namespace separately. With ``dry_run`` nothing is written: the report is the
+    plan's (:func:`plan_compact`).
     """
-    if grace < 0:
-        raise ValueError(f"grace must be >= 0 seconds, got {grace}")
-    for name, v in (("max_bytes", max_bytes), ("namespace_max_bytes", namespace_max_bytes)):
-        if v is not None and v < 0:
-            raise ValueError(f"{name} must be >= 0, got {v}")
-    root.index.reader_check()
-    before = root.index.totals()
-    report = CompactReport(physical_before=before.physical_bytes, dry_run=dry_run, grace=grace)
-    if dry_run:
-        victims, live, zeroed = _plan(root, max_bytes, namespace_max_bytes)
-        report.evicted = [v.hex() for v in victims]
-        _sweep_zero_refs(root, _cutoff_ms(grace), report, dry=True)
-        # with grace 0 every zero-ref block goes, the evictions' too: live bytes remain
-        report.physical_after = live if grace == 0 else before.physical_bytes - report.freed_bytes
-        report.live_after = live
-        if grace > 0:  # what the evictions would zero waits for the grace, from now
-            _held(root, grace, report, {d: (size, now_ms()) for d, size in zeroed.items()})
-        _sweep_orphans(root, _cutoff_ms(grace), report, dry=True)
-        _sweep_tmp(root, grace, report, dry=True)
-        return report
-    if max_bytes is not None or namespace_max_bytes is not None:
-        _apply_budget(root, max_bytes, namespace_max_bytes, grace, report)
-    _sweep_zero_refs(root, _cutoff_ms(grace), report)
-    _sweep_orphans(root, _cutoff_ms(grace), report)
-    _sweep_tmp(root, grace, report)
-    after = root.index.totals()
-    report.physical_after, report.live_after = after.physical_bytes, after.live_bytes
-    _held(root, grace, report)
-    return report
+    plan = plan_compact(
+        root, max_bytes=max_bytes, namespace_max_bytes=namespace_max_bytes, grace=grace
+    )
+    return plan.report() if dry_run else plan.execute(root)
 
 
-def _held(
-    root: Root,
-    grace: float,
-    report: CompactReport,
-    extra: dict[bytes, tuple[int, int]] | None = None,
-) -> None:
-    """Fill ``report.held_*``: the zero-ref blocks younger than the grace (and ``extra``,
-    digest -> (size, zero since), for a dry run's evictions)."""
+# --- sweeping ------------------------------------------------------------------------------
+
+
+def _sweep_zero_refs(root: Root, cutoff: int, report: CompactReport) -> None:
+    with root.index.read() as txn:
+        due = [
+            d for d, r in root.index.iter_refs(txn) if r.refcount == 0 and r.zero_since <= cutoff
+        ]
+    for batch in batches(due):
+        with root.index.write() as txn:
+            _unlink_zero(root, txn, batch, cutoff, report)
+
+
+def _held_blocks(root: Root, grace: float) -> dict[bytes, tuple[int, int]]:
+    """The zero-ref blocks younger than the grace: digest -> (size, zero since)."""
     cutoff = _cutoff_ms(grace)
     with root.index.read() as txn:
-        held = {
+        return {
             d: (r.size, r.zero_since)
             for d, r in root.index.iter_refs(txn)
             if r.refcount == 0 and r.zero_since > cutoff
         }
-    held.update(extra or {})
+
+
+def _fill_held(report: CompactReport, held: dict[bytes, tuple[int, int]], grace: float) -> None:
+    """``report.held_*``: what the grace keeps, and when the last of it becomes free."""
     report.held_blocks = len(held)
     report.held_bytes = sum(size for size, _ in held.values())
     grace_ms = int(grace * 1000)
     report.held_until = max((z + grace_ms for _, z in held.values()), default=None)
 
 
-# --- verify -----------------------------------------------------------------------------------
-
-
 __all__ = [
     "DEFAULT_GRACE",
+    "CompactPlan",
     "CompactReport",
     "EvictionOrder",
     "compact",
     "enforce_budget",
-    "manifest_blocks",
+    "plan_compact",
     "plan_evictions",
 ]

@@ -118,12 +118,10 @@ def add_reach_markers(index: Index) -> int:
     with index.write() as txn:
         if index.get_meta(REACH_META, txn) is not None:
             return 0
-        keys = txn.cursor(db=index.db("prefix"))
-        values = txn.cursor(db=index.db("prefix"))
         digests: dict[bytes, None] = {}
-        for key in keys.iternext_nodup(keys=True, values=False):
-            if len(key) == 33 and key[-1:] == b"s" and values.set_key(key):
-                digests.update((bytes(v), None) for v in values.iternext_dup())
+        for key, value in index.iter_prefix(txn):
+            if len(key) == 33 and key[-1:] == b"s":  # a state key
+                digests[value] = None
         for digest in digests:
             raw = index.get_manifest(digest, txn)
             if raw is None:
@@ -131,9 +129,9 @@ def add_reach_markers(index: Index) -> int:
             m = decode_manifest(raw)
             c0 = P.root_key(m.namespace, m.codec, m.block_tokens, m.hash)
             for key in P.chain(c0, m.tokens, m.block_tokens, m.hash, m.n_tokens // m.block_tokens):
-                txn.put(P.reach_key(key), digest, db=index.db("prefix"))
+                index.put_prefix(txn, P.reach_key(key), digest)
             done += 1
-        txn.put(REACH_META, b"1", db=index.db("meta"))
+        index.put_meta(REACH_META, b"1", txn)
     return done
 
 
@@ -207,7 +205,7 @@ def delete_plan(m: Manifest, digest: bytes) -> DeletePlan:
     keys = P.chain(c0, m.tokens, T, m.hash, m.n_tokens // T)
     can_trim = trimmable(m.layers)
     return DeletePlan(
-        blocks=list(dict.fromkeys((*m.token_blocks, *m.state_blocks))),
+        blocks=m.block_digests(),
         prefix_items=prefix_items(keys, toks, T, can_trim, digest),
         exact_key=P.exact_key_for(keys, m.tokens, m.n_tokens, T, m.hash),
     )

@@ -22,11 +22,11 @@ import msgspec
 
 from ..blocks import new_hasher
 from ..codecs import codec_for_record
+from ..codecs.layout import manifest_blocks
 from ..errors import KVStoreError
 from ..index import EntryRecord, SavePlan
 from ..schema import Layer, Manifest, decode_manifest, encode_manifest
 from . import keys as P
-from .gc import manifest_blocks
 from .lookup import delete_plan, prefix_items, trimmable
 from .root import Root
 
@@ -102,8 +102,7 @@ class RepairPlan:
             if raw is not None:
                 idx.remove_entry(txn, d, delete_plan(decode_manifest(raw), d))
         for d in self.undecodable:
-            txn.delete(d, db=idx.db("manifests"))
-            txn.delete(d, db=idx.db("entries"))
+            idx.delete_records(txn, d)
         moved: list[bytes] = []
         for b in sorted({*self.quarantine, *self.gone}):
             ref = idx.get_ref(b, txn)
@@ -135,8 +134,7 @@ def plan_for_blocks(
     idx = root.index
     skipped = set(skip)
     users: list[bytes] = []
-    for k, v in txn.cursor(db=idx.db("manifests")):
-        d = bytes(k)
+    for d, v in idx.iter_manifests(txn):
         if d in skipped:
             continue
         try:

@@ -56,7 +56,7 @@ def _read_once(
             length = m.n_tokens if length is None else length
             if not 0 < length <= m.n_tokens:
                 raise CacheMismatchError(f"cannot restore {length} of {m.n_tokens} tokens")
-            specs = iter_tensor_specs(m.layers) + [t for a in m.attachments for t in a.tensors]
+            specs = m.tensor_specs()
             tok_sizes, state_sizes = manifest_block_sizes(
                 specs, m.n_tokens, m.block_tokens, m.state_bytes, m.state_block_bytes
             )

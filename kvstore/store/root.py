@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import msgspec
 import platformdirs
 
-from ..blocks import ALGORITHMS, LocalBlockStore
+from ..blocks import ALGORITHMS, BlockStat, LocalBlockStore
 from ..errors import NotAStoreError, RootSettingsError, UnsafeRootError
 from ..index import Index, now_ms
 from ._fs import check_filesystem
@@ -45,6 +46,13 @@ class Root:
     settings: RootSettings
     index: Index
     blocks: LocalBlockStore
+
+    def block_files(self) -> Iterator[tuple[bytes, BlockStat]]:
+        """Every block file with its size and age (a file gone meanwhile is skipped)."""
+        for d in self.blocks.iter():
+            st = self.blocks.stat(d)
+            if st is not None:
+                yield d, st
 
 
 def default_root() -> Path:

@@ -18,11 +18,11 @@ from typing import Any
 
 import msgspec
 
+from ..codecs.layout import manifest_blocks
 from ..errors import KVStoreError
 from ..index import EntryRecord, RefInfo, now_ms
 from ..schema import Manifest, decode_manifest
 from . import keys as P
-from .gc import _block_files, manifest_blocks
 from .repair import RepairPlan, plan_for_blocks
 from .root import Root
 
@@ -96,11 +96,10 @@ class _Scan:
 def _scan(root: Root, txn: Any, report: VerifyReport) -> _Scan:
     idx = root.index
     s = _Scan()
-    for k, v in txn.cursor(db=idx.db("manifests")):
-        d = bytes(k)
+    for d, v in idx.iter_manifests(txn):
         s.manifests.add(d)
         try:
-            blocks = manifest_blocks(decode_manifest(bytes(v)))
+            blocks = manifest_blocks(decode_manifest(v))
         except (KVStoreError, ValueError):
             s.bad.add(d)
             report.bad_manifests.append(d.hex())
@@ -117,11 +116,11 @@ def _scan(root: Root, txn: Any, report: VerifyReport) -> _Scan:
     for d in s.manifests - entries.keys():
         report.missing_entry_records.append(d.hex())
     report.dangling_keys += len(entries.keys() - s.manifests)
-    for _, v in txn.cursor(db=idx.db("prefix")):
-        if _value_digest(bytes(v)) not in s.manifests:
+    for _, v in idx.iter_prefix(txn):
+        if _value_digest(v) not in s.manifests:
             report.dangling_keys += 1
-    for _, v in txn.cursor(db=idx.db("exact")):
-        if bytes(v) not in s.manifests:
+    for _, v in idx.iter_exact(txn):
+        if v not in s.manifests:
             report.dangling_keys += 1
     for b, n in s.counted.items():
         ref = s.refs.get(b)
@@ -188,7 +187,7 @@ def verify(
                     del bad_blocks[b]
     report.missing_blocks = sorted(b.hex() for b, (st, _) in bad_blocks.items() if st == "missing")
     report.corrupt_blocks = sorted(b.hex() for b, (st, _) in bad_blocks.items() if st == "corrupt")
-    report.orphans = sorted(d.hex() for d, _ in _block_files(root) if d not in s.refs)
+    report.orphans = sorted(d.hex() for d, _ in root.block_files() if d not in s.refs)
     if repair and dry_run:
         with root.index.read() as txn:
             report.plan = _plan(root, txn, s, bad_blocks, report)
@@ -245,7 +244,7 @@ def _repair_in_txn(
         for b, ref in scan.refs.items():
             if ref.refcount == 0 and b not in referenced and not root.blocks.exists(b):
                 found.dangling_refs.append(b.hex())
-        found.orphans = sorted(d.hex() for d, _ in _block_files(root) if d not in scan.refs)
+        found.orphans = sorted(d.hex() for d, _ in root.block_files() if d not in scan.refs)
         plan = _plan(root, txn, scan, bad, found)
         report.plan = plan
         if plan.empty():
@@ -263,18 +262,17 @@ def _rebuild(
     """Recount refs from the manifests in ``txn``; fix keys, records and totals."""
     idx = root.index
     manifests: dict[bytes, dict[bytes, int]] = {}
-    for k, v in txn.cursor(db=idx.db("manifests")):
-        manifests[bytes(k)] = manifest_blocks(decode_manifest(bytes(v)))
+    for d, v in idx.iter_manifests(txn):
+        manifests[d] = manifest_blocks(decode_manifest(v))
     counted: dict[bytes, tuple[int, int]] = {}
     for blocks in manifests.values():
         for b, size in blocks.items():
             n, _ = counted.get(b, (0, size))
             counted[b] = (n + 1, size)
     stamp = now_ms()
-    refs_db = idx.db("refs")
     for b, ref in list(idx.iter_refs(txn)):
         if b in bad or (b not in counted and not root.blocks.exists(b)):
-            txn.delete(b, db=refs_db)  # quarantined, or a zero record whose file is gone
+            idx.delete_ref(txn, b)  # quarantined, or a zero record whose file is gone
             continue
         n, size = counted.get(b, (0, ref.size))
         if (n, size) != (ref.refcount, ref.size):
@@ -284,23 +282,18 @@ def _rebuild(
         if idx.get_ref(b, txn) is None:
             idx.put_ref(txn, b, RefInfo(n, size, 0))
     # keys and records that name no manifest
-    prefix_db, exact_db = idx.db("prefix"), idx.db("exact")
-    stale = [
-        (bytes(k), bytes(v))
-        for k, v in txn.cursor(db=prefix_db)
-        if _value_digest(bytes(v)) not in manifests
-    ]
+    stale = [(k, v) for k, v in idx.iter_prefix(txn) if _value_digest(v) not in manifests]
     for k, v in stale:
-        txn.delete(k, v, db=prefix_db)
-    for k in [bytes(k) for k, v in txn.cursor(db=exact_db) if bytes(v) not in manifests]:
-        txn.delete(k, db=exact_db)
+        idx.delete_prefix(txn, k, v)
+    for k in [k for k, v in idx.iter_exact(txn) if v not in manifests]:
+        idx.delete_exact(txn, k)
     entries = dict(idx.iter_entries(txn))
     for d in entries.keys() - manifests.keys():
-        txn.delete(d, db=idx.db("entries"))
+        idx.delete_entry(txn, d)
         del entries[d]
     for d in manifests.keys() - entries.keys():
         entries[d] = _entry_from_manifest(decode_manifest(idx.get_manifest(d, txn) or b""))
-        txn.put(d, _entry_enc(entries[d]), db=idx.db("entries"))
+        idx.put_entry(txn, d, entries[d])
     # orphan files: nothing references them; a save in flight rewrites in its commit
     for d in plan.orphans:
         if idx.get_ref(d, txn) is None and root.blocks.delete(d):
@@ -325,10 +318,6 @@ def _entry_from_manifest(m: Manifest) -> EntryRecord:
         created_at=m.created_at,
         last_access=m.created_at,
     )
-
-
-def _entry_enc(rec: EntryRecord) -> bytes:
-    return msgspec.msgpack.encode(rec)
 
 
 __all__ = ["VerifyReport", "verify"]

@@ -98,8 +98,8 @@ def recount(s: kvstore.Store) -> dict[bytes, int]:
     """References per block, counted from the manifests themselves (one per manifest)."""
     counts: dict[bytes, int] = {}
     with s.index.read() as txn:
-        for _, raw in txn.cursor(db=s.index.db("manifests")):
-            m = decode_manifest(bytes(raw))
+        for _, raw in s.index.iter_manifests(txn):
+            m = decode_manifest(raw)
             for d in dict.fromkeys((*m.token_blocks, *m.state_blocks)):
                 counts[d] = counts.get(d, 0) + 1
     return counts
@@ -110,7 +110,7 @@ def sound_store(s: kvstore.Store, *, read_data: bool = True) -> None:
     r = s.verify(read_data=read_data)
     assert r.sound, r
     with s.index.read() as txn:
-        for _, raw in txn.cursor(db=s.index.db("manifests")):
-            m = decode_manifest(bytes(raw))
+        for _, raw in s.index.iter_manifests(txn):
+            m = decode_manifest(raw)
             for d in (*m.token_blocks, *m.state_blocks):
                 assert s.blocks.exists(d), f"manifest references missing block {d.hex()}"
