@@ -32,6 +32,7 @@ from ..errors import (
     CodecProviderMismatchError,
     HeaderFieldError,
     HeaderHashMismatchError,
+    LayerError,
     MalformedHeaderError,
     NamespaceMismatchError,
     TruncatedFileError,
@@ -50,7 +51,7 @@ from ._v3io import (
     tensor_pieces,
     validate_slot,
 )
-from ._v3kinds import KNOWN_KINDS, LayerError, LayerPlan, build_layer, dump_layer, plan_layer
+from ._v3kinds import KNOWN_KINDS, LayerPlan, build_layer, dump_layer, plan_layer
 from .bunhash import bun_hash, bun_hash_pieces_hex
 
 __all__ = [
