@@ -12,7 +12,6 @@ live rows, ready for ``os.pwritev`` and for hashing piece by piece.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,12 +19,14 @@ from typing import Any
 
 import mlx.core as mx
 
+from .._vio import preadv_all
 from ..codecs._mxload import TensorStream, load_tensors
 from ..codecs.base import TensorData
 from ..errors import (
     AllocationBoundError,
     FileFormatError,
     HeaderFieldError,
+    ShortReadError,
     TensorHashMismatchError,
     TensorOutOfBoundsError,
     TensorOverlapError,
@@ -146,12 +147,12 @@ class FileRange(PieceSource):
         self.path, self.fd, self.base, self.stored_len = path, fd, base, length
 
     def readinto(self, dst: memoryview, at: int) -> None:
-        pos = self.base + at
-        while dst.nbytes:
-            n = os.preadv(self.fd, [dst], pos)
-            if n <= 0:
-                raise TruncatedFileError(self.path, f"file ends at byte {pos}, inside a tensor")
-            dst, pos = dst[n:], pos + n
+        try:
+            preadv_all(self.fd, [dst], self.base + at)
+        except ShortReadError as e:
+            raise TruncatedFileError(
+                self.path, f"file ends at byte {e.offset + e.got}, inside a tensor"
+            ) from None
 
 
 def check_slot(

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._vio import pwritev_all
 from ..codecs.base import AttachmentData, TensorData
 from ..errors import (
     BadMagicError,
@@ -491,20 +492,7 @@ def encode_prefix(header_json: bytes) -> bytes:
     return bytes(pre)
 
 
-def pwrite_all(fd: int, pieces: Sequence[memoryview], at: int) -> None:
-    """Write every piece, in order, from file offset ``at`` (short writes retried)."""
-    iov_max = 512
-    queue = [p for p in pieces if p.nbytes]
-    while queue:
-        batch = queue[:iov_max]
-        n = os.pwritev(fd, batch, at)
-        at += n
-        while batch and n >= batch[0].nbytes:
-            n -= batch[0].nbytes
-            batch.pop(0)
-            queue.pop(0)
-        if n:
-            queue[0] = queue[0][n:]
+pwrite_all = pwritev_all  # the name this module has always had for it
 
 
 def check_target(path: str | os.PathLike[str]) -> Path:
@@ -568,9 +556,9 @@ def save_v3(
         for slot, t in planned.items:
             pieces = tensor_pieces(t)
             slot["hash"] = bun_hash_pieces_hex(pieces)
-            pwrite_all(fd, pieces, data_start + slot["off"])
+            pwritev_all(fd, pieces, data_start + slot["off"])
             del pieces
         header_json = _v3json.dumps(planned.header)
         if len(header_json) != header_len:
             raise AssertionError("header length changed while writing")  # hashes are fixed-width
-        pwrite_all(fd, [memoryview(encode_prefix(header_json))], 0)
+        pwritev_all(fd, [memoryview(encode_prefix(header_json))], 0)

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .._vio import preadv_all
 from ..codecs._pieces import cut
 from ..codecs.base import AttachmentData
 from ..errors import (
@@ -27,6 +28,7 @@ from ..errors import (
     BlockReferenceError,
     CacheMismatchError,
     CorruptFileBlockError,
+    ShortReadError,
 )
 from ..schema import Namespace
 from . import _v3json
@@ -138,13 +140,12 @@ class BlockRange(PieceSource):
         return self.fds.fd(self.path, self.where, digest, file, n)
 
     def _pread(self, i: int, dst: memoryview, within: int) -> None:
-        while dst.nbytes:
-            got = os.preadv(self._fd(i), [dst], within)
-            if got <= 0:
-                raise BlockReferenceError(
-                    self.path, f"{self.where}: block {self.files[i][0]} ended early"
-                )
-            dst, within = dst[got:], within + got
+        try:
+            preadv_all(self._fd(i), [dst], within)
+        except ShortReadError:
+            raise BlockReferenceError(
+                self.path, f"{self.where}: block {self.files[i][0]} ended early"
+            ) from None
 
     def readinto(self, dst: memoryview, at: int) -> None:
         while dst.nbytes:
