@@ -14,13 +14,12 @@ import hashlib
 import os
 import re
 import stat
-import tempfile
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._vio import preadv_all
+from .._vio import preadv_all, pwritev_all
 from ..codecs._pieces import cut
 from ..codecs.base import AttachmentData
 from ..errors import (
@@ -32,17 +31,9 @@ from ..errors import (
 )
 from ..schema import Namespace
 from . import _v3json
+from ._frame import PREFIX_LEN, align_up, atomic_file, check_target, encode_prefix, plan_file
 from ._v3io import PieceSource, tensor_pieces, validate_slot
 from .bunhash import bun_hash_pieces_hex
-from .v3 import (
-    PREFIX_LEN,
-    align_up,
-    atomic_file,
-    check_target,
-    encode_prefix,
-    plan_file,
-    pwrite_all,
-)
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "BlockFiles", "block_refs", "block_source", "save_v5"]
 
@@ -241,17 +232,8 @@ def _write_block(root: Path, pieces: list[memoryview]) -> tuple[str, int]:
     n = sum(p.nbytes for p in pieces)
     if target.exists():  # content-addressed: never rewritten
         return digest, n
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{digest[:16]}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)
-        pwrite_all(fd, pieces, 0)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, target)
+    with atomic_file(target, sync_dir=False) as fd:  # the header file's write syncs the dirs
+        pwritev_all(fd, pieces, 0)
     return digest, n
 
 
@@ -291,4 +273,4 @@ def save_v5(
     header_json = _v3json.dumps(planned.header)
     assert align_up(PREFIX_LEN + len(header_json)) == len(encode_prefix(header_json))
     with atomic_file(path) as fd:
-        pwrite_all(fd, [memoryview(encode_prefix(header_json))], 0)
+        pwritev_all(fd, [memoryview(encode_prefix(header_json))], 0)
