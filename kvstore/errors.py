@@ -79,6 +79,10 @@ class CacheMismatchError(KVStoreError, ValueError):
     """The cache list is empty, or disagrees with the tokens or with itself."""
 
 
+class SizeError(KVStoreError, ValueError):
+    """A byte count that cannot be parsed (``10G``, ``500MiB``…)."""
+
+
 class UnsupportedDtypeError(KVStoreError, TypeError):
     """A tensor's dtype is one kvstore could not restore (float64, complex64)."""
 
@@ -142,6 +146,21 @@ class ManifestError(KVStoreError, ValueError):
     """A manifest could not be decoded or is inconsistent."""
 
 
+class ShortReadError(KVStoreError, EOFError):
+    """A positioned read ended at the end of the file before filling its buffers.
+
+    ``offset`` is where the read began, ``want`` the bytes asked for, ``got``
+    the bytes read before the end of the file.
+    """
+
+    def __init__(self, fd: int, offset: int, want: int, got: int) -> None:
+        super().__init__(
+            f"fd {fd}: {got} of {want} bytes read at offset {offset}: the file ends at "
+            f"byte {offset + got}"
+        )
+        self.fd, self.offset, self.want, self.got = fd, offset, want, got
+
+
 # --- files (mlx-bun v3/v4/v5) ------------------------------------------------
 
 
@@ -152,6 +171,10 @@ class FileFormatError(KVStoreError, ValueError):
         super().__init__(f"{path}: {reason}")
         self.path = path
         self.reason = reason
+
+
+class LayerError(KVStoreError, ValueError):
+    """An mlx-bun layer entry that cannot be loaded; the caller adds the file name."""
 
 
 class BadMagicError(FileFormatError):

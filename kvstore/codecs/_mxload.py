@@ -30,15 +30,9 @@ from typing import Any, BinaryIO, cast
 import mlx.core as mx
 
 from ._fork import mlx_guard
-from .layout import itemsize
+from .layout import SAFETENSORS_DTYPES, itemsize
 
 _RELEASE_TIMEOUT = 5.0  # seconds; in practice the reader is gone in microseconds
-
-ST_DTYPE = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16", "int16": "I16",
-    "uint32": "U32", "int32": "I32", "uint64": "U64", "int64": "I64",
-    "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
-}  # fmt: skip
 
 
 class TensorStream(io.RawIOBase):
@@ -59,7 +53,7 @@ class TensorStream(io.RawIOBase):
             for d in shape:
                 n *= d
             header[_name(i)] = {
-                "dtype": ST_DTYPE[dtype],
+                "dtype": SAFETENSORS_DTYPES[dtype],
                 "shape": list(shape),
                 "data_offsets": [offset, offset + n],
             }

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from abc import abstractmethod
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import msgspec
@@ -64,148 +65,171 @@ def _live(cache: Any, arr: mx.array, length: int, token: bool) -> TensorData:
     return TensorData(arr, axis=_SEQ, length=length, token=token)
 
 
-class KVCodec(Codec):
+class _KVLike(Codec):
+    """A cache of keys and values ``[B, H, S, D]`` (mlx-lm's KV kinds); a kind states what differs.
+
+    The rows are the tokens, in order, from the first, while :meth:`aligned` says
+    so: then the tensors go in token blocks, a prefix can be served (and cut back
+    to), and a restore allocates the class's step capacity.
+    """
+
+    mlx_class: ClassVar[Any]  # the exact mlx-lm class
+
+    def matches(self, cache: Any) -> bool:
+        return type(cache) is self.mlx_class
+
+    def snapshot(self, cache: Any) -> Snapshot:
+        if cache.keys is None:
+            raise CacheMismatchError(f"{self.mlx_class.__name__} is empty (no keys)")
+        rows, token = self.rows(cache)
+        rec = self.record(cache)
+        return leaf(rec, tuple(_live(cache, a, rows, token) for a in self.arrays(cache)))
+
+    def rows(self, cache: Any) -> tuple[int, bool]:
+        """Live rows of each tensor, and whether they are the tokens (token blocks)."""
+        return int(cache.offset), True
+
+    def arrays(self, cache: Any) -> tuple[Any, ...]:
+        """The tensors, in record order."""
+        return cache.keys, cache.values
+
+    @abstractmethod
+    def record(self, cache: Any) -> Layer:
+        """The layer record of ``cache`` (tensor specs not yet placed)."""
+
+    def load(self, record: Any, arrays: list[mx.array], n_tokens: int, *, drop: int = 0) -> Any:
+        obj = self.new(record)
+        obj.keys, obj.values = self.pair(arrays)
+        obj.offset = n_tokens
+        self.restore(obj, record, n_tokens, drop)
+        return _keep_extra(obj, record)
+
+    def pair(self, arrays: list[mx.array]) -> tuple[Any, Any]:
+        """The loaded tensors as (keys, values)."""
+        keys, values = arrays
+        return keys, values
+
+    def new(self, record: Any) -> Any:
+        """An empty cache object for ``record``."""
+        return self.mlx_class()
+
+    def restore(self, obj: Any, record: Any, n_tokens: int, drop: int) -> None:
+        """Set what else ``obj`` holds beside keys, values and ``offset = n_tokens``."""
+
+    def aligned(self, record: Any) -> bool:
+        """Whether the stored rows are the tokens, in order, from the first."""
+        return True
+
+    def trimmable(self, record: Any) -> bool:
+        return self.aligned(record)
+
+    def token_capacity(self, record: Any, n_tokens: int) -> int:
+        if not self.aligned(record):
+            return n_tokens
+        return step_capacity(n_tokens, self.mlx_class.step)
+
+    def cut(self, record: Any, n_tokens: int) -> Layer | None:
+        if not self.aligned(record):
+            return None
+        return cut_token_specs(record, n_tokens, offset=n_tokens)
+
+
+class KVCodec(_KVLike):
     kind = "kv"
+    mlx_class = C.KVCache
 
-    def matches(self, cache: Any) -> bool:
-        return type(cache) is C.KVCache
-
-    def snapshot(self, cache: Any) -> Snapshot:
-        if cache.keys is None:
-            raise CacheMismatchError("KVCache is empty (no keys)")
-        n = int(cache.offset)
-        return leaf(
-            KVLayer(offset=n, extra=_extra(cache)),
-            (_live(cache, cache.keys, n, True), _live(cache, cache.values, n, True)),
-        )
-
-    def load(self, record: Any, arrays: list[mx.array], n_tokens: int, *, drop: int = 0) -> Any:
-        obj = C.KVCache()
-        obj.keys, obj.values = arrays
-        obj.offset = n_tokens
-        return _keep_extra(obj, record)
-
-    def trimmable(self, record: Any) -> bool:
-        return True
-
-    def token_capacity(self, record: Any, n_tokens: int) -> int:
-        return step_capacity(n_tokens, C.KVCache.step)
-
-    def cut(self, record: Any, n_tokens: int) -> Layer | None:
-        return cut_token_specs(record, n_tokens, offset=n_tokens)
+    def record(self, cache: Any) -> Layer:
+        return KVLayer(offset=int(cache.offset), extra=_extra(cache))
 
 
-class QuantizedCodec(Codec):
+class QuantizedCodec(_KVLike):
+    """Keys and values are each a (data, scales, biases) triple."""
+
     kind = "qkv"
+    mlx_class = C.QuantizedKVCache
 
-    def matches(self, cache: Any) -> bool:
-        return type(cache) is C.QuantizedKVCache
+    def arrays(self, cache: Any) -> tuple[Any, ...]:
+        return (*cache.keys, *cache.values)
 
-    def snapshot(self, cache: Any) -> Snapshot:
-        if cache.keys is None:
-            raise CacheMismatchError("QuantizedKVCache is empty (no keys)")
-        n = int(cache.offset)
-        parts = [_live(cache, a, n, True) for a in (*cache.keys, *cache.values)]
-        rec = QuantizedLayer(
-            offset=n, group_size=int(cache.group_size), bits=int(cache.bits), extra=_extra(cache)
+    def record(self, cache: Any) -> Layer:
+        return QuantizedLayer(
+            offset=int(cache.offset),
+            group_size=int(cache.group_size),
+            bits=int(cache.bits),
+            extra=_extra(cache),
         )
-        return leaf(rec, tuple(parts))
 
-    def load(self, record: Any, arrays: list[mx.array], n_tokens: int, *, drop: int = 0) -> Any:
-        obj = C.QuantizedKVCache(group_size=record.group_size, bits=record.bits)
+    def pair(self, arrays: list[mx.array]) -> tuple[Any, Any]:
         half = len(arrays) // 2
-        obj.keys, obj.values = tuple(arrays[:half]), tuple(arrays[half:])
-        obj.offset = n_tokens
-        return _keep_extra(obj, record)
+        return tuple(arrays[:half]), tuple(arrays[half:])
 
-    def trimmable(self, record: Any) -> bool:
-        return True
-
-    def token_capacity(self, record: Any, n_tokens: int) -> int:
-        return step_capacity(n_tokens, C.QuantizedKVCache.step)
-
-    def cut(self, record: Any, n_tokens: int) -> Layer | None:
-        return cut_token_specs(record, n_tokens, offset=n_tokens)
+    def new(self, record: Any) -> Any:
+        return self.mlx_class(group_size=record.group_size, bits=record.bits)
 
 
-class RotatingCodec(Codec):
+class RotatingCodec(_KVLike):
     """The ring is state (its rows are not in token order once it wraps)."""
 
     kind = "rotating"
+    mlx_class = C.RotatingKVCache
 
-    def matches(self, cache: Any) -> bool:
-        return type(cache) is C.RotatingKVCache
-
-    def snapshot(self, cache: Any) -> Snapshot:
-        if cache.keys is None:
-            raise CacheMismatchError("RotatingKVCache is empty (no keys)")
+    def rows(self, cache: Any) -> tuple[int, bool]:
         _check_rank(cache, cache.keys)
-        rows = min(int(cache.offset), cache.keys.shape[_SEQ])
-        rec = RotatingLayer(
+        return min(int(cache.offset), cache.keys.shape[_SEQ]), False
+
+    def record(self, cache: Any) -> Layer:
+        return RotatingLayer(
             offset=int(cache.offset),
             max_size=int(cache.max_size),
             keep=int(cache.keep),
             idx=int(cache._idx),
             extra=_extra(cache),
         )
-        return leaf(
-            rec, (_live(cache, cache.keys, rows, False), _live(cache, cache.values, rows, False))
-        )
 
-    def load(self, record: Any, arrays: list[mx.array], n_tokens: int, *, drop: int = 0) -> Any:
-        obj = C.RotatingKVCache(max_size=record.max_size, keep=record.keep)
-        obj.keys, obj.values = arrays
+    def new(self, record: Any) -> Any:
+        return self.mlx_class(max_size=record.max_size, keep=record.keep)
+
+    def restore(self, obj: Any, record: Any, n_tokens: int, drop: int) -> None:
         obj.offset = record.offset
         obj._idx = record.idx
         if drop:
             obj.trim(drop)
-        return _keep_extra(obj, record)
+
+    def aligned(self, record: Any) -> bool:
+        return False
 
     def trimmable(self, record: Any) -> bool:
         return bool(record.offset < record.max_size)
 
 
-class ChunkedCodec(Codec):
+class ChunkedCodec(_KVLike):
     """Token-aligned while nothing was dropped from the front; state after."""
 
     kind = "chunked"
+    mlx_class = C.ChunkedKVCache
 
-    def matches(self, cache: Any) -> bool:
-        return type(cache) is C.ChunkedKVCache
-
-    def snapshot(self, cache: Any) -> Snapshot:
-        if cache.keys is None:
-            raise CacheMismatchError("ChunkedKVCache is empty (no keys)")
+    def rows(self, cache: Any) -> tuple[int, bool]:
         start = int(cache.start_position)
-        rows = int(cache.offset) - start
-        token = start == 0
-        rec = ChunkedLayer(
+        return int(cache.offset) - start, start == 0
+
+    def record(self, cache: Any) -> Layer:
+        return ChunkedLayer(
             offset=int(cache.offset),
             chunk_size=int(cache.chunk_size),
-            start_position=start,
+            start_position=int(cache.start_position),
             extra=_extra(cache),
         )
-        return leaf(
-            rec, (_live(cache, cache.keys, rows, token), _live(cache, cache.values, rows, token))
-        )
 
-    def load(self, record: Any, arrays: list[mx.array], n_tokens: int, *, drop: int = 0) -> Any:
-        obj = C.ChunkedKVCache(record.chunk_size)
-        obj.keys, obj.values = arrays
+    def new(self, record: Any) -> Any:
+        return self.mlx_class(record.chunk_size)
+
+    def restore(self, obj: Any, record: Any, n_tokens: int, drop: int) -> None:
         obj.start_position = record.start_position
-        obj.offset = n_tokens if record.start_position == 0 else record.offset
-        return _keep_extra(obj, record)
+        if not self.aligned(record):
+            obj.offset = record.offset
 
-    def trimmable(self, record: Any) -> bool:
+    def aligned(self, record: Any) -> bool:
         return bool(record.start_position == 0)
-
-    def token_capacity(self, record: Any, n_tokens: int) -> int:
-        return step_capacity(n_tokens, C.ChunkedKVCache.step)
-
-    def cut(self, record: Any, n_tokens: int) -> Layer | None:
-        if record.start_position != 0:
-            return None
-        return cut_token_specs(record, n_tokens, offset=n_tokens)
 
 
 def _arrays_classes() -> dict[str, type]:

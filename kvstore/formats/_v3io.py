@@ -12,7 +12,6 @@ live rows, ready for ``os.pwritev`` and for hashing piece by piece.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,12 +19,15 @@ from typing import Any
 
 import mlx.core as mx
 
+from .._vio import preadv_all
 from ..codecs._mxload import TensorStream, load_tensors
 from ..codecs.base import TensorData
+from ..codecs.layout import DTYPES, MLX_BUN_DTYPES
 from ..errors import (
     AllocationBoundError,
     FileFormatError,
     HeaderFieldError,
+    ShortReadError,
     TensorHashMismatchError,
     TensorOutOfBoundsError,
     TensorOverlapError,
@@ -35,22 +37,6 @@ from ..errors import (
 )
 from .bunhash import BunHasher
 
-# mlx dtype name -> (bytes per element, safetensors dtype code)
-DTYPES: dict[str, tuple[int, str]] = {
-    "bool": (1, "BOOL"),
-    "uint8": (1, "U8"),
-    "uint16": (2, "U16"),
-    "uint32": (4, "U32"),
-    "uint64": (8, "U64"),
-    "int8": (1, "I8"),
-    "int16": (2, "I16"),
-    "int32": (4, "I32"),
-    "int64": (8, "I64"),
-    "float16": (2, "F16"),
-    "bfloat16": (2, "BF16"),
-    "float32": (4, "F32"),
-    "float64": (8, "F64"),
-}
 _HEX16 = re.compile(r"[0-9a-f]{16}")  # fullmatch: Python's `$` would allow a final newline
 MAX_NDIM = 64  # MLX's limit on dimensions
 MAX_DIM = 2**31 - 1  # MLX holds shapes as int32: a larger dim is silently truncated
@@ -64,9 +50,10 @@ _BOUNCE = 1 << 20
 def dtype_of(arr: mx.array) -> str:
     """The dtype name mlx-bun writes (``bfloat16``, ``uint32``, …)."""
     name = str(arr.dtype).rsplit(".", 1)[-1]
-    if name not in DTYPES:
+    bun = DTYPES[name].mlx_bun if name in DTYPES else None
+    if bun is None:
         raise TypeError(f"dtype {name} cannot be stored in an mlx-bun file")
-    return name
+    return bun
 
 
 def _nonneg_int(v: Any) -> bool:
@@ -100,9 +87,9 @@ def validate_slot(path: str, slot: Any, where: str, *, v5: bool = False) -> int:
             path, f"{where}: shape {_short(shape)} has dimension {big[0]} >= 2**31 "
             f"(MLX would truncate it)"
         )
-    if dtype not in DTYPES:
+    if dtype not in MLX_BUN_DTYPES:
         raise HeaderFieldError(path, f"{where}: unsupported dtype {_short(dtype)}")
-    want = DTYPES[dtype][0]
+    want = MLX_BUN_DTYPES[dtype].itemsize
     for d in shape:
         want *= d
     if want == 0 and len(shape) > 1:
@@ -146,12 +133,12 @@ class FileRange(PieceSource):
         self.path, self.fd, self.base, self.stored_len = path, fd, base, length
 
     def readinto(self, dst: memoryview, at: int) -> None:
-        pos = self.base + at
-        while dst.nbytes:
-            n = os.preadv(self.fd, [dst], pos)
-            if n <= 0:
-                raise TruncatedFileError(self.path, f"file ends at byte {pos}, inside a tensor")
-            dst, pos = dst[n:], pos + n
+        try:
+            preadv_all(self.fd, [dst], self.base + at)
+        except ShortReadError as e:
+            raise TruncatedFileError(
+                self.path, f"file ends at byte {e.offset + e.got}, inside a tensor"
+            ) from None
 
 
 def check_slot(
@@ -248,7 +235,7 @@ class TensorPlan:
                 )
             if capacity > MAX_DIM:
                 raise TensorShapeError(path, f"{where}: capacity {capacity} rows is >= 2**31")
-            inner = DTYPES[slot["dtype"]][0] * shape[3]
+            inner = MLX_BUN_DTYPES[slot["dtype"]].itemsize * shape[3]
             run, gap = shape[2] * inner, (capacity - shape[2]) * inner
             shape[2] = capacity
         expected = None
@@ -325,7 +312,7 @@ class _PlanStream(TensorStream):
     """The planned tensors of a v3/v5 file as one synthetic safetensors stream."""
 
     def __init__(self, plans: Sequence[TensorPlan], errors: list[BaseException]) -> None:
-        super().__init__([(p.slot["dtype"], p.shape) for p in plans], errors)
+        super().__init__([(MLX_BUN_DTYPES[p.slot["dtype"]].name, p.shape) for p in plans], errors)
         self._plans = plans
 
     def fill(self, index: int, offset: int, out: memoryview) -> None:

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from ..codecs.base import TensorData, codec_for_record, snapshot
 from ..codecs.raw import RawCache
-from ..errors import CacheMismatchError
+from ..errors import CacheMismatchError, LayerError
 from ..schema import ArraysLayer, KVLayer, Layer, QuantizedLayer, RawLayer, RotatingLayer
 from . import _v3json
 
@@ -53,10 +53,6 @@ _RAW_FIELDS = {
     "mtp-mla": ("offset", "kvLoraRank", "ropeHeadDim"),
 }
 _SAFE_INT = 2**53 - 1  # Number.isSafeInteger
-
-
-class LayerError(ValueError):
-    """A layer entry that cannot be loaded; the caller adds the file name."""
 
 
 def _int(entry: dict[str, Any], key: str) -> int:

@@ -14,24 +14,21 @@ live rows, goes to ``os.pwritev``.
 
 from __future__ import annotations
 
-import errno
 import os
 import struct
-import tempfile
-import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from ..codecs.base import AttachmentData, TensorData
+from .._vio import pwritev_all
+from ..codecs.base import AttachmentData
 from ..errors import (
     BadMagicError,
     CacheMismatchError,
     CodecProviderMismatchError,
     HeaderFieldError,
     HeaderHashMismatchError,
+    LayerError,
     MalformedHeaderError,
     NamespaceMismatchError,
     TruncatedFileError,
@@ -39,19 +36,32 @@ from ..errors import (
 )
 from ..schema import Namespace
 from . import _v3json
+from ._frame import (
+    ALIGN,
+    CODEC_PROVIDER,
+    MAGIC,
+    NS_FIELDS,
+    PREFIX_LEN,
+    align_up,
+    atomic_file,
+    check_target,
+    encode_prefix,
+    plan_file,
+)
+from ._frame import HASH_PLACEHOLDER as HASH_PLACEHOLDER
 from ._v3io import (
     PieceSource,
     TensorPlan,
     check_allocation,
     check_overlaps,
     check_slot,
-    dtype_of,
     load_arrays,
     tensor_pieces,
     validate_slot,
 )
-from ._v3kinds import KNOWN_KINDS, LayerError, LayerPlan, build_layer, dump_layer, plan_layer
+from ._v3kinds import KNOWN_KINDS, LayerPlan, build_layer, plan_layer
 from .bunhash import bun_hash, bun_hash_pieces_hex
+from .v5file import BlockFiles, block_refs, block_source
 
 __all__ = [
     "ALIGN",
@@ -65,23 +75,7 @@ __all__ = [
     "save_v3",
 ]
 
-MAGIC = b"MLXBUNKV2\n"
-ALIGN = 16384
-PREFIX_LEN = len(MAGIC) + 4 + 4 + 8
-CODEC_PROVIDER = "mlx-cache-v3"
 SUPPORTED_VERSIONS = (3, 4, 5)
-HASH_PLACEHOLDER = "0" * 16
-_NS_FIELDS = (
-    ("modelId", "model_id"),
-    ("configFingerprint", "config_fingerprint"),
-    ("tokenizerHash", "tokenizer_hash"),
-    ("ns", "ns"),
-)
-
-
-def align_up(n: int) -> int:
-    """``n`` rounded up to the 16 KiB tensor alignment."""
-    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True)
@@ -298,8 +292,6 @@ def check_header(info: HeaderInfo, *, verify: bool = False) -> CheckedHeader:
 
     def add(slot: Any, what: str, cap: int | None) -> None:
         if v5:
-            from .v5file import block_refs
-
             n = sum(size for _, size in block_refs(p, slot, what))
         else:
             n = validate_slot(p, slot, what)
@@ -340,7 +332,7 @@ def _check_identity(info: HeaderInfo, namespace: Namespace | None) -> None:
         )
     if namespace is None:
         return
-    for key, attr in _NS_FIELDS:
+    for key, attr in NS_FIELDS:
         want = getattr(namespace, attr)
         got = h.get(key, "" if want == "" else None)
         if got != want:
@@ -367,8 +359,6 @@ def load_v3(
         plans = checked.layers
         tensors = checked.tensors
         if info.format_version == 5:
-            from .v5file import BlockFiles, block_source
-
             fds = BlockFiles()  # shared: a bounded number of block fds open at once
             for t in tensors:
                 t.source = block_source(p, t.slot, t.where, fds)
@@ -407,137 +397,7 @@ def load_v3(
 # --- writing -----------------------------------------------------------------
 
 
-@dataclass
-class _Planned:
-    """The header (with placeholder hashes) and each tensor beside its slot."""
-
-    header: dict[str, Any]
-    items: list[tuple[dict[str, Any], TensorData]]
-
-
-def _slot(t: TensorData, off: int) -> dict[str, Any]:
-    shape = list(t.shape)
-    nbytes = t.array.itemsize
-    for d in shape:
-        nbytes *= d
-    return {"off": off, "bytes": nbytes, "shape": shape, "dtype": dtype_of(t.array),
-            "hash": HASH_PLACEHOLDER}
-
-
-def plan_file(
-    tokens: Sequence[int],
-    cache: Sequence[Any],
-    *,
-    version: int,
-    namespace: Namespace | None,
-    attachments: Sequence[AttachmentData] | None,
-    created_at: int | None,
-    metadata: Mapping[str, str] | None = None,
-) -> _Planned:
-    """Lay out header and tensors exactly as mlx-bun's ``planKvCache`` does.
-
-    ``metadata`` (string pairs, e.g. mlx-lm's ``cache_type``) goes into a header
-    field ``metadata`` of its own, which mlx-bun's reader ignores; none when empty.
-    """
-    toks = [int(t) for t in tokens]
-    items: list[tuple[dict[str, Any], TensorData]] = []
-    entries = []
-    cursor = 0
-    for layer in cache:
-        out = dump_layer(layer, len(toks))
-        slots = []
-        for t in out.tensors:
-            s = _slot(t, align_up(cursor))
-            cursor = s["off"] + s["bytes"]
-            slots.append(s)
-            items.append((s, t))
-        entries.append(out.make_entry(slots))
-    att_out = []
-    for a in attachments or ():
-        slots = []
-        for arr in a.tensors:
-            # mlx-bun places an attachment tensor at the cursor, then aligns.
-            s = _slot(TensorData(arr), cursor)
-            cursor = align_up(cursor + s["bytes"])
-            slots.append(s)
-            items.append((s, TensorData(arr)))
-        att_out.append({"schema": a.schema, "metadata": _v3json.RawJSON(a.metadata or b"{}"),
-                        "tensors": slots})
-    header: dict[str, Any] = {
-        "formatVersion": version,
-        "createdAt": int(time.time() * 1000) if created_at is None else int(created_at),
-    }
-    if namespace is not None:
-        for key, attr in _NS_FIELDS:
-            header[key] = getattr(namespace, attr)
-    if metadata:
-        header["metadata"] = {k: metadata[k] for k in sorted(metadata)}
-    if att_out:
-        header["attachments"] = att_out
-    header["codecProvider"] = CODEC_PROVIDER
-    header["tokens"] = toks
-    header["caches"] = entries
-    return _Planned(header, items)
-
-
-def encode_prefix(header_json: bytes) -> bytes:
-    """Magic, lengths, header hash, header and zero padding up to dataStart."""
-    data_start = align_up(PREFIX_LEN + len(header_json))
-    pre = bytearray(data_start)
-    pre[: len(MAGIC)] = MAGIC
-    struct.pack_into("<IIQ", pre, len(MAGIC), len(header_json), data_start, bun_hash(header_json))
-    pre[PREFIX_LEN : PREFIX_LEN + len(header_json)] = header_json
-    return bytes(pre)
-
-
-def pwrite_all(fd: int, pieces: Sequence[memoryview], at: int) -> None:
-    """Write every piece, in order, from file offset ``at`` (short writes retried)."""
-    iov_max = 512
-    queue = [p for p in pieces if p.nbytes]
-    while queue:
-        batch = queue[:iov_max]
-        n = os.pwritev(fd, batch, at)
-        at += n
-        while batch and n >= batch[0].nbytes:
-            n -= batch[0].nbytes
-            batch.pop(0)
-            queue.pop(0)
-        if n:
-            queue[0] = queue[0][n:]
-
-
-def check_target(path: str | os.PathLike[str]) -> Path:
-    """``path`` as a Path, refused before any work when it names a directory."""
-    target = Path(path)
-    if target.is_dir():
-        raise IsADirectoryError(errno.EISDIR, "is a directory, not a file to write", str(target))
-    return target
-
-
-@contextmanager
-def atomic_file(path: str | os.PathLike[str]) -> Iterator[int]:
-    """A temp file beside ``path``: fsync'd and renamed over it when the block succeeds."""
-    target = check_target(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)
-        yield fd
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    try:
-        os.replace(tmp, target)
-    except BaseException:  # a directory made there meanwhile, say: leave nothing beside it
-        os.unlink(tmp)
-        raise
-    dfd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+pwrite_all = pwritev_all  # the name this module has always had for it
 
 
 def save_v3(
@@ -567,9 +427,9 @@ def save_v3(
         for slot, t in planned.items:
             pieces = tensor_pieces(t)
             slot["hash"] = bun_hash_pieces_hex(pieces)
-            pwrite_all(fd, pieces, data_start + slot["off"])
+            pwritev_all(fd, pieces, data_start + slot["off"])
             del pieces
         header_json = _v3json.dumps(planned.header)
         if len(header_json) != header_len:
             raise AssertionError("header length changed while writing")  # hashes are fixed-width
-        pwrite_all(fd, [memoryview(encode_prefix(header_json))], 0)
+        pwritev_all(fd, [memoryview(encode_prefix(header_json))], 0)

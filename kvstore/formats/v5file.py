@@ -14,12 +14,12 @@ import hashlib
 import os
 import re
 import stat
-import tempfile
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .._vio import preadv_all, pwritev_all
 from ..codecs._pieces import cut
 from ..codecs.base import AttachmentData
 from ..errors import (
@@ -27,20 +27,13 @@ from ..errors import (
     BlockReferenceError,
     CacheMismatchError,
     CorruptFileBlockError,
+    ShortReadError,
 )
 from ..schema import Namespace
 from . import _v3json
+from ._frame import PREFIX_LEN, align_up, atomic_file, check_target, encode_prefix, plan_file
 from ._v3io import PieceSource, tensor_pieces, validate_slot
 from .bunhash import bun_hash_pieces_hex
-from .v3 import (
-    PREFIX_LEN,
-    align_up,
-    atomic_file,
-    check_target,
-    encode_prefix,
-    plan_file,
-    pwrite_all,
-)
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "BlockFiles", "block_refs", "block_source", "save_v5"]
 
@@ -138,13 +131,12 @@ class BlockRange(PieceSource):
         return self.fds.fd(self.path, self.where, digest, file, n)
 
     def _pread(self, i: int, dst: memoryview, within: int) -> None:
-        while dst.nbytes:
-            got = os.preadv(self._fd(i), [dst], within)
-            if got <= 0:
-                raise BlockReferenceError(
-                    self.path, f"{self.where}: block {self.files[i][0]} ended early"
-                )
-            dst, within = dst[got:], within + got
+        try:
+            preadv_all(self._fd(i), [dst], within)
+        except ShortReadError:
+            raise BlockReferenceError(
+                self.path, f"{self.where}: block {self.files[i][0]} ended early"
+            ) from None
 
     def readinto(self, dst: memoryview, at: int) -> None:
         while dst.nbytes:
@@ -240,17 +232,8 @@ def _write_block(root: Path, pieces: list[memoryview]) -> tuple[str, int]:
     n = sum(p.nbytes for p in pieces)
     if target.exists():  # content-addressed: never rewritten
         return digest, n
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{digest[:16]}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)
-        pwrite_all(fd, pieces, 0)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, target)
+    with atomic_file(target, sync_dir=False) as fd:  # the header file's write syncs the dirs
+        pwritev_all(fd, pieces, 0)
     return digest, n
 
 
@@ -290,4 +273,4 @@ def save_v5(
     header_json = _v3json.dumps(planned.header)
     assert align_up(PREFIX_LEN + len(header_json)) == len(encode_prefix(header_json))
     with atomic_file(path) as fd:
-        pwrite_all(fd, [memoryview(encode_prefix(header_json))], 0)
+        pwritev_all(fd, [memoryview(encode_prefix(header_json))], 0)

@@ -9,16 +9,17 @@ allocated with spare rows (a KVCache's step capacity); those are zeroed.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from .._vio import preadv_all
 from ..blocks import BlockCheck
 from ..blocks.local import READ_WORKERS, read_pool
 from ..codecs._mxload import TensorStream, load_tensors
 from ..codecs.layout import block_rows, geometry, spec_nbytes
+from ..errors import ShortReadError
 from ..schema import TensorSpec
 
 _ZEROS = bytes(1 << 20)
@@ -226,17 +227,16 @@ class _Read:
         pos = self.offset
         for i in range(0, len(self.views), _IOV_MAX):
             batch = self.views[i : i + _IOV_MAX]
-            want = sum(len(v) for v in batch)
             try:
-                got = os.preadv(self.fd, batch, pos)
+                preadv_all(self.fd, batch, pos)
+            except ShortReadError as e:
+                self.check.fail(self.slot, f"{e.got} of {e.want} bytes at offset {pos}")
+                return
             except OSError as e:
                 self.check.fail(self.slot, f"a read error ({e.strerror})")
                 return
-            if got != want:
-                self.check.fail(self.slot, f"{got} of {want} bytes at offset {pos}")
-                return
             self.check.feed(self.slot, pos, batch)
-            pos += got
+            pos += sum(len(v) for v in batch)
 
 
 def _run_group(group: list[_Read]) -> None:

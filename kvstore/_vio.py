@@ -1,0 +1,93 @@
+"""Positioned vectored I/O, written once: every buffer filled, every byte written.
+
+``os.preadv``/``os.pwritev`` may move fewer bytes than asked (a signal, a
+file that ends, a pipe-like filesystem) and take at most IOV_MAX buffers a
+call. These loops retry the rest, a batch at a time, without copying: the
+caller's memoryviews go to the kernel as they are, and only a buffer cut by a
+short transfer is re-sliced (a view, not a copy).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Sequence
+
+from .errors import ShortReadError
+
+__all__ = ["IOV_MAX", "preadv_all", "pwritev_all"]
+
+#: Buffers handed to one system call (Linux and macOS allow 1024).
+IOV_MAX = 1024
+
+
+def preadv_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
+    """Fill every buffer of ``views``, in order, from ``offset`` of ``fd``.
+
+    Raises :class:`~kvstore.errors.ShortReadError` when the file ends first
+    (its ``got`` counts the bytes this call read), ``OSError`` when a read fails.
+    """
+    pos = offset
+    for i in range(0, len(views), IOV_MAX):
+        batch = views[i : i + IOV_MAX]
+        want = sum(v.nbytes for v in batch)
+        got = _preadv(fd, batch, pos)
+        if got != want:  # short (rare): the rest of this batch, or the end of the file
+            _read_rest(fd, batch, pos, got, offset, views)
+        pos += want
+
+
+def _preadv(fd: int, batch: Sequence[memoryview], pos: int) -> int:
+    while True:
+        try:
+            return os.preadv(fd, batch, pos)
+        except InterruptedError:  # a signal handler ran and returned: read again
+            continue
+
+
+def _read_rest(
+    fd: int, batch: Sequence[memoryview], pos: int, got: int, offset: int,
+    views: Sequence[memoryview],
+) -> None:
+    """Read what ``batch`` still lacks after ``got`` of its bytes came from ``pos``."""
+    rest = list(batch)
+    while got:
+        pos += _consume(rest, got)
+        if not rest:
+            return
+        got = _preadv(fd, rest, pos)
+    raise ShortReadError(fd, offset, sum(v.nbytes for v in views), pos - offset)
+
+
+def _consume(queue: list[memoryview], n: int) -> int:
+    """Drop the first ``n`` bytes of ``queue`` (buffers done, then a buffer's head); ``n``."""
+    done = n
+    while queue and n >= queue[0].nbytes:
+        n -= queue.pop(0).nbytes
+    if n:
+        queue[0] = _as_bytes(queue[0])[n:]
+    return done
+
+
+def _as_bytes(v: memoryview) -> memoryview:
+    """``v`` as a flat view of bytes, so a slice cuts bytes, not elements (no copy)."""
+    return v if v.format == "B" and v.ndim == 1 else v.cast("B")
+
+
+def pwritev_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
+    """Write every buffer of ``views``, in order, from ``offset`` of ``fd``."""
+    queue = [v for v in views if v.nbytes]
+    at, i = offset, 0
+    while i < len(queue):
+        try:
+            n = os.pwritev(fd, queue[i : i + IOV_MAX], at)
+        except InterruptedError:  # a signal handler ran and returned: write again
+            continue
+        if n == 0:  # no progress on a non-empty write: fail, never spin
+            raise OSError(errno.EIO, f"pwritev wrote 0 bytes at offset {at} of fd {fd}")
+        at += n
+        while i < len(queue) and n >= queue[i].nbytes:
+            n -= queue[i].nbytes
+            i += 1
+        if n:
+            queue[i] = _as_bytes(queue[i])[n:]
