@@ -17,34 +17,26 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal
 
 import click
 
 from . import render as H
 from ._util import (
-    DEFAULT_GRACE,
     ByteSize,
     Options,
     UserError,
-    backend,
-    call_with_progress,
     common,
     debug_option,
     emit,
+    grace_default,
     json_option,
-    manifests,
-    method,
     ns_matches,
     open_store,
     opts,
     progress,
     resolve_all,
-    unique_bytes,
 )
-
-if TYPE_CHECKING:
-    from ..store import Store
 
 __all__ = ["cli", "main"]
 
@@ -101,13 +93,12 @@ def stats(as_json: bool) -> None:
     Entries, blocks, logical vs stored bytes, the dedup ratio, the byte budget (when one
     is recorded), unreferenced blocks awaiting compact, and the lookup hit rate.
     """
+    from ..store.gc import DEFAULT_GRACE
+
     with open_store() as store:
         st = store.stats()
         s = store.settings
-        with store.index.read() as txn:
-            zero = [(r.size, r.zero_since) for _, r in store.index.iter_refs(txn)
-                    if r.refcount == 0]
-        budget = _recorded_budget(store)
+        zero = store.unreferenced_blocks()
     # What a plain 'kvstore compact' (default grace) would free now, and what it keeps
     cutoff = int(time.time() * 1000) - int(DEFAULT_GRACE * 1000)
     held = [(size, since) for size, since in zero if since > cutoff]
@@ -120,7 +111,7 @@ def stats(as_json: bool) -> None:
         "unreferenced_held_blocks": len(held),
         "unreferenced_held_bytes": sum(z for z, _ in held),
         "unreferenced_held_until": held_until,
-        "budget_bytes": budget,
+        "budget_bytes": None,  # a root records no budget: one is given per process
         "hit_rate": st.hits / st.lookups if st.lookups else None,
     }
     if as_json:
@@ -139,11 +130,7 @@ def stats(as_json: bool) -> None:
                   f"{H.format_bytes(max(st.logical_bytes - st.physical_bytes, 0))})"),
     ]
     if zero:
-        rows.append(("unreferenced", _unreferenced_text(zero, held, held_until)))
-    if budget is not None:
-        use = st.physical_bytes / budget if budget else 0.0
-        rows.append(("budget", f"{H.format_bytes(st.physical_bytes)} of {H.format_bytes(budget)}"
-                               f" ({use:.0%})"))
+        rows.append(("unreferenced", _unreferenced_text(zero, held, held_until, DEFAULT_GRACE)))
     if st.lookups:
         rows.append(("hit rate", f"{st.hits / st.lookups:.1%} ({H.format_count(st.hits)} of "
                                  f"{H.plural(st.lookups, 'lookup')})"))
@@ -154,31 +141,20 @@ def stats(as_json: bool) -> None:
 
 
 def _unreferenced_text(zero: list[tuple[int, int]], held: list[tuple[int, int]],
-                       held_until: int | None) -> str:
+                       held_until: int | None, grace: float) -> str:
     """What compact frees now and what only ``--grace 0`` would: never a promise it breaks."""
     def blocks(items: list[tuple[int, int]]) -> str:
         return f"{H.plural(len(items), 'block')}, {H.format_bytes(sum(z for z, _ in items))}"
 
     if held_until is None:
         return f"{blocks(zero)} (freed by 'kvstore compact')"
-    keep = H.grace_hold(DEFAULT_GRACE, held_until)
+    keep = H.grace_hold(grace, held_until)
     if len(held) == len(zero):
         return f"{blocks(zero)}, {keep}"
     due = len(zero) - len(held)
     due_bytes = sum(z for z, _ in zero) - sum(z for z, _ in held)
     return (f"{blocks(zero)}: {H.plural(due, 'block')}, {H.format_bytes(due_bytes)} freed by "
             f"'kvstore compact'; {blocks(held)} {keep}")
-
-
-def _recorded_budget(store: Store) -> int | None:
-    """The byte budget the store enforces, when it has one.
-
-    A root records no budget of its own (a budget is given per process, to
-    ``Store.open(max_bytes=)``, ``kvstore serve --max-bytes`` or ``kvstore compact``),
-    so this is None unless the store was opened with one.
-    """
-    v = getattr(store, "max_bytes", None)
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 _SORTS: dict[str, Callable[[Any], Any]] = {
@@ -207,7 +183,7 @@ def ls_(sort_key: str, reverse: bool, namespace: str | None, as_json: bool) -> N
     with open_store() as store:
         items = [e for e in store.entries() if ns_matches(e.namespace, namespace)]
         items.sort(key=_SORTS[sort_key], reverse=not reverse)
-        uniq = unique_bytes(store, manifests(store, [e.id for e in items]))
+        uniq = store.unique_bytes(store.manifests([e.id for e in items]))
     if as_json:
         emit({"root": str(store.root),
               "entries": [H.entry_json(e, uniq.get(e.id, 0)) for e in items]})
@@ -238,22 +214,14 @@ def show(entry: str, all_tokens: bool, as_json: bool) -> None:
         eid = store.resolve(entry)
         m = store.manifest(eid)
         rec = next((e for e in store.entries() if e.id == eid), None)
-        uniq = unique_bytes(store, {eid: m})[eid]
-        with store.index.read() as txn:
-            refs = {d: store.index.get_ref(d, txn) for d in (*m.token_blocks, *m.state_blocks)}
+        uniq = store.unique_bytes({eid: m})[eid]
+        refs = store.block_refs((*m.token_blocks, *m.state_blocks))
     tokens = list(P.tokens_from_le(m.tokens))
     if as_json:
         emit(H.manifest_json(eid, m, tokens, rec, uniq, refs))
     else:
         click.echo("\n".join(H.manifest_lines(eid, m, tokens, rec, uniq, refs,
                                               all_tokens=all_tokens)))
-
-
-
-
-
-
-
 
 
 @cli.command()
@@ -269,7 +237,7 @@ def tree(namespace: str | None, as_json: bool) -> None:
     """
     with open_store() as store:
         entries = [e for e in store.entries() if ns_matches(e.namespace, namespace)]
-        forest = H.build_forest(entries, manifests(store, [e.id for e in entries]))
+        forest = H.build_forest(entries, store.manifests([e.id for e in entries]))
     if as_json:
         emit({"root": str(store.root), "namespaces": [t.to_json() for t in forest]})
     elif not forest:
@@ -298,8 +266,8 @@ def rm(entries: tuple[str, ...], as_json: bool) -> None:
     """
     with open_store() as store:
         ids = resolve_all(store, entries)  # every id checked before anything is removed
-        ms = manifests(store, ids)
-        uniq = unique_bytes(store, ms)
+        ms = store.manifests(ids)
+        uniq = store.unique_bytes(ms)
         removed = [i for i in ids if store.delete(i)]
     freed = sum(uniq[i] for i in removed)
     if as_json:
@@ -323,7 +291,7 @@ def rm(entries: tuple[str, ...], as_json: bool) -> None:
               help="Evict least recently used entries until the root fits (e.g. 10G, 500MiB).")
 @click.option("--namespace-max-bytes", type=ByteSize(), default=None, metavar="SIZE",
               help="Also cap each namespace at SIZE.")
-@click.option("--grace", type=click.FloatRange(min=0), default=DEFAULT_GRACE, show_default=True,
+@click.option("--grace", type=click.FloatRange(min=0), default=grace_default, show_default=True,
               metavar="SECONDS", help="Keep unreferenced blocks and temp files this long.")
 @click.option("--dry-run", is_flag=True, help="Report what would be removed; change nothing.")
 @json_option
@@ -337,10 +305,8 @@ def compact(max_bytes: int | None, namespace_max_bytes: int | None, grace: float
     temp files.
     """
     with open_store() as store:
-        run = method(store, "compact", "compact")
-        report = call_with_progress(run, "compact", max_bytes=max_bytes,
-                                    namespace_max_bytes=namespace_max_bytes, grace=grace,
-                                    dry_run=dry_run)
+        report = store.compact(max_bytes=max_bytes, namespace_max_bytes=namespace_max_bytes,
+                               grace=grace, dry_run=dry_run)
     data = H.report_dict(report)
     if as_json:
         emit({"root": str(store.root), "dry_run": dry_run, "report": data})
@@ -376,11 +342,9 @@ def verify(read_data: bool, repair: bool, dry_run: bool, as_json: bool) -> None:
     if dry_run and not repair:
         raise UserError("--dry-run goes with --repair (verify alone changes nothing)")
     with open_store() as store:
-        run = method(store, "verify", "verify")
-        report = call_with_progress(run, "verify", read_data=read_data, repair=repair,
-                                    **({"dry_run": True} if dry_run else {}))
+        report = store.verify(read_data=read_data, repair=repair, dry_run=dry_run)
     data = H.report_dict(report)
-    sound = bool(getattr(report, "sound", data.get("sound", False)))
+    sound = report.sound
     if as_json:
         emit({"root": str(store.root), "sound": sound, "dry_run": dry_run, "report": data})
     else:
@@ -446,19 +410,18 @@ def import_(files: tuple[Path, ...], as_json: bool) -> None:
     done: list[dict[str, Any]] = []
     failed: list[dict[str, str]] = []
     with open_store() as store, progress(len(files), "import", "file") as advance:
-        run = method(store, "import_file", "import")
         for f in files:
             try:
                 if not f.is_file():
                     raise UserError("no such file" if not f.exists() else "not a file")
-                info = run(f)
+                info = store.import_file(f)
             except (KVStoreError, UserError, OSError) as e:
                 line = _oserror_line(e) if isinstance(e, OSError) and not isinstance(
                     e, KVStoreError) else str(e)
                 failed.append({"file": str(f), "error": line if str(f) in line else f"{f}: {line}"})
                 click.echo(f"kvstore: error: {failed[-1]['error']}", err=True)
             else:
-                status = "imported" if getattr(info, "created", True) else "present"
+                status = "imported" if info.created else "present"
                 done.append({"file": str(f), "status": status, **H.report_dict(info)})
                 if not as_json and not opts().quiet:
                     click.echo(_import_line(done[-1]))
@@ -484,17 +447,16 @@ def _import_line(d: dict[str, Any]) -> str:
               help="v3: one self-contained file; v5: a manifest file plus blocks/ beside it.")
 @json_option
 @common
-def export(entry: str, path: Path, fmt: str, as_json: bool) -> None:
+def export(entry: str, path: Path, fmt: Literal["v3", "v5"], as_json: bool) -> None:
     """Write one entry as an mlx-bun cache file.
 
     ENTRY is an id or a unique prefix of one.
     """
     with open_store() as store:
-        run = method(store, "export", "export")
         eid = store.resolve(entry)
         n_tokens = store.manifest(eid).n_tokens
         with progress(None, "export") as advance:
-            run(eid, path, format=fmt)
+            store.export(eid, path, format=fmt)
             advance(1)
     size = path.stat().st_size if path.is_file() else None
     if as_json:
@@ -519,9 +481,8 @@ def inspect_(file: Path, all_tokens: bool, as_json: bool) -> int:
     mlx-bun's reader checks it (a malformed file is an error, exit 2); a file
     that ends before its header or tensors do is reported as truncated (exit 1).
     """
-    read_header = backend("kvstore.formats.v3", "read_header", "inspect")
-    check_header = backend("kvstore.formats.v3", "check_header", "inspect")
     from ..errors import TensorOutOfBoundsError, TruncatedFileError
+    from ..formats.v3 import check_header, read_header
 
     if file.is_dir():
         raise UserError(f"{file}: is a directory, not a cache file")
@@ -571,12 +532,13 @@ def bench(quick: bool, config: str | None, only: str | None, scratch: Path | Non
     Side by side with mlx-lm's own prompt-cache files, in temporary roots of its own
     (under --scratch), never in a cache root.
     """
-    run = backend("kvstore.bench", "main", "bench")
+    from ..bench import main as bench_main
+
     argv = [*(["--quick"] if quick else []), *(["--config", config] if config else []),
             *(["--only", only] if only else []),
             *(["--scratch", str(scratch)] if scratch else []),
             *(["--json", str(json_file)] if json_file else [])]
-    return int(run(argv) or 0)
+    return int(bench_main(argv) or 0)
 
 
 @cli.command()
@@ -591,7 +553,8 @@ def demo(model_name: str | None) -> int:
     Runs a multi-session chat twice (two processes) and shows the second run
     restoring its prompt cache from the store.
     """
-    run_demo = backend("kvstore.demo", "run_demo", "demo")
+    from ..demo import run_demo
+
     return int(run_demo(opts().resolved_root(), quiet=opts().quiet, model=model_name) or 0)
 
 
@@ -614,9 +577,10 @@ def model_fetch(name: str, directory: Path | None) -> None:
     ($KVSTORE_MODELS, else <user cache>/kvstore/models); a second run downloads
     nothing. With DIRECTORY, the model is converted there instead.
     """
-    fetch = backend("kvstore.mlx_lm.gguf", "fetch_model", "model fetch")
+    from ..mlx_lm.gguf import fetch_model
+
     say = (lambda s: None) if opts().quiet else (lambda s: click.echo(s, err=True))
-    click.echo(str(fetch(name, directory, log=say)))
+    click.echo(str(fetch_model(name, directory, log=say)))
 
 
 @cli.command(add_help_option=False,
@@ -628,12 +592,11 @@ def serve(ctx: click.Context) -> int:
 
     Every mlx_lm.server option works; see 'kvstore serve --help'.
     """
-    serve_main = backend("kvstore.mlx_lm.serve", "serve_main", "serve")
+    from ..mlx_lm.serve import exit_now, serve_main
+
     root = opts().root
     argv = [*(["--root", str(root)] if root is not None else []), *ctx.args]
     code = int(serve_main(argv) or 0)
-    from ..mlx_lm.serve import exit_now
-
     exit_now(code)  # mlx-lm's server can abort in interpreter teardown; all is flushed here
     return code
 

@@ -315,10 +315,11 @@ def layer_json(layer: Layer) -> dict[str, Any]:
 
 
 def manifest_json(eid: str, m: Manifest, tokens: list[int], rec: Entry | None, uniq: int,
-                   refs: dict[bytes, Any]) -> dict[str, Any]:
+                   refs: dict[bytes, tuple[int, int]]) -> dict[str, Any]:
+    """``kvstore show --json``; ``refs`` maps a block to ``(size, refcount)`` (Store.block_refs)."""
     def blocks(ds: tuple[bytes, ...]) -> list[dict[str, Any]]:
-        return [{"digest": d.hex(), "bytes": refs[d].size if refs.get(d) else None,
-                 "refcount": refs[d].refcount if refs.get(d) else 0} for d in ds]
+        return [{"digest": d.hex(), "bytes": refs[d][0] if d in refs else None,
+                 "refcount": refs[d][1] if d in refs else 0} for d in ds]
 
     return {
         "id": eid, "format": m.format, "namespace": ns_json(m.namespace), "codec": m.codec,
@@ -335,6 +336,7 @@ def manifest_json(eid: str, m: Manifest, tokens: list[int], rec: Entry | None, u
         "entry": entry_json(rec, uniq) if rec is not None else None,
     }
 
+
 def _tokens_line(tokens: Sequence[int], all_tokens: bool) -> str:
     shown = list(tokens) if all_tokens else list(tokens[:16])
     more = "" if len(shown) == len(tokens) else f" … (+{len(tokens) - len(shown)})"
@@ -342,7 +344,7 @@ def _tokens_line(tokens: Sequence[int], all_tokens: bool) -> str:
 
 
 def manifest_lines(eid: str, m: Manifest, tokens: Sequence[int], rec: Entry | None, uniq: int,
-                   refs: dict[bytes, Any], *, all_tokens: bool = False) -> list[str]:
+                   refs: dict[bytes, tuple[int, int]], *, all_tokens: bool = False) -> list[str]:
     """``kvstore show``: one entry's manifest, readable."""
     ns = m.namespace
     lines = [f"entry       {eid}",
@@ -367,9 +369,9 @@ def manifest_lines(eid: str, m: Manifest, tokens: Sequence[int], rec: Entry | No
     for name, blocks in (("token blocks", m.token_blocks), ("state blocks", m.state_blocks)):
         lines.append(f"{name} {len(blocks)}")
         for j, d in enumerate(blocks):
-            ref = refs.get(d)
-            size = format_bytes(ref.size) if ref else "missing"
-            shared = f"shared by {ref.refcount}" if ref and ref.refcount > 1 else "unique"
+            ref = refs.get(d)  # (size, refcount); None for a block without a record
+            size = format_bytes(ref[0]) if ref else "missing"
+            shared = f"shared by {ref[1]}" if ref and ref[1] > 1 else "unique"
             lines.append(f"  {j:>3}  {d.hex()[:16]}  {size:>10}  {shared}")
     if m.metadata:
         lines.append("metadata")
