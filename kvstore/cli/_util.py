@@ -152,3 +152,10 @@ def ns_matches(ns: Namespace, wanted: str | None) -> bool:
 def resolve_all(store: Store, ids: Sequence[str]) -> list[str]:
     """Full ids for every argument, before anything is changed."""
     return list(dict.fromkeys(store.resolve(i) for i in ids))
+
+
+def oserror_line(e: OSError) -> str:
+    """An OSError in one line: ``FILE: reason`` when it names its file."""
+    if e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return str(e)
