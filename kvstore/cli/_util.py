@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import importlib.util
-import inspect
 import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -15,25 +13,35 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from .._human import SizeError, parse_size
 from . import render as H
 
 if TYPE_CHECKING:
-    from ..schema import Manifest, Namespace
+    from ..schema import Namespace
     from ..store import Store
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# compact's default grace, in seconds: kvstore.gc.DEFAULT_GRACE (not imported, so that
-# `kvstore --help` does not load the store)
-DEFAULT_GRACE = 600.0
+
+class _GraceDefault:
+    """compact's ``--grace`` default, kvstore.store.gc.DEFAULT_GRACE, read when click needs
+    it (to run compact, or to show ``[default: …]``): importing the store when the command
+    line is built would load mlx for every ``kvstore --help``."""
+
+    def __call__(self) -> float:
+        from ..store.gc import DEFAULT_GRACE
+
+        return DEFAULT_GRACE
+
+    def __str__(self) -> str:
+        return str(self())
+
+
+grace_default = _GraceDefault()
 
 
 class UserError(Exception):
     """A mistake of the caller: one line on stderr, exit status 2."""
-
-
-class Unavailable(UserError):
-    """A subcommand whose backend is not part of this build."""
 
 
 @dataclasses.dataclass
@@ -89,8 +97,8 @@ class ByteSize(click.ParamType):  # type: ignore[type-arg]
         if isinstance(value, int):
             return value
         try:
-            return H.parse_size(str(value))
-        except H.SizeError as e:
+            return parse_size(str(value))
+        except SizeError as e:
             self.fail(str(e), param, ctx)
 
 
@@ -108,31 +116,6 @@ def open_store(create: bool = False, **kwargs: Any) -> Iterator[Store]:
 
     with Store.open(opts().resolved_root(), create=create, **kwargs) as store:
         yield store
-
-
-def method(store: Store, name: str, command: str) -> Callable[..., Any]:
-    """``store.<name>``, or a clear Unavailable error when this build's Store lacks it."""
-    fn = getattr(store, name, None)
-    if not callable(fn):
-        raise Unavailable(f"'kvstore {command}' is not available in this version "
-                          f"(Store.{name} is missing)")
-    return fn  # type: ignore[no-any-return]
-
-
-def backend(module: str, attr: str, command: str) -> Callable[..., Any]:
-    """``module.attr``, or a clear Unavailable error when it is not part of this build."""
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name is None or not module.startswith(e.name):
-            raise
-        raise Unavailable(f"'kvstore {command}' is not available in this version "
-                          f"({module} is missing)") from e
-    fn = getattr(mod, attr, None)
-    if not callable(fn):
-        raise Unavailable(f"'kvstore {command}' is not available in this version "
-                          f"({module}.{attr} is missing)")
-    return fn  # type: ignore[no-any-return]
 
 
 def progress_enabled() -> bool:
@@ -158,21 +141,7 @@ def progress(total: int | None, desc: str, unit: str = "it") -> Iterator[Callabl
         bar.close()
 
 
-def call_with_progress(fn: Callable[..., Any], desc: str, **kwargs: Any) -> Any:
-    """Call a backend, giving it a progress callback when its signature takes one."""
-    params = inspect.signature(fn).parameters
-    if "progress" not in params:
-        return fn(**kwargs)
-    with progress(None, desc) as advance:
-        return fn(progress=advance if progress_enabled() else None, **kwargs)
-
-
-
-
-
 # --- namespaces and entries -----------------------------------------------------------
-
-
 
 
 def ns_matches(ns: Namespace, wanted: str | None) -> bool:
@@ -180,33 +149,13 @@ def ns_matches(ns: Namespace, wanted: str | None) -> bool:
     return wanted is None or wanted in (ns.model_id, H.ns_label(ns))
 
 
-def manifests(store: Store, ids: Sequence[str]) -> dict[str, Manifest]:
-    from ..schema import decode_manifest
-
-    out: dict[str, Manifest] = {}
-    with store.index.read() as txn:
-        for i in ids:
-            raw = store.index.get_manifest(bytes.fromhex(i), txn)
-            if raw is not None:
-                out[i] = decode_manifest(raw)
-    return out
-
-
-def unique_bytes(store: Store, ms: dict[str, Manifest]) -> dict[str, int]:
-    """Bytes of the blocks only this entry references (refcount 1)."""
-    out: dict[str, int] = {}
-    with store.index.read() as txn:
-        for i, m in ms.items():
-            total = 0
-            for d in dict.fromkeys((*m.token_blocks, *m.state_blocks)):
-                ref = store.index.get_ref(d, txn)
-                if ref is not None and ref.refcount == 1:
-                    total += ref.size
-            out[i] = total
-    return out
-
-
-
 def resolve_all(store: Store, ids: Sequence[str]) -> list[str]:
     """Full ids for every argument, before anything is changed."""
     return list(dict.fromkeys(store.resolve(i) for i in ids))
+
+
+def oserror_line(e: OSError) -> str:
+    """An OSError in one line: ``FILE: reason`` when it names its file."""
+    if e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return str(e)

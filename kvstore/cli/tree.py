@@ -1,0 +1,164 @@
+"""``kvstore tree``: entries merged into prefix trees of shared leading token blocks.
+
+Pure, like :mod:`.render` (the manifests come in, lines and JSON-ready dicts go out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .render import format_bytes, ns_json, ns_label, plural, short_id
+
+if TYPE_CHECKING:
+    from ..schema import Manifest, Namespace
+    from ..store import Entry
+
+__all__ = ["Branch", "NamespaceTree", "build_forest", "render_forest"]
+
+
+@dataclass
+class Branch:
+    """A run of token blocks shared by the same entries, and where they part."""
+
+    start_block: int
+    start_token: int
+    blocks: int = 0
+    tokens: int = 0
+    nbytes: int = 0
+    entries: list[str] = field(default_factory=list)
+    ends: list[str] = field(default_factory=list)  # entries whose tokens end with this run
+    children: list[Branch] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"start_block": self.start_block, "blocks": self.blocks,
+                "start_token": self.start_token, "tokens": self.tokens, "bytes": self.nbytes,
+                "entries": self.entries, "ends": self.ends,
+                "children": [c.to_json() for c in self.children]}
+
+
+@dataclass
+class NamespaceTree:
+    """One namespace's entries as a tree of shared leading token blocks."""
+
+    namespace: Namespace
+    entries: int
+    referenced_bytes: int  # token-block bytes summed over entries
+    stored_bytes: int  # token-block bytes of the distinct blocks in the tree
+    n_tokens: dict[str, int]
+    ends: list[str]  # entries without token blocks
+    branches: list[Branch]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"namespace": ns_json(self.namespace), "entries": self.entries,
+                "referenced_bytes": self.referenced_bytes, "stored_bytes": self.stored_bytes,
+                "saved_bytes": self.referenced_bytes - self.stored_bytes,
+                "n_tokens": self.n_tokens, "ends": self.ends,
+                "branches": [b.to_json() for b in self.branches]}
+
+
+class _Node:
+    __slots__ = ("children", "entries", "ends", "rows", "size")
+
+    def __init__(self, rows: int = 0, size: int = 0) -> None:
+        self.children: dict[bytes, _Node] = {}
+        self.entries: list[str] = []
+        self.ends: list[str] = []
+        self.rows = rows
+        self.size = size
+
+
+def _compress(node: _Node, block: int, token: int) -> Branch:
+    b = Branch(start_block=block, start_token=token, entries=list(node.entries))
+    while True:
+        b.blocks += 1
+        b.tokens += node.rows
+        b.nbytes += node.size
+        if len(node.children) != 1 or node.ends:
+            break
+        node = next(iter(node.children.values()))
+    b.ends = list(node.ends)
+    b.children = _branches(node, block + b.blocks, token + b.tokens)
+    return b
+
+
+def _branches(node: _Node, block: int, token: int) -> list[Branch]:
+    kids = sorted(node.children.values(), key=lambda n: (-len(n.entries), n.entries[0]))
+    return [_compress(k, block, token) for k in kids]
+
+
+def build_forest(entries: Sequence[Entry], ms: dict[str, Manifest]) -> list[NamespaceTree]:
+    """Group entries by namespace and merge their token-block lists into prefix trees."""
+    from ..codecs.layout import manifest_block_sizes
+    from ..schema import iter_tensor_specs
+
+    groups: dict[Namespace, list[Entry]] = {}
+    for e in sorted(entries, key=lambda e: (ns_label(e.namespace), e.id)):
+        if e.id in ms:
+            groups.setdefault(e.namespace, []).append(e)
+    forest: list[NamespaceTree] = []
+    for ns, group in groups.items():
+        top = _Node()
+        referenced = stored = 0
+        for e in group:
+            m = ms[e.id]
+            specs = iter_tensor_specs(m.layers) + [t for a in m.attachments for t in a.tensors]
+            sizes, _ = manifest_block_sizes(specs, m.n_tokens, m.block_tokens, m.state_bytes,
+                                            m.state_block_bytes)
+            node = top
+            for b, d in enumerate(m.token_blocks):
+                child = node.children.get(d)
+                if child is None:
+                    rows = min(m.n_tokens - b * m.block_tokens, m.block_tokens)
+                    child = node.children[d] = _Node(rows, sizes[b] if b < len(sizes) else 0)
+                    stored += child.size
+                referenced += child.size
+                child.entries.append(e.id)
+                node = child
+            node.ends.append(e.id)
+        forest.append(NamespaceTree(ns, len(group), referenced, stored,
+                                    {e.id: e.n_tokens for e in group}, list(top.ends),
+                                    _branches(top, 0, 0)))
+    return forest
+
+
+def _branch_text(b: Branch, n_tokens: dict[str, int]) -> str:
+    head = (f"tokens {b.start_token}–{b.start_token + b.tokens} · {plural(b.blocks, 'block')} · "
+            f"{format_bytes(b.nbytes)}")
+    if len(b.entries) == 1:
+        e = b.entries[0]
+        return f"{head} · {short_id(e)} ({plural(n_tokens[e], 'token')})"
+    return f"{head} · shared by {len(b.entries)} entries"
+
+
+def render_forest(forest: Sequence[NamespaceTree], *, ascii_only: bool = False) -> str:
+    """``kvstore tree``: one tree per namespace, a line per shared run of blocks."""
+    tee, last, bar = ("|-- ", "`-- ", "|   ") if ascii_only else ("├─ ", "└─ ", "│  ")
+    blank = " " * len(bar)
+    lines: list[str] = []
+
+    def walk(items: list[tuple[str, Branch | None]], pad: str, n_tokens: dict[str, int]) -> None:
+        for i, (eid, b) in enumerate(items):
+            end = i == len(items) - 1
+            if b is None:
+                lines.append(f"{pad}{last if end else tee}● {short_id(eid)} "
+                             f"({plural(n_tokens[eid], 'token')}) ends here")
+                continue
+            lines.append(f"{pad}{last if end else tee}{_branch_text(b, n_tokens)}")
+            if len(b.entries) > 1:
+                walk([(e, None) for e in b.ends] + [("", c) for c in b.children],
+                     pad + (blank if end else bar), n_tokens)
+
+    for t in forest:
+        if lines:
+            lines.append("")
+        saved = t.referenced_bytes - t.stored_bytes
+        lines.append(f"{ns_label(t.namespace)}  {plural(t.entries, 'entry', 'entries')} · "
+                     f"token blocks {format_bytes(t.referenced_bytes)} referenced, "
+                     f"{format_bytes(t.stored_bytes)} stored (saves {format_bytes(saved)})")
+        walk([(e, None) for e in t.ends] + [("", b) for b in t.branches], "", t.n_tokens)
+    text = "\n".join(lines)
+    if ascii_only:
+        text = text.replace("–", "-").replace("·", "-").replace("●", "*")
+    return text
