@@ -8,15 +8,13 @@ from __future__ import annotations
 import math
 import re
 
+from .errors import SizeError
+
 __all__ = ["SizeError", "parse_size"]
 
 # Every unit is binary, as in ``kvstore serve --max-bytes``: 1G = 1GB = 1GiB = 2**30.
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 _SIZE = re.compile(r"(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[KMGTP]?)(?:I?B)?", re.IGNORECASE)
-
-
-class SizeError(ValueError):
-    """A byte count that cannot be parsed."""
 
 
 def parse_size(text: str) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -28,19 +28,28 @@ def kv_cache(n: int, seed: int = 0, dtype: mx.Dtype = mx.bfloat16, chunks: int =
     return c
 
 
-_TABLE: dict[str, tuple[mx.array, mx.array]] = {}
+def token_rows(
+    tokens: Sequence[int], salt: int, *, heads: int = H, dim: int = D,
+    dtype: mx.Dtype = mx.bfloat16,
+) -> mx.array:
+    """[1, heads, len, dim] integers < 2039, each row a function of its token (and ``salt``)
+    alone: any process rebuilds the same rows, and equal prefixes give equal rows."""
+    t = mx.array(list(tokens), dtype=mx.int32).reshape(1, 1, -1, 1)
+    h = mx.arange(heads, dtype=mx.int32).reshape(1, heads, 1, 1)
+    d = mx.arange(dim, dtype=mx.int32).reshape(1, 1, 1, dim)
+    return ((t * 131 + h * 17 + d * 7 + salt) % 2039).astype(dtype)
 
 
-def prefix_cache(tokens: list[int], dtype: mx.Dtype = mx.bfloat16) -> C.KVCache:
+def prefix_cache(
+    tokens: Sequence[int], dtype: mx.Dtype = mx.bfloat16, *, heads: int = H, dim: int = D
+) -> C.KVCache:
     """A KVCache whose row i is a function of tokens[i] alone (so equal prefixes give
     equal rows, as a causal model does)."""
-    key = str(dtype)
-    if key not in _TABLE:
-        _TABLE[key] = kv_pair(16384, 424242, dtype)
-    tk, tv = _TABLE[key]
-    idx = mx.array([t % 16384 for t in tokens])
     c = C.KVCache()
-    c.update_and_fetch(tk[:, :, idx], tv[:, :, idx])
+    c.update_and_fetch(
+        token_rows(tokens, 0, heads=heads, dim=dim, dtype=dtype),
+        token_rows(tokens, 1000, heads=heads, dim=dim, dtype=dtype),
+    )
     return c
 
 

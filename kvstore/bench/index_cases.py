@@ -123,35 +123,17 @@ def lookup_rows(cfg: Config, scratch: Path) -> list[Row]:
 
 
 def _tiny_model(cfg: Config, scratch: Path) -> tuple[Any, str]:
-    """A tiny random-weight llama: kvstore.tiny if present, else mlx-lm's class directly.
+    """A tiny random-weight llama (kvstore.tiny), in float32: on a CPU, MLX's bfloat16
+    matmuls are emulated and would flatter the restore side by making prefill an order
+    of magnitude slower."""
+    from mlx_lm import load
 
-    float32: on a CPU, MLX's bfloat16 matmuls are emulated and would flatter the
-    restore side by making prefill an order of magnitude slower.
-    """
-    try:
-        from mlx_lm import load
+    from ..tiny import make_tiny_model
 
-        from ..tiny import make_tiny_model
-    except ImportError:  # pragma: no cover - kvstore.tiny ships with the package
-        return _direct_llama(cfg), "mlx_lm.models.llama.Model (direct)"
     path = make_tiny_model(scratch / "tiny-llama", kind="llama", hidden_size=cfg.model_hidden,
                            num_layers=cfg.model_layers, dtype="float32")
     model = load(str(path))[0]
     return model, "kvstore.tiny llama"
-
-
-def _direct_llama(cfg: Config) -> Any:  # pragma: no cover - fallback only
-    from mlx_lm.models import llama
-
-    heads = max(2, cfg.model_hidden // 32)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=cfg.model_hidden, num_hidden_layers=cfg.model_layers,
-        intermediate_size=2 * cfg.model_hidden, num_attention_heads=heads,
-        num_key_value_heads=heads // 2, rms_norm_eps=1e-5, vocab_size=768,
-    )
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
 
 
 def _prefill(model: Any, tokens: list[int], step: int = 2048) -> mx.array:

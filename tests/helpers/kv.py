@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from factories import prefix_cache, token_rows
 
 import kvstore
 from kvstore.schema import decode_manifest
@@ -28,16 +28,11 @@ T = 16  # block_tokens of every test root
 
 def rows(tokens: Sequence[int], salt: int) -> mx.array:
     """[1, H, len, D] float16 integers < 2039 (exact in fp16), a function of each token."""
-    t = mx.array(list(tokens), dtype=mx.int32).reshape(1, 1, -1, 1)
-    h = mx.arange(H, dtype=mx.int32).reshape(1, H, 1, 1)
-    d = mx.arange(D, dtype=mx.int32).reshape(1, 1, 1, D)
-    return ((t * 131 + h * 17 + d * 7 + salt) % 2039).astype(mx.float16)
+    return token_rows(tokens, salt, heads=H, dim=D, dtype=mx.float16)
 
 
 def make_cache(tokens: Sequence[int]) -> list[Any]:
-    c = KVCache()
-    c.update_and_fetch(rows(tokens, 0), rows(tokens, 1000))
-    return [c]
+    return [prefix_cache(tokens, mx.float16, heads=H, dim=D)]
 
 
 def matches(cache: list[Any], tokens: Sequence[int], length: int) -> bool:
