@@ -14,7 +14,7 @@ import pytest
 from helpers.kv import make_cache, matches, open_store, run_worker, sound_store, tokens_for
 
 import kvstore
-from kvstore.store._crash import POINTS
+from kvstore._crash import POINTS
 
 A = (1, 100, 32)  # seed, tokens, shared prefix
 B = (2, 80, 32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -49,6 +50,7 @@ class Options:
     """Options shared by every command (given before or after the subcommand)."""
 
     root: Path | None = None
+    remote: str | None = None
     quiet: bool = False
     debug: bool = False
 
@@ -81,6 +83,9 @@ def common(f: F) -> F:
     f = click.option("--root", type=click.Path(path_type=Path), expose_value=False,
                      callback=_set("root"), metavar="DIR",
                      help="Cache root (default: $KVSTORE_ROOT, else the user cache dir).")(f)
+    f = click.option("--remote", expose_value=False, callback=_set("remote"), metavar="URL",
+                     help="The shared remote tier, s3://BUCKET/PREFIX (default: "
+                          "$KVSTORE_REMOTE); used by push, pull, remote and serve.")(f)
     return f
 
 
@@ -114,8 +119,17 @@ def emit(obj: Any) -> None:
 def open_store(create: bool = False, **kwargs: Any) -> Iterator[Store]:
     from ..store import Store
 
+    kwargs.setdefault("remote", "")  # the commands that use the remote pass it
     with Store.open(opts().resolved_root(), create=create, **kwargs) as store:
         yield store
+
+
+def remote_url() -> str:
+    """``--remote``, else ``$KVSTORE_REMOTE``; a UserError when neither names one."""
+    url = opts().remote or os.environ.get("KVSTORE_REMOTE", "")
+    if not url:
+        raise UserError("no remote: give --remote s3://BUCKET/PREFIX or set KVSTORE_REMOTE")
+    return url
 
 
 def progress_enabled() -> bool:

@@ -91,8 +91,9 @@ def serve(ctx: click.Context) -> int:
     """
     from ..mlx_lm.serve import exit_now, serve_main
 
-    root = opts().root
-    argv = [*(["--root", str(root)] if root is not None else []), *ctx.args]
+    root, remote = opts().root, opts().remote
+    argv = [*(["--root", str(root)] if root is not None else []),
+            *(["--remote", remote] if remote else []), *ctx.args]
     code = int(serve_main(argv) or 0)
     exit_now(code)  # mlx-lm's server can abort in interpreter teardown; all is flushed here
     return code

@@ -20,6 +20,7 @@ import click
 from ._util import Options, UserError, common, oserror_line
 from .commands_files import export, import_, inspect_
 from .commands_maintenance import compact, init, rm, stats, verify
+from .commands_remote import pull, push, remote_group
 from .commands_runners import BENCH_CONFIGS, bench, demo, model_group, serve
 from .commands_view import ls_, show, tree
 
@@ -44,7 +45,7 @@ def cli(ctx: click.Context) -> None:
 
 
 for _command in (init, stats, ls_, show, tree, rm, compact, verify, import_, export, inspect_,
-                 bench, demo, model_group, serve):
+                 bench, demo, model_group, serve, push, pull, remote_group):
     cli.add_command(_command)
 
 

@@ -68,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
         help="cache root (default: $KVSTORE_ROOT or the user cache dir)",
     )
     g.add_argument(
+        "--remote",
+        default=None,
+        metavar="URL",
+        help="share the cache through s3://BUCKET/PREFIX (default: $KVSTORE_REMOTE): "
+        "lookups consult it, hits are pulled, saves are pushed in the background",
+    )
+    g.add_argument(
         "--max-bytes",
         type=parse_size,
         default=None,
@@ -202,6 +209,7 @@ def _serve(argv: list[str]) -> int:
         durable=not ours.no_durable,
         max_bytes=ours.max_bytes,
         verify_reads=not ours.no_verify_reads,
+        remote=ours.remote,
     ) as store:
 
         def factory(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:

@@ -44,9 +44,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._crash import crash_point
 from ..index import EntryRecord, RefInfo, Totals, now_ms
 from ..schema import decode_manifest
-from ._crash import crash_point
 from .lookup import delete_plan
 from .root import Root
 from .sweep import batches, stale_tmp, unlink_orphans, unlink_tmp

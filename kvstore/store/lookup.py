@@ -42,6 +42,7 @@ class Match:
     exact: bool  # the entry's tokens are exactly the query
     trimmable: bool
     n_tokens: int  # the entry's own length (>= length)
+    where: str = "local"  # "remote": on the remote tier; loading it pulls it to this root
 
     @property
     def entry_id(self) -> str:

@@ -20,14 +20,11 @@ from typing import Any
 
 import msgspec
 
-from ..blocks import new_hasher
-from ..codecs import codec_for_record
-from ..codecs.layout import manifest_blocks
 from ..errors import KVStoreError
-from ..index import EntryRecord, SavePlan
-from ..schema import Layer, Manifest, decode_manifest, encode_manifest
-from . import keys as P
-from .lookup import delete_plan, prefix_items, trimmable
+from ..index import SavePlan
+from ..schema import Manifest, decode_manifest
+from .lookup import delete_plan
+from .plans import cut_manifest, encoded, entry_plan
 from .root import Root
 
 
@@ -160,17 +157,6 @@ def plan_for_blocks(
     return plan
 
 
-def cut_layers(layers: tuple[Layer, ...], n_tokens: int) -> tuple[Layer, ...] | None:
-    """The layer records of the first ``n_tokens`` of the same token blocks, or None."""
-    out = []
-    for layer in layers:
-        c = codec_for_record(layer).cut(layer, n_tokens)
-        if c is None:
-            return None
-        out.append(c)
-    return tuple(out)
-
-
 def _cut(
     root: Root,
     txn: Any,
@@ -181,52 +167,26 @@ def _cut(
     taken: set[bytes],
 ) -> Cut | None:
     """The entry ``m`` cut back to the token blocks before its first bad one, if it can be."""
-    if bad.intersection(m.state_blocks) or not trimmable(m.layers):
+    if bad.intersection(m.state_blocks):
         return None
     k = next((i for i, b in enumerate(m.token_blocks) if b in bad), 0)
-    T = m.block_tokens
-    n = k * T
-    if n == 0:
+    short = cut_manifest(m, k)
+    if short is None:
         return None
-    layers = cut_layers(m.layers, n)
-    if layers is None:
-        return None
+    n = short.n_tokens
     idx = root.index
-    tok_le = m.tokens[: 4 * n]
-    keys = P.chain(P.root_key(m.namespace, m.codec, T, m.hash), tok_le, T, m.hash, k)
-    xkey = P.exact_key_for(keys, tok_le, n, T, m.hash)
-    have = idx.find_exact(xkey, txn)
-    if xkey in taken or (
+    raw, to = encoded(short)
+    save = entry_plan(short, raw, to)
+    rec = idx.get_entry(digest, txn)
+    if rec is not None:  # the cut keeps the entry's own bookkeeping
+        save.entry = msgspec.structs.replace(rec, n_tokens=n,
+                                             logical_bytes=save.entry.logical_bytes)
+    have = idx.find_exact(save.exact_key, txn)
+    if save.exact_key in taken or (
         have is not None and have not in removed and idx.get_manifest(have, txn) is not None
     ):
         return None  # that prefix is stored already: it serves
-    short = msgspec.structs.replace(
-        m, n_tokens=n, tokens=tok_le, layers=layers, token_blocks=m.token_blocks[:k]
-    )
-    encoded = encode_manifest(short)
-    h = new_hasher(m.hash)
-    h.update(encoded)
-    to = h.digest()
     if idx.get_manifest(to, txn) is not None:
         return None
-    sizes = manifest_blocks(short)
-    listed = sum(sizes[bytes(b)] for b in (*short.token_blocks, *short.state_blocks))
-    rec = idx.get_entry(digest, txn)
-    entry = EntryRecord(
-        namespace=rec.namespace if rec else msgspec.json.encode(m.namespace).decode(),
-        n_tokens=n,
-        logical_bytes=listed,
-        created_at=rec.created_at if rec else m.created_at,
-        last_access=rec.last_access if rec else m.created_at,
-        hits=rec.hits if rec else 0,
-        priority=rec.priority if rec else 0,
-    )
-    save = SavePlan(
-        digest=to,
-        manifest=encoded,
-        blocks=sizes,
-        prefix_items=prefix_items(keys, P.tokens_from_le(tok_le), T, True, to),
-        exact_key=xkey,
-        entry=entry,
-    )
     return Cut(digest, to, n, save)
+

@@ -109,6 +109,11 @@ def root_writable(path: Path) -> bool:
     return all(os.access(p, os.W_OK) for p in (idx, idx / "data.mdb"))
 
 
+def has_root(path: Path) -> bool:
+    """Whether ``path`` holds a root already (its index)."""
+    return (path / "index" / "data.mdb").exists()
+
+
 def open_root(
     path: Path,
     *,

@@ -6,9 +6,10 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from ..blocks import BlockStore, from_hex
+from .._crash import crash_point
+from ..blocks import BlockStore, Digest, from_hex
 from ..codecs import AttachmentData
 from ..errors import (
     BlockNotFoundError,
@@ -18,8 +19,10 @@ from ..errors import (
     ManifestError,
     NamespaceRequiredError,
     ReadOnlyStoreError,
+    RemoteError,
 )
 from ..index import DeletePlan, Index
+from ..remote import DEFAULT_TIMEOUT, PushStats, Remote, RemoteHit
 from ..schema import (
     Manifest,
     Namespace,
@@ -27,10 +30,9 @@ from ..schema import (
     decode_manifest,
 )
 from . import keys as P
-from ._crash import crash_point
 from .access import AccessLog
-from .bridge import read_file, write_file
 from .entries import Entry, EntryInfo, Stats, entries_of, resolve_id
+from .files import FileBridge
 from .gc import DEFAULT_GRACE, CompactReport, compact, enforce_budget
 from .lookup import (
     Match,
@@ -39,16 +41,18 @@ from .lookup import (
     has_reach_markers,
 )
 from .restore import read_entry
-from .root import Root, RootSettings, default_root, open_root
+from .root import Root, RootSettings, default_root, has_root, open_root
 from .saving import CODEC_PROVIDER, PrefixGone, Priority, check_args, draft
+from .tiered import Pulled, RemoteLink
 from .verify import VerifyReport, verify
+from .views import IndexViews
 
 _log = logging.getLogger("kvstore")
 
 _RESTORE_TRIES = 4  # lookups one restore makes when what it found went bad or away
 
 
-class Store:
+class Store(FileBridge, IndexViews):
     """A cache root: save caches, find the longest stored prefix, restore it."""
 
     max_bytes: int | None = None  # byte budget enforced after each save (Store.open)
@@ -76,6 +80,12 @@ class Store:
         self.parts = Root(root, settings, index, self.blocks)  # what gc and verify work on
         self._access = AccessLog(index, read_only=read_only)
         self._bisect = False  # lookups bisect the chain (set by open once the root allows it)
+        self._link: RemoteLink | None = None
+
+    @property
+    def remote(self) -> Remote | None:
+        """The remote tier (``Store.open(remote=...)``), or None."""
+        return None if self._link is None else self._link.remote
 
     # --- opening -------------------------------------------------------------------
 
@@ -95,6 +105,9 @@ class Store:
         max_bytes: int | None = None,
         gc_grace: float | None = None,
         read_only: bool | None = None,
+        remote: str | None = None,
+        remote_timeout: float = DEFAULT_TIMEOUT,
+        push: bool = True,
     ) -> Store:
         """Open (and, with ``create``, make) the root.
 
@@ -108,20 +121,32 @@ class Store:
         export reads against its digest, over the bytes read; ``False`` skips
         the hashing for raw speed, and a block damaged on disk is then returned
         as cache data (sizes and file types are still checked). See the README.
+
+        ``remote`` (default ``$KVSTORE_REMOTE``; ``""`` for none) is an
+        ``s3://BUCKET/PREFIX`` that this root shares with others: lookups consult it,
+        restores pull from it, and saves are queued for upload (``push=False``: only
+        :meth:`push` uploads). ``remote_timeout`` bounds each request and each lookup.
         """
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         path = Path(root) if root is not None else default_root()
-        index, settings, ro = open_root(
-            path,
-            hash=hash,
-            block_tokens=block_tokens,
-            state_block_bytes=state_block_bytes,
-            durable=durable,
-            create=create,
-            map_size=map_size,
-            read_only=read_only,
-        )
+        url = os.environ.get("KVSTORE_REMOTE", "") if remote is None else remote
+        rem = Remote(url, timeout=remote_timeout) if url else None
+        if rem is not None and create and not has_root(path) and hash is None \
+                and block_tokens is None:  # a new root takes the remote's settings
+            theirs = RemoteLink.settings_for_new_root(rem)
+            if theirs is not None:
+                hash, block_tokens = theirs.hash, theirs.block_tokens
+                state_block_bytes = state_block_bytes or theirs.state_block_bytes
+        try:
+            index, settings, ro = open_root(path, hash=hash, block_tokens=block_tokens,
+                                            state_block_bytes=state_block_bytes,
+                                            durable=durable, create=create,
+                                            map_size=map_size, read_only=read_only)
+        except BaseException:
+            if rem is not None:
+                rem.close()
+            raise
         store = cls(
             path,
             index,
@@ -135,6 +160,14 @@ class Store:
         store._bisect = has_reach_markers(index, writable=not ro)
         if gc_grace is not None:
             store.gc_grace = gc_grace
+        if rem is not None:
+            try:
+                store._link = RemoteLink.attach(store.parts, rem, create=create and not ro,
+                                                push=push)
+            except BaseException:
+                rem.close()
+                store.close()
+                raise
         return store
 
     def flush_access(self) -> None:
@@ -144,8 +177,25 @@ class Store:
         self._access.flush()
 
     def close(self) -> None:
-        """Write the pending access stamps and close the index (a second close does nothing)."""
+        """Push what is queued for the remote (bounded), write the pending access stamps and
+        close the index (a second close does nothing)."""
+        if self._link is not None:
+            self._link.close()
         self._access.close(self.index.close)
+
+    def push(self, timeout: float | None = None, *, everything: bool = False) -> PushStats:
+        """Wait until the saves queued for the remote are on it (``everything``: first queue
+        every local entry the remote lacks); returns what was uploaded."""
+        return self._remote_link().push(timeout, everything=everything)
+
+    def pull(self, entry_ids: Sequence[str] | None = None) -> list[Pulled]:
+        """Download remote entries (all, or these ids or unique prefixes) into this root."""
+        return self._remote_link().pull_entries(entry_ids)
+
+    def _remote_link(self) -> RemoteLink:
+        if self._link is None:
+            raise ValueError("this store has no remote: Store.open(..., remote='s3://...')")
+        return self._link
 
     def __enter__(self) -> Store:
         return self
@@ -232,6 +282,8 @@ class Store:
             return self.save(tk.tokens, cache, namespace=ns, metadata=meta, priority=priority,
                              attachments=attachments, created_at=d.created_at)
         crash_point("after_commit")
+        if created and self._link is not None and self._link.auto_push:
+            self._link.enqueue(d.digest)
         if created and self.max_bytes is not None:
             enforce_budget(self.parts, self.max_bytes, grace=self.gc_grace)
         if not created:  # a concurrent save of the same tokens won
@@ -254,10 +306,18 @@ class Store:
         self._access.note(lookup=True)
         return match
 
-    def _find(self, tokens: Any, namespace: Namespace | None) -> Match | None:
+    def _find(self, tokens: Any, namespace: Namespace | None, *, remote: bool = True
+              ) -> Match | None:
         tk = self._keys(tokens, self._ns(namespace))
         with self.index.read() as txn:
-            return find(self.index, txn, tk, bisect=self._bisect)
+            match = find(self.index, txn, tk, bisect=self._bisect)
+        if not remote or self._link is None or (match is not None and match.exact):
+            return match
+        hit = self._link.find(tk, match.length if match is not None else 0)
+        if hit is None:
+            return match
+        return Match(Digest(hit.digest), hit.length, hit.exact, hit.trimmable, hit.n_tokens,
+                     where="remote")
 
     def _keys(self, tokens: Any, ns: Namespace) -> P.TokenKeys:
         return P.TokenKeys.of(tokens, self._c0(ns), self.block_tokens, self.settings.hash)
@@ -287,7 +347,10 @@ class Store:
         :class:`CorruptBlockError` names it: a new lookup then finds the
         longest intact prefix.
         """
-        digest = match.digest
+        digest: bytes = match.digest
+        if match.where == "remote":
+            digest = self._remote_link().pull(RemoteHit(
+                match.digest, match.length, match.exact, match.trimmable, match.n_tokens)).digest
         _, cache, _ = self._read(digest, match.length, verify)
         self._access.note(digest)
         return cache
@@ -305,57 +368,6 @@ class Store:
         verify = self.verify_reads if verify is None else verify
         return read_entry(self.parts, digest, length, verify)
 
-    def import_file(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        verify: bool = True,
-        namespace: Namespace | None = None,
-    ) -> EntryInfo:
-        """Store an mlx-bun v3/v4/v5 file as one entry.
-
-        The whole file is read (and, with ``verify``, every tensor or v5 block hash
-        checked) before anything is written, so a malformed file raises its
-        :class:`~kvstore.errors.FileFormatError` and leaves the store unchanged.
-        The entry's namespace is ``namespace``, else the header's identity, else
-        the store's default (:class:`NamespaceRequiredError` when there is none).
-        """
-        self._check_writable("import")
-        f = read_file(path, verify=verify)
-        return self.save(
-            f.tokens,
-            f.cache,
-            namespace=namespace or f.namespace,
-            metadata=f.metadata,
-            attachments=f.attachments,
-            priority=f.priority,
-            created_at=f.created_at,
-        )
-
-    def export(
-        self,
-        entry_id: str | bytes,
-        path: str | os.PathLike[str],
-        *,
-        format: Literal["v3", "v5"] = "v3",
-        verify: bool = True,
-    ) -> Path:
-        """Write one entry as an mlx-bun file (see :func:`kvstore.store.bridge.write_file`)
-        and return its path; ``entry_id`` may be a unique hex prefix.
-
-        Every block's digest is checked over the bytes read (whatever the store's
-        ``verify_reads``: a file written from damaged bytes would carry fresh hashes
-        of them); a bad block is a :class:`CorruptBlockError` naming it,
-        quarantined as a restore would, and no file is written. ``verify=False``
-        skips the check.
-        """
-        if format not in ("v3", "v5"):
-            raise ValueError(f"format must be 'v3' or 'v5', not {format!r}")
-        eid = self.resolve(entry_id) if isinstance(entry_id, str) else entry_id
-        m = self.manifest(eid)
-        tokens, cache, attachments = self.load_entry(eid, verify=verify)
-        return write_file(m, tokens, cache, attachments, path, format=format)
-
     def restore(
         self, tokens: Any, *, namespace: Namespace | None = None, verify: bool | None = None
     ) -> tuple[list[Any] | None, int]:
@@ -371,15 +383,21 @@ class Store:
         length = 0
         tried: set[tuple[bytes, int]] = set()
         self._access.note(lookup=True)  # one lookup, however many tries it takes
+        remote = True
         for _ in range(_RESTORE_TRIES):
-            match = self._find(tokens, namespace)
+            match = self._find(tokens, namespace, remote=remote)
             if match is None or (match.digest, match.length) in tried:
                 break
             tried.add((match.digest, match.length))
             try:
                 cache, length = self.load(match, verify=verify), match.length
                 break
-            except (BlockNotFoundError, CorruptBlockError, EntryNotFoundError, ManifestError):
+            except (BlockNotFoundError, CorruptBlockError, EntryNotFoundError, ManifestError,
+                    RemoteError) as e:
+                if match.where == "remote":  # a local hit or a miss instead, never an error
+                    remote = False
+                    if self._link is not None:
+                        self._link.down(f"restore of {match.entry_id} failed: {e}")
                 continue
         return (cache, length) if cache is not None else (None, 0)
 
@@ -456,36 +474,6 @@ class Store:
         return Stats(
             t.entries, t.blocks, t.logical_bytes, t.physical_bytes, ratio, t.lookups, t.hits
         )
-
-    # --- for the CLI (issue 13) ---
-
-    def manifests(self, entry_ids: Sequence[str]) -> dict[str, Manifest]:
-        """The manifests of these full hex ids, in one read; an id without one is left out."""
-        with self.index.read() as txn:
-            raws = ((i, self.index.get_manifest(bytes.fromhex(i), txn)) for i in entry_ids)
-            return {i: decode_manifest(raw) for i, raw in raws if raw is not None}
-
-    def unique_bytes(self, manifests: dict[str, Manifest]) -> dict[str, int]:
-        """Per entry id, the bytes of its blocks no other entry references (refcount 1)."""
-        out: dict[str, int] = {}
-        with self.index.read() as txn:
-            for i, m in manifests.items():
-                digests = dict.fromkeys((*m.token_blocks, *m.state_blocks))
-                refs = (self.index.get_ref(d, txn) for d in digests)
-                out[i] = sum(r.size for r in refs if r is not None and r.refcount == 1)
-        return out
-
-    def block_refs(self, digests: Sequence[bytes]) -> dict[bytes, tuple[int, int]]:
-        """``(size, refcount)`` of each of these blocks that has a record, in one read."""
-        with self.index.read() as txn:
-            refs = ((d, self.index.get_ref(d, txn)) for d in digests)
-            return {d: (r.size, r.refcount) for d, r in refs if r is not None}
-
-    def unreferenced_blocks(self) -> list[tuple[int, int]]:
-        """``(size, zero_since)`` of every block no entry references, awaiting compact."""
-        with self.index.read() as txn:
-            refs = self.index.iter_refs(txn)
-            return [(r.size, r.zero_since) for _, r in refs if r.refcount == 0]
 
 
 __all__ = ["Entry", "EntryInfo", "Match", "Stats", "Store", "TensorSpec", "default_root"]

@@ -12,8 +12,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from .._crash import crash_point
 from ..blocks import open_real_dir
-from ._crash import crash_point
 from .root import Root
 
 TMP_MAX_AGE = 24 * 3600.0  # a temp file this old is stale even if its pid looks alive

@@ -16,6 +16,7 @@ from typing import TypeVar
 import mlx.core as mx
 import msgspec
 
+from .._crash import crash_point
 from ..blocks import BlockStore, Digest, new_hasher
 from ..blocks.local import io_pool
 from ..codecs import Snapshot, TensorData
@@ -30,7 +31,6 @@ from ..codecs.layout import (
 )
 from ..errors import CacheMismatchError, UnsupportedDtypeError
 from ..schema import Layer, ListLayer, TensorSpec
-from ._crash import crash_point
 
 Pieces = list[memoryview]
 _T = TypeVar("_T")

@@ -116,6 +116,48 @@ def cmd_soak(a: dict[str, Any]) -> dict[str, Any]:
     return stats
 
 
+def cmd_remote_save(a: dict[str, Any]) -> dict[str, Any]:
+    """Save the seeds' token lists in a root with a remote, then push (bounded)."""
+    from kvstore.remote import PushStats
+
+    ids = []
+    st = PushStats()
+    with open_store(a["root"], remote=a["remote"]) as s:
+        for seed in a["seeds"]:
+            toks = tokens_for(seed, a["n"], a.get("shared", 0))
+            ids.append(s.save(toks, make_cache(toks)).id)
+            if a.get("push_each"):
+                st.add(s.push(a.get("timeout", 120.0)))
+        st.add(s.push(a.get("timeout", 120.0)))
+    return {"ids": ids, **st.as_dict()}
+
+
+def cmd_remote_compact(a: dict[str, Any]) -> dict[str, Any]:
+    """Compact the remote (grace 0) once, or in a loop until ``until``; a short lease."""
+    from kvstore.errors import RemoteLeaseError
+    from kvstore.remote import Remote
+
+    r = Remote(a["remote"], lease_seconds=a.get("lease", 20.0), lease_margin=a.get("margin", 2.0))
+    passes = evicted = deleted = held = 0
+    last: dict[str, Any] = {}
+    try:
+        while True:
+            try:
+                rep = r.compact(max_bytes=a.get("max_bytes"), grace=0.0)
+                passes += 1
+                evicted += len(rep.evicted)
+                deleted += rep.blocks_deleted
+                last = {"entries": rep.entries, "live": rep.live_bytes, "blocks": rep.blocks}
+            except RemoteLeaseError:
+                held += 1
+            if time.time() >= a.get("until", 0):
+                break
+    finally:
+        r.close()
+    return {"passes": passes, "evicted": evicted, "deleted": deleted, "lease_held": held,
+            "last": last}
+
+
 COMMANDS = {
     "save": cmd_save,
     "delete": cmd_delete,
@@ -123,6 +165,8 @@ COMMANDS = {
     "loop-compact": cmd_loop_compact,
     "reader": cmd_reader,
     "soak": cmd_soak,
+    "remote-save": cmd_remote_save,
+    "remote-compact": cmd_remote_compact,
 }
 
 if __name__ == "__main__":

@@ -49,3 +49,20 @@ def bucket(endpoint: str) -> Iterator[str]:
         if keys:
             c.delete_many(keys)
         s3.delete_bucket(Bucket=name)
+
+
+@pytest.fixture
+def url(bucket: str) -> str:
+    """The remote of one test: a prefix in its fresh bucket."""
+    return f"s3://{bucket}/team/"
+
+
+@pytest.fixture(scope="session")
+def rgw_dir() -> str:
+    """The gateway's directory (``tools/ceph-rgw.sh start DIR``), for the fault tests that
+    kill and restart it: ``$KVSTORE_TEST_RGW_DIR`` (CI sets it)."""
+    d = os.environ.get("KVSTORE_TEST_RGW_DIR")
+    if not d:
+        pytest.fail("the fault tests kill the gateway: set KVSTORE_TEST_RGW_DIR to the DIR "
+                    "given to `tools/ceph-rgw.sh start DIR` (CI does)")
+    return d

@@ -9,6 +9,15 @@ that the store stays sound. The points (see docs/FORMAT.md):
 - ``delete_before_commit``: a delete or evict, refcounts dropped, not committed
 - ``gc_before_unlink``: compact, inside its transaction, before unlinking a block
 - ``gc_after_unlink``: compact, after unlinking a block, before the commit
+
+And those of the remote tier (``REMOTE_POINTS``; docs/FORMAT.md, "The remote tier"):
+
+- ``push_after_manifest``: a push, its manifest object put, no block checked yet
+- ``push_after_block``: a push, after its first new block object is uploaded
+- ``push_before_markers``: a push, every block on the remote, no marker yet
+- ``push_before_exact``: a push, its depth markers put, its exact marker not yet
+- ``remote_gc_after_list``: remote compact, everything listed, nothing deleted
+- ``remote_gc_after_delete``: remote compact, after its first delete, lease still held
 """
 
 from __future__ import annotations
@@ -23,6 +32,14 @@ POINTS = (
     "delete_before_commit",
     "gc_before_unlink",
     "gc_after_unlink",
+)
+REMOTE_POINTS = (
+    "push_after_manifest",
+    "push_after_block",
+    "push_before_markers",
+    "push_before_exact",
+    "remote_gc_after_list",
+    "remote_gc_after_delete",
 )
 
 _AT = os.environ.get("KVSTORE_CRASH_AT", "")

@@ -1,0 +1,188 @@
+"""Compaction of the remote: evict least-recently-used entries to a byte budget and
+delete the blocks no manifest references, under the GC lease.
+
+The order is what makes it safe against a machine that publishes an entry reusing
+blocks meanwhile (docs/FORMAT.md, "The remote tier", has the argument): the lease
+is taken first; then markers, blocks and manifests are listed, in that order; every
+batch of deletes is preceded by a check that the lease is still ours with more than
+its margin left; the lease is released last. Evicting an entry deletes its markers
+(it stops matching), then its manifest; its blocks are then unreferenced.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from .._crash import crash_point
+from ..blocks.base import BlockStat
+from ..errors import KVStoreError, RemoteNotFoundError
+from ..schema import Manifest
+from .layout import ACCESS, EXACT, MANIFESTS, MARKERS, entry_of_key, manifest_key
+from .tier import RemoteTier
+
+DEFAULT_GRACE = 3600.0  # seconds an unreferenced remote block is kept (a pull may be reading it)
+BATCH = 1000  # keys per delete request (the S3 maximum)
+
+
+@dataclass
+class RemoteCompactReport:
+    """What a remote compaction did (or, with ``dry_run``, would do)."""
+
+    url: str
+    dry_run: bool
+    entries: int = 0
+    evicted: list[str] = field(default_factory=list)
+    blocks: int = 0
+    blocks_deleted: int = 0
+    bytes_deleted: int = 0
+    young: int = 0  # unreferenced blocks kept: younger than the grace
+    live_bytes: int = 0  # bytes of the blocks the kept entries reference
+    markers_deleted: int = 0
+    manifests_deleted: int = 0
+    access_merged: int = 0
+    bad_manifests: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass
+class _Plan:
+    report: RemoteCompactReport
+    evict_markers: list[str]
+    evict_manifests: list[str]
+    dangling: list[str]
+    sweep: list[bytes]
+    merged: dict[str, int]
+    access_keys: list[str]
+
+
+def compact(
+    remote: RemoteTier, *, max_bytes: int | None, grace: float, dry_run: bool
+) -> RemoteCompactReport:
+    """Evict above ``max_bytes`` (None: no budget) and delete unreferenced blocks older
+    than ``grace`` seconds; ``dry_run`` lists without the lease and deletes nothing."""
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    if grace < 0:
+        raise ValueError(f"grace must be >= 0, got {grace}")
+    if not dry_run:
+        remote.lease.take()
+    try:
+        plan = _plan(remote, max_bytes, grace, dry_run)
+        crash_point("remote_gc_after_list")
+        if not dry_run:
+            _execute(remote, plan)
+        return plan.report
+    finally:
+        if not dry_run:
+            remote.lease.release()
+
+
+def _plan(remote: RemoteTier, max_bytes: int | None, grace: float, dry_run: bool) -> _Plan:
+    p, c = remote.prefix, remote.client
+    rep = RemoteCompactReport(str(remote.url), dry_run)
+    # markers first: each was put after its manifest, so a manifest listed later covers it
+    marks: dict[bytes, list[str]] = defaultdict(list)
+    for o in [*c.list(p + MARKERS), *c.list(p + EXACT)]:
+        d = entry_of_key(o.key)
+        if d is not None:
+            marks[d].append(o.key)
+    blocks: dict[bytes, BlockStat] = dict(remote.blocks.iter_stats())
+    listed = {d: o.mtime for o in c.list(p + MANIFESTS) if (d := entry_of_key(o.key))}
+    access, access_keys = remote.read_access()
+
+    def load(d: bytes) -> tuple[bytes, Manifest | None]:
+        try:
+            return d, remote.manifest(d)[1]
+        except (KVStoreError, msgspec.DecodeError, ValueError):
+            return d, None
+
+    mans: dict[bytes, Manifest] = {}
+    for d, m in remote.map(load, list(listed)):
+        if m is None:
+            if d in listed and not _gone(remote, d):
+                rep.bad_manifests.append(d.hex())
+        else:
+            mans[d] = m
+    refs: dict[bytes, int] = defaultdict(int)
+    uses = {d: set(m.block_digests()) for d, m in mans.items()}
+    for bs in uses.values():
+        for b in bs:
+            refs[b] += 1
+    size = {b: st.size for b, st in blocks.items()}
+    live = sum(size.get(b, 0) for b in refs)
+    last = {d: max(listed[d], access.get(d, 0.0)) for d in mans}
+    evict: list[bytes] = []
+    if max_bytes is not None:
+        for d in sorted(mans, key=lambda d: (last[d], d)):
+            if live <= max_bytes:
+                break
+            evict.append(d)
+            for b in uses[d]:
+                refs[b] -= 1
+                if refs[b] == 0:
+                    live -= size.get(b, 0)
+    now = time.time()
+    sweep: list[bytes] = []
+    young = 0
+    for b, st in blocks.items():
+        if refs.get(b, 0) > 0:
+            continue
+        if now - st.mtime >= grace:
+            sweep.append(b)
+        else:
+            young += 1
+    gone = set(evict)
+    kept = set(mans) - gone
+    rep.entries, rep.blocks, rep.young, rep.live_bytes = len(mans), len(blocks), young, live
+    rep.evicted = [d.hex() for d in evict]
+    rep.blocks_deleted = len(sweep)
+    rep.bytes_deleted = sum(size[b] for b in sweep)
+    bad = {bytes.fromhex(h) for h in rep.bad_manifests}
+    dangling = [k for d, ks in marks.items() if d not in listed and d not in bad for k in ks]
+    evict_markers = [k for d in evict for k in marks.get(d, ())]
+    rep.markers_deleted = len(dangling) + len(evict_markers)
+    rep.manifests_deleted = len(evict)
+    merged = {d.hex(): int(t * 1000) for d, t in access.items() if d in kept}
+    rep.access_merged = len(access_keys)
+    return _Plan(rep, evict_markers, [manifest_key(p, d) for d in evict], dangling, sweep,
+                 merged, access_keys)
+
+
+def _gone(remote: RemoteTier, d: bytes) -> bool:
+    """Whether a manifest that failed to load was deleted meanwhile (not bad)."""
+    try:
+        return remote.client.head(manifest_key(remote.prefix, d)) is None
+    except RemoteNotFoundError:
+        return True
+
+
+def _delete(remote: RemoteTier, keys: Sequence[str]) -> None:
+    for i in range(0, len(keys), BATCH):
+        remote.lease.check()
+        remote.client.delete_many(keys[i : i + BATCH])
+        crash_point("remote_gc_after_delete")
+
+
+def _execute(remote: RemoteTier, plan: _Plan) -> None:
+    _delete(remote, plan.evict_markers)  # evicted entries stop matching first
+    _delete(remote, plan.evict_manifests)
+    for k in plan.evict_manifests:
+        d = entry_of_key(k)
+        if d is not None:
+            remote.forget(d)
+    _delete(remote, plan.dangling)
+    _delete(remote, [remote.blocks.key(b) for b in plan.sweep])
+    if plan.access_keys:
+        if plan.merged:
+            key = f"{remote.prefix}{ACCESS}{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:12]}"
+            remote.client.put(key, msgspec.msgpack.encode(plan.merged))
+        _delete(remote, plan.access_keys)

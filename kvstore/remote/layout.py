@@ -1,0 +1,152 @@
+"""Where everything lives in a bucket, and the small records the remote tier keeps there.
+
+Every object is immutable and, but for the GC lease, named by what it holds::
+
+    <prefix>kvstore.json                         the settings (format, hash, block size)
+    <prefix>blocks/ab/<hex>                      block bytes (the local file's bytes)
+    <prefix>manifests/<hex>                      an encoded manifest, named by its digest
+    <prefix>markers/<c_k>/<entry>.<n>.<t|x>      the entry reaches depth k (empty body)
+    <prefix>exact/<exact key>/<entry>.<t|x>      the entry is complete (put last)
+    <prefix>access/<ms>-<random>                 a batch of access times (msgpack)
+    <prefix>gc/lease                             the compactor's lease (JSON)
+
+``c_k`` is the local index's chain key of the entry's first ``k`` blocks (so a
+marker is namespaced by ``c_0``), ``n`` the entry's tokens and ``t``/``x`` whether
+it can serve a shorter prefix (docs/FORMAT.md, "The remote tier").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import msgspec
+
+REMOTE_FORMAT = 1
+SETTINGS = "kvstore.json"
+BLOCKS = "blocks/"
+MANIFESTS = "manifests/"
+MARKERS = "markers/"
+EXACT = "exact/"
+ACCESS = "access/"
+LEASE = "gc/lease"
+
+
+class RemoteSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What a bucket's roots share; a local root with others cannot use it."""
+
+    format: int = REMOTE_FORMAT
+    hash: str
+    block_tokens: int
+    state_block_bytes: int
+    created_at: int
+
+    def differences(self, hash: str, block_tokens: int, state_block_bytes: int) -> list[str]:
+        """The settings of a local root that differ from these, as ``name: ours vs theirs``."""
+        pairs = (("hash", self.hash, hash), ("block_tokens", self.block_tokens, block_tokens),
+                 ("state_block_bytes", self.state_block_bytes, state_block_bytes))
+        return [f"{n}: local {b} vs remote {a}" for n, a, b in pairs if a != b]
+
+
+class Marker(NamedTuple):
+    """A parsed depth marker: which entry, how long, whether it trims."""
+
+    entry: bytes
+    n_tokens: int
+    trimmable: bool
+
+
+def manifest_key(prefix: str, digest: bytes) -> str:
+    return f"{prefix}{MANIFESTS}{digest.hex()}"
+
+
+def marker_dir(prefix: str, chain_key: bytes) -> str:
+    return f"{prefix}{MARKERS}{chain_key.hex()}/"
+
+
+def marker_key(prefix: str, chain_key: bytes, entry: bytes, n_tokens: int, trim: bool) -> str:
+    return f"{marker_dir(prefix, chain_key)}{entry.hex()}.{n_tokens}.{'t' if trim else 'x'}"
+
+
+def exact_dir(prefix: str, exact_key: bytes) -> str:
+    return f"{prefix}{EXACT}{exact_key.hex()}/"
+
+
+def exact_marker(prefix: str, exact_key: bytes, entry: bytes, trim: bool) -> str:
+    return f"{exact_dir(prefix, exact_key)}{entry.hex()}.{'t' if trim else 'x'}"
+
+
+def parse_exact(key: str) -> tuple[bytes, bool] | None:
+    """(entry, trimmable) of an ``exact/`` key, or None for a stray object."""
+    name = key.rsplit("/", 1)[-1]
+    head, _, flag = name.partition(".")
+    entry = _hex32(head)
+    return None if entry is None or flag not in ("t", "x") else (entry, flag == "t")
+
+
+def _hex32(s: str) -> bytes | None:
+    if len(s) != 64:
+        return None
+    try:
+        b = bytes.fromhex(s)
+    except ValueError:
+        return None
+    return b if b.hex() == s else None
+
+
+def parse_marker(key: str) -> Marker | None:
+    """The marker a ``markers/`` key names, or None for a stray object."""
+    name = key.rsplit("/", 1)[-1]
+    parts = name.split(".")
+    if len(parts) != 3 or parts[2] not in ("t", "x") or not parts[1].isdigit():
+        return None
+    entry = _hex32(parts[0])
+    return None if entry is None else Marker(entry, int(parts[1]), parts[2] == "t")
+
+
+def entry_of_key(key: str) -> bytes | None:
+    """The entry digest a marker, exact marker or manifest key ends in (None: a stray)."""
+    name = key.rsplit("/", 1)[-1]
+    return _hex32(name.split(".", 1)[0])
+
+
+@dataclass(frozen=True)
+class Publication:
+    """One local entry as the remote needs it: its manifest, blocks and keys."""
+
+    digest: bytes
+    manifest: bytes
+    blocks: dict[bytes, int]  # distinct block digest -> size, in manifest order
+    depth_keys: Sequence[bytes]  # c_1 .. c_K: the entry holds K full blocks
+    exact_key: bytes
+    n_tokens: int
+    trimmable: bool
+
+
+@dataclass
+class PushStats:
+    """What pushes did: entries published, blocks and bytes uploaded, blocks already there.
+
+    ``failed``: entries whose upload failed (kept, retried by the next push);
+    ``shed``: saves not queued because the queue was full; ``pending``: still queued
+    when a push timed out.
+    """
+
+    entries: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    present: int = 0
+    failed: int = 0
+    shed: int = 0
+    pending: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, other: PushStats) -> None:
+        for f in ("entries", "blocks", "bytes", "present", "failed", "shed", "pending"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        self.errors.extend(other.errors)
+
+    def as_dict(self) -> dict[str, object]:
+        return {f: getattr(self, f) for f in
+                ("entries", "blocks", "bytes", "present", "failed", "shed", "pending", "errors")}

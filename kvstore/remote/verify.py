@@ -1,0 +1,151 @@
+"""Checking the remote, and repairing it: ``kvstore remote verify [--read-data] [--repair]``.
+
+Without ``read_data`` the structure is checked from listings and manifests: every
+manifest matches its name and decodes, every block a finished entry needs is there
+with the size its manifest gives it, every marker names a manifest. ``read_data``
+downloads every block and checks its digest. ``repair`` (under the GC lease, as it
+deletes) drops each entry that is bad or needs a missing or bad block (its markers
+first, then its manifest), the markers that name no manifest, and the bad blocks.
+The remote keeps no cut-back entries: a machine that had the entry can push a
+shorter one again.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..blocks.base import BlockStat
+from ..codecs.layout import manifest_blocks
+from ..errors import BlockNotFoundError, CorruptBlockError, KVStoreError
+from ..schema import Manifest
+from .layout import EXACT, MANIFESTS, MARKERS, entry_of_key, manifest_key
+from .tier import RemoteTier
+
+
+@dataclass
+class RemoteVerifyReport:
+    url: str
+    read_data: bool
+    repair: bool
+    dry_run: bool
+    entries: int = 0  # finished entries (their exact marker is there)
+    manifests: int = 0
+    blocks: int = 0
+    markers: int = 0
+    blocks_read: int = 0
+    bad_manifests: list[str] = field(default_factory=list)
+    missing: dict[str, list[str]] = field(default_factory=dict)  # entry -> missing blocks
+    corrupt: list[str] = field(default_factory=list)
+    wrong_size: list[str] = field(default_factory=list)
+    dangling: int = 0
+    incomplete: list[str] = field(default_factory=list)  # manifests whose push did not finish
+    dropped: list[str] = field(default_factory=list)
+    deleted_blocks: int = 0
+    deleted_markers: int = 0
+
+    @property
+    def sound(self) -> bool:
+        return not (self.bad_manifests or self.missing or self.corrupt or self.wrong_size
+                    or self.dangling)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["sound"] = self.sound
+        return out
+
+
+def verify(remote: RemoteTier, *, read_data: bool, repair: bool, dry_run: bool
+           ) -> RemoteVerifyReport:
+    """Check the remote; with ``repair`` (and not ``dry_run``) fix what was found."""
+    rep = RemoteVerifyReport(str(remote.url), read_data, repair, dry_run)
+    act = repair and not dry_run
+    if act:
+        remote.lease.take()
+    try:
+        marks, users = _check(remote, rep)
+        if repair:
+            _repair(remote, rep, marks, users, act)
+    finally:
+        if act:
+            remote.lease.release()
+    return rep
+
+
+def _check(remote: RemoteTier, rep: RemoteVerifyReport
+           ) -> tuple[dict[bytes, list[str]], dict[bytes, set[bytes]]]:
+    p, c = remote.prefix, remote.client
+    marks: dict[bytes, list[str]] = defaultdict(list)
+    done: set[bytes] = set()
+    for o in [*c.list(p + MARKERS), *c.list(p + EXACT)]:
+        d = entry_of_key(o.key)
+        if d is not None:
+            marks[d].append(o.key)
+            rep.markers += 1
+            if o.key.startswith(p + EXACT):
+                done.add(d)
+    blocks: dict[bytes, BlockStat] = dict(remote.blocks.iter_stats())
+    listed = [d for o in c.list(p + MANIFESTS) if (d := entry_of_key(o.key)) is not None]
+    rep.blocks, rep.manifests = len(blocks), len(listed)
+
+    def load(d: bytes) -> tuple[bytes, Manifest | None, dict[bytes, int]]:
+        try:
+            _, m = remote.manifest(d)
+            return d, m, manifest_blocks(m)
+        except (KVStoreError, ValueError):
+            return d, None, {}
+
+    users: dict[bytes, set[bytes]] = {}
+    for d, m, sizes in remote.map(load, listed):
+        if m is None:
+            rep.bad_manifests.append(d.hex())
+            continue
+        users[d] = set(sizes)
+        gone = [b for b in sizes if b not in blocks]
+        for b, sz in sizes.items():
+            if b in blocks and blocks[b].size != sz and b.hex() not in rep.wrong_size:
+                rep.wrong_size.append(b.hex())
+        if d not in done:
+            rep.incomplete.append(d.hex())
+        elif gone:
+            rep.missing[d.hex()] = [b.hex() for b in gone]
+    rep.entries = len(done & set(users))
+    have = set(listed)
+    rep.dangling = sum(len(ks) for d, ks in marks.items() if d not in have)
+    if rep.read_data:
+        def check(b: bytes) -> str | None:
+            try:
+                remote.blocks.get(b, verify=True)
+            except CorruptBlockError:
+                return b.hex()
+            except BlockNotFoundError:
+                return None  # swept meanwhile
+            return None
+
+        bad = remote.map(check, list(blocks))
+        rep.blocks_read = len(blocks)
+        rep.corrupt = sorted(h for h in bad if h is not None)
+    return marks, users
+
+
+def _repair(remote: RemoteTier, rep: RemoteVerifyReport, marks: dict[bytes, list[str]],
+            users: dict[bytes, set[bytes]], act: bool) -> None:
+    bad_blocks = {bytes.fromhex(h) for h in (*rep.corrupt, *rep.wrong_size)}
+    drop = {bytes.fromhex(h) for h in (*rep.bad_manifests, *rep.missing)}
+    drop |= {d for d, bs in users.items() if bs & bad_blocks}
+    have = set(users) | {bytes.fromhex(h) for h in rep.bad_manifests}
+    marker_keys = [k for d in sorted(drop) for k in marks.get(d, ())]
+    dangling = [k for d, ks in marks.items() if d not in have for k in ks]
+    rep.dropped = sorted(d.hex() for d in drop)
+    rep.deleted_blocks = len(bad_blocks)
+    rep.deleted_markers = len(marker_keys) + len(dangling)
+    if not act:
+        return
+    for keys in (marker_keys, [manifest_key(remote.prefix, d) for d in sorted(drop)], dangling,
+                 [remote.blocks.key(b) for b in sorted(bad_blocks)]):
+        if keys:
+            remote.lease.check()
+            remote.client.delete_many(keys)
+    for d in drop:
+        remote.forget(d)

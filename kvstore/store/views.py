@@ -1,0 +1,43 @@
+"""Read-only views of the index for the command line: manifests by id, what each entry
+holds alone, block refcounts, the garbage awaiting compaction."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..index import Index
+from ..schema import Manifest, decode_manifest
+
+
+class IndexViews:
+    """Mixed into :class:`~kvstore.store.Store` (whose ``index`` it reads)."""
+
+    index: Index
+
+    def manifests(self, entry_ids: Sequence[str]) -> dict[str, Manifest]:
+        """The manifests of these full hex ids, in one read; an id without one is left out."""
+        with self.index.read() as txn:
+            raws = ((i, self.index.get_manifest(bytes.fromhex(i), txn)) for i in entry_ids)
+            return {i: decode_manifest(raw) for i, raw in raws if raw is not None}
+
+    def unique_bytes(self, manifests: dict[str, Manifest]) -> dict[str, int]:
+        """Per entry id, the bytes of its blocks no other entry references (refcount 1)."""
+        out: dict[str, int] = {}
+        with self.index.read() as txn:
+            for i, m in manifests.items():
+                digests = dict.fromkeys((*m.token_blocks, *m.state_blocks))
+                refs = (self.index.get_ref(d, txn) for d in digests)
+                out[i] = sum(r.size for r in refs if r is not None and r.refcount == 1)
+        return out
+
+    def block_refs(self, digests: Sequence[bytes]) -> dict[bytes, tuple[int, int]]:
+        """``(size, refcount)`` of each of these blocks that has a record, in one read."""
+        with self.index.read() as txn:
+            refs = ((d, self.index.get_ref(d, txn)) for d in digests)
+            return {d: (r.size, r.refcount) for d, r in refs if r is not None}
+
+    def unreferenced_blocks(self) -> list[tuple[int, int]]:
+        """``(size, zero_since)`` of every block no entry references, awaiting compact."""
+        with self.index.read() as txn:
+            refs = self.index.iter_refs(txn)
+            return [(r.size, r.zero_since) for _, r in refs if r.refcount == 0]

@@ -1,0 +1,199 @@
+"""The remote tier against the real gateway: two machines on one bucket, dedup across
+machines, the compaction race, settings, verify and compact (docs/FORMAT.md)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.kv import T, make_cache, matches, open_store, run_worker, start_worker, tokens_for
+
+import kvstore
+from kvstore.errors import RootSettingsError
+from kvstore.remote import Remote
+
+
+def count_requests(store: kvstore.Store) -> list[str]:
+    """Every S3 request the store's remote client makes from now on, by operation name."""
+    seen: list[str] = []
+    assert store.remote is not None
+    store.remote.client._s3.meta.events.register(
+        "before-call.s3", lambda model, **kw: seen.append(model.name))
+    return seen
+
+
+def remote_objects(url: str, kind: str) -> dict[str, int]:
+    r = Remote(url)
+    try:
+        return {o.key: o.size for o in r.client.list(r.prefix + kind)}
+    finally:
+        r.close()
+
+
+def test_two_machines_share_an_entry(tmp_path: Path, url: str) -> None:
+    toks = tokens_for(1, 10 * T + 5, shared=3 * T)
+    rc, out, err = run_worker("remote-save", {"root": str(tmp_path / "a"), "remote": url,
+                                              "seeds": [1], "n": len(toks), "shared": 3 * T})
+    assert rc == 0, err
+    assert out is not None and out["entries"] == 1 and out["blocks"] == 11 and out["failed"] == 0
+    query = toks + [7, 8, 9]
+    with open_store(tmp_path / "b", remote=url) as b:
+        m = b.lookup(query)
+        assert m is not None and m.where == "remote" and m.length == len(toks)
+        assert m.entry_id == out["ids"][0] and not m.exact
+        cache, n = b.restore(query)
+        assert n == len(toks) and cache is not None and matches(cache, query, n)
+        assert b.stats().entries == 1  # committed locally
+        seen = count_requests(b)
+        cache, n = b.restore(query)
+        assert n == len(toks) and cache is not None and matches(cache, query, n)
+        # it downloads nothing; it only asks whether the remote holds a longer prefix:
+        # the exact key and one depth marker
+        assert seen == ["ListObjectsV2"] * 2, seen
+        m = b.lookup(query)
+        assert m is not None and m.where == "local"
+        seen.clear()
+        cache, n = b.restore(toks)  # an exact local hit does not ask at all
+        assert n == len(toks) and cache is not None and matches(cache, toks, n)
+        assert seen == [], f"an exact local hit asked the remote: {seen}"
+
+
+def test_a_prefix_pull_downloads_only_the_blocks_it_needs(tmp_path: Path, url: str) -> None:
+    long = tokens_for(2, 20 * T, shared=0)
+    with open_store(tmp_path / "a", remote=url) as a:
+        a.save(long, make_cache(long))
+        assert a.push(60).blocks == 20
+    query = long[: 6 * T + 3] + [1, 2]  # shares 6 blocks and 3 tokens of the 7th
+    with open_store(tmp_path / "b", remote=url) as b:
+        seen = count_requests(b)
+        cache, n = b.restore(query)
+        assert n == 6 * T + 3 and cache is not None and matches(cache, query, n)
+        assert seen.count("GetObject") == 1 + 7  # the manifest, then 7 of its 20 blocks
+        (e,) = list(b.entries())
+        assert e.n_tokens == 7 * T  # the local entry is the prefix, cut at a block boundary
+        assert len(list(b.blocks.iter())) == 7
+
+
+def test_dedup_across_20_machines(tmp_path: Path, url: str) -> None:
+    system = 4096
+    seeds = list(range(20))
+    n = system + 2 * T + 5
+    procs = [start_worker("remote-save", {"root": str(tmp_path / f"m{i}"), "remote": url,
+                                          "seeds": seeds[i::4], "n": n, "shared": system})
+             for i in range(4)]  # 4 processes, 5 machines' roots each by seed
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    blocks = remote_objects(url, "blocks/")
+    per_user = -(-(n - system) // T)
+    assert len(blocks) == system // T + 20 * per_user
+    shared_bytes = (system // T) * T * 2 * 2 * 8 * 2  # T rows of K and V, H=2 D=8 fp16
+    assert sum(blocks.values()) == shared_bytes + 20 * (per_user * 0 + (n - system) * 64)
+    with open_store(tmp_path / "fresh", remote=url) as s:
+        for seed in (0, 13):
+            q = tokens_for(seed, n, shared=system)
+            m = s.lookup(q)
+            assert m is not None and m.where == "remote" and m.exact
+
+
+def test_settings_must_match(tmp_path: Path, url: str) -> None:
+    with open_store(tmp_path / "a", remote=url):
+        pass
+    with pytest.raises(RootSettingsError, match="block_tokens: local 32 vs remote 16"):
+        kvstore.Store.open(tmp_path / "b", namespace=None, block_tokens=32, remote=url)
+    with kvstore.Store.open(tmp_path / "c", remote=url) as s:  # a new root takes the remote's
+        assert s.settings.block_tokens == T
+
+
+def test_verify_finds_and_repairs_a_corrupt_block(tmp_path: Path, url: str) -> None:
+    toks = tokens_for(3, 4 * T)
+    with open_store(tmp_path / "a", remote=url) as a:
+        a.save(toks, make_cache(toks))
+        a.push(60)
+        assert a.remote is not None
+        r = a.remote
+        assert r.verify(read_data=True).sound
+        _, m = r.manifest(a.lookup(toks).digest)  # type: ignore[union-attr]
+        bad = m.token_blocks[2]
+        key = r.blocks.key(bad)
+        size = r.client.head(key).size  # type: ignore[union-attr]
+        r.client.put(key, b"\xff" * size, if_absent=False)  # same size, other bytes
+        assert r.verify().sound  # structure only: sizes match
+        rep = r.verify(read_data=True)
+        assert not rep.sound and rep.corrupt == [bad.hex()]
+    with open_store(tmp_path / "b", remote=url) as b:
+        cache, n = b.restore(toks)
+        assert cache is None and n == 0  # never the bad bytes
+        assert not b.blocks.exists(bad)
+        assert b.remote is not None
+        rep = b.remote.verify(read_data=True, repair=True)
+        assert len(rep.dropped) == 1 and rep.deleted_blocks == 1
+        assert b.remote.verify(read_data=True).sound
+        assert b.remote.stats().entries == 0
+
+
+def test_compact_evicts_lru_and_sweeps(tmp_path: Path, url: str) -> None:
+    with open_store(tmp_path / "a", remote=url) as a:
+        ids = []
+        for seed in (10, 11, 12):
+            t = tokens_for(seed, 3 * T, shared=T)
+            ids.append(a.save(t, make_cache(t)).id)
+            a.push(60)
+            time.sleep(1.1)  # LastModified has one-second resolution
+        r = a.remote
+        assert r is not None
+        one = 3 * T * 64 - T * 64  # the bytes of one entry's own blocks
+        dry = r.compact(max_bytes=T * 64 + 2 * one, grace=0, dry_run=True)
+        assert dry.evicted == [ids[0]] and dry.blocks_deleted == 2
+        assert r.stats().entries == 3  # a dry run deletes nothing
+        rep = r.compact(max_bytes=T * 64 + 2 * one, grace=0)
+        assert rep.evicted == [ids[0]] and rep.blocks_deleted == 2 and rep.bytes_deleted == one
+        assert rep.live_bytes == T * 64 + 2 * one
+        st = r.stats()
+        assert (st.entries, st.manifests, st.blocks, st.lease) == (2, 2, 5, None)
+        assert r.verify(read_data=True).sound
+        rep = r.compact(grace=3600)
+        assert rep.blocks_deleted == 0 and rep.evicted == []
+
+
+def test_the_compaction_race(tmp_path: Path, url: str) -> None:
+    """A saves entries reusing blocks already on the remote while B compacts at grace 0 in
+    a loop, evicting down to a small budget (so A's blocks are swept under it); every
+    entry left restores bit-exact on an empty root and the remote verifies."""
+    system = 8 * T
+    with open_store(tmp_path / "seed", remote=url) as s0:
+        t = tokens_for(100, system + T, shared=system)
+        s0.save(t, make_cache(t))
+        assert s0.push(60).failed == 0
+    until = time.time() + 25
+    budget = (system + 4 * T) * 64
+    b = start_worker("remote-compact", {"remote": url, "until": until, "max_bytes": budget})
+    a = start_worker("remote-save", {"root": str(tmp_path / "a"), "remote": url,
+                                     "seeds": list(range(40)), "n": system + 2 * T,
+                                     "shared": system, "push_each": True})
+    a_out, a_err = a.communicate(timeout=300)
+    b_out, b_err = b.communicate(timeout=300)
+    assert a.returncode == 0 and b.returncode == 0, (a_err[-3000:], b_err[-3000:])
+    import json
+
+    sa = json.loads(a_out.strip().splitlines()[-1])
+    sb = json.loads(b_out.strip().splitlines()[-1])
+    assert sa["failed"] == 0 and sa["entries"] == 40
+    assert sb["passes"] >= 3 and sb["evicted"] > 0 and sb["deleted"] > 0, sb
+    r = Remote(url)
+    try:
+        assert r.verify(read_data=True).sound
+        left = [e for e in r.entries() if e.complete]
+    finally:
+        r.close()
+    assert left, "the budget keeps the newest entries"
+    with open_store(tmp_path / "c", remote=url) as c:
+        for seed in range(40):
+            q = tokens_for(seed, system + 2 * T, shared=system)
+            m = c.lookup(q)
+            if m is not None and m.where == "remote" and m.exact:
+                cache, n = c.restore(q)
+                assert cache is not None and n == len(q) and matches(cache, q, n)
+        assert sum(1 for _ in c.entries()) >= len(left) - 1
+    _ = Any
