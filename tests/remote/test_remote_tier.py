@@ -3,9 +3,9 @@ machines, the compaction race, settings, verify and compact (docs/FORMAT.md)."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from helpers.kv import T, make_cache, matches, open_store, run_worker, start_worker, tokens_for
@@ -88,8 +88,8 @@ def test_dedup_across_20_machines(tmp_path: Path, url: str) -> None:
     blocks = remote_objects(url, "blocks/")
     per_user = -(-(n - system) // T)
     assert len(blocks) == system // T + 20 * per_user
-    shared_bytes = (system // T) * T * 2 * 2 * 8 * 2  # T rows of K and V, H=2 D=8 fp16
-    assert sum(blocks.values()) == shared_bytes + 20 * (per_user * 0 + (n - system) * 64)
+    row = 2 * 2 * 8 * 2  # one token's K and V rows: H=2, D=8, fp16
+    assert sum(blocks.values()) == system * row + 20 * (n - system) * row
     with open_store(tmp_path / "fresh", remote=url) as s:
         for seed in (0, 13):
             q = tokens_for(seed, n, shared=system)
@@ -175,8 +175,6 @@ def test_the_compaction_race(tmp_path: Path, url: str) -> None:
     a_out, a_err = a.communicate(timeout=300)
     b_out, b_err = b.communicate(timeout=300)
     assert a.returncode == 0 and b.returncode == 0, (a_err[-3000:], b_err[-3000:])
-    import json
-
     sa = json.loads(a_out.strip().splitlines()[-1])
     sb = json.loads(b_out.strip().splitlines()[-1])
     assert sa["failed"] == 0 and sa["entries"] == 40
@@ -196,4 +194,3 @@ def test_the_compaction_race(tmp_path: Path, url: str) -> None:
                 cache, n = c.restore(q)
                 assert cache is not None and n == len(q) and matches(cache, q, n)
         assert sum(1 for _ in c.entries()) >= len(left) - 1
-    _ = Any
