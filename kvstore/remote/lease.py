@@ -3,7 +3,8 @@
 Its body names a token, an owner and an expiry (epoch seconds). The holder
 deletes only while its lease has more than ``margin`` seconds left by its own
 clock and re-reads the lease before every batch of deletes; anyone else treats a
-lease as gone only ``margin`` seconds after its expiry. ``margin`` covers the
+lease as gone only ``margin`` seconds (the holder's, written in the body) after its
+expiry. ``margin`` covers the
 clock skew between machines plus one delete request in flight (docs/FORMAT.md).
 """
 
@@ -28,7 +29,8 @@ DEFAULT_MARGIN = 30.0  # clock skew + one request in flight
 class LeaseBody(msgspec.Struct, frozen=True):
     token: str
     owner: str
-    expires: float
+    expires: float  # epoch seconds, by the holder's clock
+    margin: float = DEFAULT_MARGIN  # the holder's: it stops deleting this long before expiry
 
 
 _enc = msgspec.json.Encoder()
@@ -61,13 +63,13 @@ class Lease:
             return LeaseBody("?", "unreadable lease", 0.0)
 
     def stale(self, body: LeaseBody, now: float | None = None) -> bool:
-        """Whether others may treat ``body`` as gone: ``margin`` past its expiry."""
-        return (time.time() if now is None else now) > body.expires + self.margin
+        """Whether others may treat ``body`` as gone: its holder's margin past its expiry."""
+        return (time.time() if now is None else now) > body.expires + body.margin
 
     def take(self) -> LeaseBody:
         """Take the lease (a stale one is taken over); RemoteLeaseError when it is held."""
         body = LeaseBody(uuid.uuid4().hex, f"{socket.gethostname()}:{os.getpid()}",
-                         time.time() + self.duration)
+                         time.time() + self.duration, self.margin)
         for _ in range(2):
             if self.client.put(self.key, _enc.encode(body), if_absent=True):
                 self.held = body

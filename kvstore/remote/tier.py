@@ -138,7 +138,7 @@ class RemoteTier:
         self.prefix = self.url.prefix
         self.timeout = timeout
         self.client = S3Client(self.url.bucket, connect_timeout=timeout, read_timeout=timeout,
-                               attempts=2, max_pool_connections=max(workers, 10),
+                               attempts=2, max_pool_connections=workers + 8,
                                profile=profile)
         self.lease = Lease(self.client, self.prefix, lease_seconds, lease_margin)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvstore-remote")

@@ -2,7 +2,9 @@
 
 Without ``read_data`` the structure is checked from listings and manifests: every
 manifest matches its name and decodes, every block a finished entry needs is there
-with the size its manifest gives it, every marker names a manifest. ``read_data``
+with the size its manifest gives it, every marker names a manifest. An entry is
+visible once any marker names it (markers are put after its blocks); a manifest
+without its exact marker is an unfinished push, reported but not a problem. ``read_data``
 downloads every block and checks its digest. ``repair`` (under the GC lease, as it
 deletes) drops each entry that is bad or needs a missing or bad block (its markers
 first, then its manifest), the markers that name no manifest, and the bad blocks.
@@ -36,7 +38,7 @@ class RemoteVerifyReport:
     markers: int = 0
     blocks_read: int = 0
     bad_manifests: list[str] = field(default_factory=list)
-    missing: dict[str, list[str]] = field(default_factory=dict)  # entry -> missing blocks
+    missing: dict[str, list[str]] = field(default_factory=dict)  # visible entry -> blocks gone
     corrupt: list[str] = field(default_factory=list)
     wrong_size: list[str] = field(default_factory=list)
     dangling: int = 0
@@ -77,7 +79,7 @@ def _check(remote: RemoteTier, rep: RemoteVerifyReport
            ) -> tuple[dict[bytes, list[str]], dict[bytes, set[bytes]]]:
     p, c = remote.prefix, remote.client
     marks: dict[bytes, list[str]] = defaultdict(list)
-    done: set[bytes] = set()
+    done: set[bytes] = set()  # entries whose exact marker is there: the push finished
     for o in [*c.list(p + MARKERS), *c.list(p + EXACT)]:
         d = entry_of_key(o.key)
         if d is not None:
@@ -108,7 +110,7 @@ def _check(remote: RemoteTier, rep: RemoteVerifyReport
                 rep.wrong_size.append(b.hex())
         if d not in done:
             rep.incomplete.append(d.hex())
-        elif gone:
+        if gone and d in marks:  # visible (a marker names it) yet missing a block
             rep.missing[d.hex()] = [b.hex() for b in gone]
     rep.entries = len(done & set(users))
     have = set(listed)

@@ -58,6 +58,7 @@ class RemoteLink:
         self._outstanding = 0
         self._stats = PushStats()
         self._failed: dict[bytes, None] = {}
+        self._queued: set[bytes] = set()  # in the queue or being uploaded
         self._workers: list[threading.Thread] = []
         self._n_workers = workers
         self._lookups = cf.ThreadPoolExecutor(4, thread_name_prefix="kvstore-remote-lookup")
@@ -113,6 +114,8 @@ class RemoteLink:
         if self._closed:
             return
         with self._cv:
+            if digest in self._queued:
+                return
             try:
                 self._q.put_nowait(digest)
             except queue.Full:
@@ -122,6 +125,7 @@ class RemoteLink:
                 self._stats.shed += 1
                 return
             self._outstanding += 1
+            self._queued.add(digest)
             if len(self._workers) < self._n_workers:
                 t = threading.Thread(target=self._work, name="kvstore-push", daemon=True)
                 self._workers.append(t)
@@ -142,6 +146,7 @@ class RemoteLink:
                     self._failed[d] = None
             with self._cv:
                 self._stats.add(st)
+                self._queued.discard(d)
                 self._outstanding -= 1
                 self._cv.notify_all()
 
