@@ -117,9 +117,13 @@ class S3Client:
         max_pool_connections: int = DEFAULT_POOL,
         profile: str | None = None,
     ) -> None:
-        import boto3
-        import botocore.config
-        import botocore.exceptions
+        try:
+            import boto3
+            import botocore.config
+            import botocore.exceptions
+        except ImportError as e:
+            raise RemoteError(f"the remote tier needs boto3 ({e.name} is missing): "
+                              "pip install 'kvstore[remote]'", bucket=bucket) from None
 
         self.bucket = bucket
         self._exc = botocore.exceptions

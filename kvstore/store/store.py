@@ -349,8 +349,11 @@ class Store(FileBridge, IndexViews):
         """
         digest: bytes = match.digest
         if match.where == "remote":
-            digest = self._remote_link().pull(RemoteHit(
-                match.digest, match.length, match.exact, match.trimmable, match.n_tokens)).digest
+            got = self._remote_link().pull(RemoteHit(
+                match.digest, match.length, match.exact, match.trimmable, match.n_tokens))
+            digest = got.digest
+            if got.fresh and verify is None:  # every block was checked as it came in
+                verify = False
         _, cache, _ = self._read(digest, match.length, verify)
         self._access.note(digest)
         return cache

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..codecs.layout import manifest_blocks
@@ -43,6 +43,7 @@ class Pulled:
     n_tokens: int
     blocks: int  # downloaded
     bytes: int
+    fresh: bool = False  # every block it needs was downloaded (and checked) just now
 
 
 class RemoteLink:
@@ -227,20 +228,23 @@ class RemoteLink:
         need = list(dict.fromkeys(m.block_digests()))
         missing = [d for d in need if not blocks.exists(d)]
         sizes = manifest_blocks(m)
-        data = self._download(missing, sum(sizes[d] for d in missing))
-        for d in missing:
-            blocks.put(d, [data[d]])
+        nbytes = sum(sizes[d] for d in missing)
+
+        def fetch(d: bytes) -> None:  # download (verified) and store, on a request thread
+            blocks.put(d, [self.remote.blocks.get(d)])
+
+        self._bounded(lambda: self.remote.map(fetch, missing), nbytes)
 
         def ensure(d: bytes) -> None:  # in the commit: a local GC took it meanwhile
             if not blocks.exists(d):
-                blocks.put(d, [data[d] if d in data else self.remote.blocks.get(d)])
+                fetch(d)
 
         plan = entry_plan(m, raw, digest, ensure_block=ensure)
         if not self.parts.index.commit_save(plan):
             with self.parts.index.read() as txn:
                 digest = self.parts.index.find_exact(plan.exact_key, txn) or digest
         self.remote.note_access(hit.digest)
-        return Pulled(digest, m.n_tokens, len(missing), sum(len(data[d]) for d in missing))
+        return Pulled(digest, m.n_tokens, len(missing), nbytes, len(missing) == len(need))
 
     def pull_entries(self, entry_ids: Sequence[str] | None) -> list[Pulled]:
         """Pull whole remote entries: every finished one, or these ids (unique prefixes)."""
@@ -256,14 +260,12 @@ class RemoteLink:
             out.append(self.pull(RemoteHit(d, n, True, done.get(d, False), n)))
         return out
 
-    def _download(self, digests: list[bytes], nbytes: int) -> dict[bytes, bytes]:
-        """The blocks, verified, within ``remote_timeout`` plus their bytes at PULL_RATE."""
-        if not digests:
-            return {}
+    def _bounded(self, fn: Callable[[], object], nbytes: int) -> None:
+        """Run ``fn`` within ``remote_timeout`` twice over plus ``nbytes`` at PULL_RATE."""
         budget = self.remote.timeout * 2 + nbytes / PULL_RATE
-        fut = self._lookups.submit(self.remote.get_blocks, digests)
+        fut = self._lookups.submit(fn)
         try:
-            return fut.result(timeout=budget)
+            fut.result(timeout=budget)
         except cf.TimeoutError:
             raise RemoteUnavailableError(f"pull: no answer in {budget:.0f} s",
                                          bucket=self.remote.url.bucket) from None
