@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 
-from ..blocks import BlockStore, hash_bytes
+from ..blocks import LocalBlockStore, hash_bytes
 from ..blocks.local import io_pool
 from ..codecs import snapshot
 from ..schema import Namespace
@@ -84,7 +84,7 @@ def _save_parts(scratch: Path, n: int, cache: list[Any]) -> tuple[Callable[[], f
     def writing() -> float:
         root = Path(tempfile.mkdtemp(prefix="write-", dir=scratch))
         (root / "tmp").mkdir()
-        bstore = BlockStore(root, "blake3", durable=False)
+        bstore = LocalBlockStore(root, "blake3", durable=False)
         try:
             t = _clock()
             list(pool.map(bstore.write_tmp, blocks))

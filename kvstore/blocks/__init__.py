@@ -3,7 +3,8 @@
 Blocks are bytes named by their digest; nothing here knows of tokens or caches.
 """
 
-from .base import BlockStat
+
+from .base import BlockStat, BlockStore
 from .check import BlockCheck
 from .hashing import (
     ALGORITHMS,
@@ -15,7 +16,7 @@ from .hashing import (
     new_hasher,
     to_hex,
 )
-from .local import BlockStore, LocalBlockStore, open_real_dir
+from .local import LocalBlockStore, open_real_dir
 
 __all__ = [
     "ALGORITHMS",

@@ -35,7 +35,7 @@ Buffer = bytes | memoryview
 _IOV_MAX = 1024
 _counter = itertools.count()
 # Block files are opened without following a symlink and without blocking on a FIFO;
-# what is opened is then checked to be a regular file (see BlockStore.open).
+# what is opened is then checked to be a regular file (see LocalBlockStore.open).
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -479,6 +479,3 @@ def open_real_dir(path: Path) -> int:
                 "own directories out of the root"
             ) from None
         raise
-
-
-BlockStore = LocalBlockStore  # the name callers used before the seam had a base class

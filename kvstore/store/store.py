@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .._crash import crash_point
-from ..blocks import BlockStore, Digest, from_hex
+from ..blocks import Digest, LocalBlockStore, from_hex
 from ..codecs import AttachmentData
 from ..errors import (
     BlockNotFoundError,
@@ -76,7 +76,7 @@ class Store(FileBridge, IndexViews):
         self.namespace = namespace
         self.durable = durable
         self.verify_reads = verify_reads
-        self.blocks = BlockStore(root, settings.hash, durable=durable, read_only=read_only)
+        self.blocks = LocalBlockStore(root, settings.hash, durable=durable, read_only=read_only)
         self.parts = Root(root, settings, index, self.blocks)  # what gc and verify work on
         self._access = AccessLog(index, read_only=read_only)
         self._bisect = False  # lookups bisect the chain (set by open once the root allows it)

@@ -17,7 +17,7 @@ import mlx.core as mx
 import msgspec
 
 from .._crash import crash_point
-from ..blocks import BlockStore, Digest, new_hasher
+from ..blocks import Digest, LocalBlockStore, new_hasher
 from ..blocks.local import io_pool
 from ..codecs import Snapshot, TensorData
 from ..codecs._fork import mlx_guard
@@ -189,7 +189,7 @@ def _first_error(results: Sequence[object]) -> BaseException | None:
     return next((r for r in results if isinstance(r, BaseException)), None)
 
 
-def write_blocks(store: BlockStore, bs: BlockSet, known: Sequence[bytes] = ()) -> int:
+def write_blocks(store: LocalBlockStore, bs: BlockSet, known: Sequence[bytes] = ()) -> int:
     """Hash every block, write the missing ones, link them in place; returns new bytes.
 
     Existing blocks are not rewritten, only freshened (so an orphan grace

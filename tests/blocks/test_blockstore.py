@@ -7,18 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.blocks import BlockStore, from_hex, hash_bytes
+from kvstore.blocks import LocalBlockStore, from_hex, hash_bytes
 from kvstore.errors import BlockNotFoundError, CorruptBlockError, InvalidDigestError
 
 
 @pytest.fixture(params=["blake3", "sha256"])
-def blocks(tmp_path: Path, request: pytest.FixtureRequest) -> BlockStore:
+def blocks(tmp_path: Path, request: pytest.FixtureRequest) -> LocalBlockStore:
     for sub in ("blocks", "tmp"):
         (tmp_path / sub).mkdir()
-    return BlockStore(tmp_path, request.param, durable=True)
+    return LocalBlockStore(tmp_path, request.param, durable=True)
 
 
-def test_put_get_and_layout(blocks: BlockStore) -> None:
+def test_put_get_and_layout(blocks: LocalBlockStore) -> None:
     data = [b"hello ", memoryview(b"world")]
     d = hash_bytes(blocks.algo, *data)
     assert blocks.put(d, data) is True
@@ -30,7 +30,7 @@ def test_put_get_and_layout(blocks: BlockStore) -> None:
     assert not any(blocks.tmp_dir.iterdir())
 
 
-def test_an_existing_block_is_never_rewritten(blocks: BlockStore) -> None:
+def test_an_existing_block_is_never_rewritten(blocks: LocalBlockStore) -> None:
     d = hash_bytes(blocks.algo, b"x" * 100)
     blocks.put(d, [b"x" * 100])
     ino = blocks.path(d).stat().st_ino
@@ -42,7 +42,7 @@ def test_an_existing_block_is_never_rewritten(blocks: BlockStore) -> None:
     assert not any(blocks.tmp_dir.iterdir())
 
 
-def test_corruption_carries_both_digests(blocks: BlockStore) -> None:
+def test_corruption_carries_both_digests(blocks: LocalBlockStore) -> None:
     d = hash_bytes(blocks.algo, b"payload")
     blocks.put(d, [b"payload"])
     p = blocks.path(d)
@@ -66,13 +66,13 @@ def test_hex_is_validated_before_any_path_is_built(bad: str) -> None:
         from_hex(bad)
 
 
-def test_raw_digests_are_validated(blocks: BlockStore) -> None:
+def test_raw_digests_are_validated(blocks: LocalBlockStore) -> None:
     for bad in (b"../../config", b"", b"x" * 31, b"x" * 33):
         with pytest.raises(InvalidDigestError):
             blocks.path(bad)
 
 
-def test_listing_skips_foreign_files(blocks: BlockStore) -> None:
+def test_listing_skips_foreign_files(blocks: LocalBlockStore) -> None:
     d = hash_bytes(blocks.algo, b"a")
     blocks.put(d, [b"a"])
     (blocks.blocks_dir / "README").write_text("not a block")
@@ -82,7 +82,7 @@ def test_listing_skips_foreign_files(blocks: BlockStore) -> None:
     assert list(blocks) == [d]
 
 
-def test_delete(blocks: BlockStore) -> None:
+def test_delete(blocks: LocalBlockStore) -> None:
     d = hash_bytes(blocks.algo, b"gone")
     blocks.put(d, [b"gone"])
     assert blocks.delete(d) is True and blocks.delete(d) is False
