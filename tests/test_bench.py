@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from kvstore.bench import GROUPS, main
 
 # Row names (prefixes) every run of every group must produce.
@@ -34,10 +36,14 @@ EXPECTED = (
     "limit: restore 600 page cache",
     "limit: restore 600 verify=True",
     "limit: restore 600 after eviction",
+    "limit: lookup 30 entries, 2048 token query",
+    "limit: lookup 30 entries, 2048 token query, with its keys",
 )
 
 
-def test_smoke_run_writes_every_row_with_both_figures(tmp_path: Path) -> None:
+def test_smoke_run_writes_every_row_with_both_figures(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVSTORE_REMOTE", raising=False)
     out = tmp_path / "bench.json"
     assert main(["--config", "smoke", "--json", str(out), "--scratch", str(tmp_path)]) == 0
     doc = json.loads(out.read_text())
@@ -45,7 +51,8 @@ def test_smoke_run_writes_every_row_with_both_figures(tmp_path: Path) -> None:
     names = [r["name"] for r in rows]
     for want in EXPECTED:
         assert any(n.startswith(want) for n in names), f"no row {want!r} in {names}"
-    assert {r["group"] for r in rows} == set(GROUPS) | {"limit"}
+    # the remote group needs a gateway (tests/remote/test_remote_bench.py runs it)
+    assert {r["group"] for r in rows} == (set(GROUPS) - {"remote"}) | {"limit"}
     for r in rows:
         for key in ("kvstore", "baseline", "ratio"):
             assert isinstance(r[key], float | int) and math.isfinite(r[key]), (r["name"], key)
@@ -56,6 +63,12 @@ def test_smoke_run_writes_every_row_with_both_figures(tmp_path: Path) -> None:
     assert not any("part of the" in t for t in held), "the parts are not saves"
     limits = [t for t in doc["targets"] if t["name"].startswith("machine limit: ")]
     assert limits and all(t["want"] == ">= 0.8x of the limit" for t in limits)
+    # the lookup is held to its gets alone; the row with its keys only helps read that ratio
+    assert any(t["name"].endswith("limit: lookup 30 entries, 2048 token query") for t in limits)
+    assert not any(t["name"].endswith("with its keys") for t in limits)
+    lookup = next(r for r in rows if r["name"] == "limit: lookup 30 entries, 2048 token query")
+    assert lookup["extra"]["gets"] >= 1
+    assert math.isclose(lookup["ratio"], lookup["baseline"] / lookup["kvstore"])
     assert any(t.startswith("save speed: save 600 non-durable") for t in held)
     assert list(tmp_path.iterdir()) == [out], "the scratch roots were not removed"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -16,7 +17,7 @@ from typing import Any
 from .common import CONFIGS, QUICK, Config, Row, cache_bytes, machine, make_cache
 from .report import human, table, targets, targets_table
 
-GROUPS = ("save", "restore", "multiturn", "shared", "lookup", "ttft", "concurrency")
+GROUPS = ("save", "restore", "multiturn", "shared", "lookup", "ttft", "concurrency", "remote")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,13 +28,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", choices=sorted(CONFIGS), help="a named size (overrides --quick)")
     p.add_argument("--only", metavar="GROUPS",
                    help=f"comma-separated subset of {','.join(GROUPS)}")
+    p.add_argument("--remote", metavar="URL",
+                   help="s3://BUCKET/PREFIX for the remote group (default: $KVSTORE_REMOTE; "
+                        "without one, or when it does not answer, the group is skipped)")
     p.add_argument("--scratch", metavar="DIR",
                    help="where the temporary roots go (default: the system temp dir)")
     return p
 
 
 def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
-        log: Callable[[str], None] = print) -> list[Row]:
+        log: Callable[[str], None] = print, remote: str | None = None) -> list[Row]:
     """Run the chosen cases of ``cfg`` under ``scratch``; returns their rows."""
     from .index_cases import lookup_rows, ttft_rows
     from .io_cases import (
@@ -83,6 +87,16 @@ def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
     if "ttft" in groups:
         log("[ttft] tiny llama")
         add(ttft_rows(cfg, scratch))
+    if "remote" in groups:
+        from .remote_cases import reachable, remote_rows
+
+        why = "no --remote URL and no $KVSTORE_REMOTE" if not remote else reachable(remote)
+        if why:
+            log(f"[remote] skipped: {why}")
+        else:
+            assert remote is not None
+            log(f"[remote] {remote}")
+            add(remote_rows(cfg, scratch, remote))
     return rows
 
 
@@ -126,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{info['cpu']}, {info['filesystem']}; {free / 2**30:.0f} GiB free for scratch")
     t0 = time.perf_counter()
     try:
-        rows = run(cfg, scratch, groups)
+        rows = run(cfg, scratch, groups, remote=args.remote or os.environ.get("KVSTORE_REMOTE"))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     elapsed = time.perf_counter() - t0

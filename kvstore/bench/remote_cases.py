@@ -22,7 +22,7 @@ from ..remote import Remote
 from ..schema import Namespace
 from ..store import Store
 from .common import Config, Row, interleave, make_cache, median
-from .io_cases import NS, tokens_for
+from .io_cases import NS, _label, tokens_for
 
 WORKERS = 16  # the remote's request threads (kvstore.remote.tier.DEFAULT_WORKERS)
 
@@ -112,11 +112,11 @@ def remote_rows(cfg: Config, scratch: Path, url: str) -> list[Row]:
         res = interleave({"push": push, "put": raw_put}, cfg.reps)
         pulls = interleave({"pull": pull, "get": raw_get}, cfg.reps)
         rows = [
-            Row("remote", f"push {n // 1024}k tokens ({len(blocks)} blocks)", "MB/s",
+            Row("remote", f"push {_label(n)} tokens ({len(blocks)} blocks)", "MB/s",
                 nbytes / median(res["push"]) / 1e6, nbytes / median(res["put"]) / 1e6,
                 f"raw PUT, same client, {WORKERS} threads", "throughput",
                 extra={"bytes": float(nbytes)}),
-            Row("remote", f"pull-restore {n // 1024}k tokens (empty root)", "MB/s",
+            Row("remote", f"pull-restore {_label(n)} tokens (empty root)", "MB/s",
                 nbytes / median(pulls["pull"]) / 1e6, nbytes / median(pulls["get"]) / 1e6,
                 f"raw GET, same client, {WORKERS} threads", "throughput",
                 extra={"bytes": float(nbytes)}),

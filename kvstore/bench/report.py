@@ -79,6 +79,13 @@ def targets(rows: Sequence[Row]) -> list[Target]:
         out.append(Target(f"restore after eviction: {r.name}", f">= {want}x",
                           f"{r.ratio:.2f}x", r.ratio >= want))
 
+    # issue 14: the remote tier against raw GET/PUT of the same bytes, and a second
+    # machine's time to first token from the remote vs prefill
+    for r in _find(rows, lambda r: r.group == "remote" and r.ratio_kind == "throughput"):
+        out.append(Target(f"remote: {r.name}", ">= 0.8x", f"{r.ratio:.2f}x", r.ratio >= 0.8))
+    for r in _find(rows, lambda r: r.group == "remote" and r.ratio_kind == "speedup"):
+        out.append(Target(f"remote: {r.name}", ">= 10x", f"{r.ratio:.1f}x", r.ratio >= 10))
+
     def issue_size(r: Row) -> bool:
         # the targets are for 16 turns of ~2k tokens; a shorter run (--quick) is a smoke test
         return r.extra.get("turns", 0) >= 16 and r.extra.get("turn_tokens", 0) >= 2000
