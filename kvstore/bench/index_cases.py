@@ -1,4 +1,5 @@
-"""Index and model cases: lookup latency as entries grow, restore vs recompute (TTFT)."""
+"""Index and model cases: lookup latency as entries grow (and its limit), restore vs
+recompute (TTFT)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from mlx_lm.models import cache as _mlx_cache
 from ..schema import Namespace
 from ..store import Store
 from .common import Config, Row, interleave, median, percentile
+from .limits import lookup_limit_rows
 
 LOOKUP_NS = Namespace(model_id="kvstore-bench-lookup")
 VOCAB = 32000
@@ -113,6 +115,8 @@ def lookup_rows(cfg: Config, scratch: Path) -> list[Row]:
                             "speedup", extra=dict(extra)))
             rows.append(Row("lookup", f"lookup p99, {what}", "s", percentile(kv, 0.99),
                             percentile(base, 0.99), scan, "speedup", extra=dict(extra)))
+            if n == cfg.lookup_entries[-1]:  # the machine's limit on the same reads (issue 16)
+                rows.extend(lookup_limit_rows(corpus.store, [q for q, _ in qs], what))
     finally:
         corpus.close()
         shutil.rmtree(root, ignore_errors=True)

@@ -23,14 +23,20 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from ..blocks import new_hasher
+from ..blocks.hashing import chain_hashes
 from ..blocks.local import _write_all, io_pool
 from ..store.reader import _THREADS as READ_THREADS
 from .common import Config, Row, block_files, fsync_path, interleave, median
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..store import Store
 
 TARGET = 0.8  # issue 16: kvstore within 0.8x of the machine's limit
 
@@ -156,4 +162,41 @@ def restore_limit_rows(cfg: Config, pair: Any, label: str) -> list[Row]:
                   median(warm["raw_v"]), f"the same preadv + BLAKE3 of every block, {th}"),
         limit_row(f"limit: restore {label} after eviction (verify=False)", median(cold["kv"]),
                   median(cold["raw"]), f"the same preadv after eviction, {th}"),
+    ]
+
+
+def lookup_limit_rows(store: Store, queries: Sequence[np.ndarray], label: str) -> list[Row]:
+    """A lookup vs the same number of raw ``get``s in one read transaction, query by query.
+
+    Each query's reads are traced first (untimed); then, for each query in turn,
+    kvstore's lookup, the replay of its reads as plain gets, and the chain of
+    hashes that are its keys, so the three sides share the machine's noise.
+    """
+    traces = [store.lookup_reads(q) for q in queries]
+    algo, width = store.settings.hash, 4 * store.block_tokens
+    seed = bytes(32)  # any c_0: the chain costs the same
+    kv: list[float] = []
+    raw: list[float] = []
+    keys: list[float] = []
+    for q, reads in zip(queries, traces, strict=True):
+        store.lookup(q)  # warm this query's pages
+        t = _clock()
+        store.lookup(q)
+        kv.append(_clock() - t)
+        t = _clock()
+        store.replay_reads(reads)
+        raw.append(_clock() - t)
+        data = memoryview(q.astype("<u4").tobytes())
+        t = _clock()
+        chain_hashes(algo, seed, data, width, len(data) // width)
+        keys.append(_clock() - t)
+    gets = sorted(len(r) for r in traces)[len(traces) // 2]
+    extra = {"gets": float(gets)}
+    return [
+        limit_row(f"limit: lookup {label}", median(kv), median(raw),
+                  f"the same {gets} gets (median) in one read transaction", extra=extra),
+        limit_row(f"limit: lookup {label}, with its keys", median(kv),
+                  median(raw) + median(keys),
+                  f"the same gets + the BLAKE3 chain over the query's blocks ({algo})",
+                  target=None, extra=extra),
     ]

@@ -2,12 +2,14 @@
 
 from .lmdb_index import DEFAULT_MAP_SIZE, Index
 from .records import DeletePlan, EntryRecord, RefInfo, SavePlan, Totals, now_ms
+from .traced import IndexRead
 
 __all__ = [
     "DEFAULT_MAP_SIZE",
     "DeletePlan",
     "EntryRecord",
     "Index",
+    "IndexRead",
     "RefInfo",
     "SavePlan",
     "Totals",

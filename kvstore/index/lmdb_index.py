@@ -30,6 +30,7 @@ from .records import (
     pack_ref,
     unpack_ref,
 )
+from .traced import IndexRead, TracedTxn, replay
 
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; the file grows as needed
 
@@ -131,6 +132,17 @@ class Index:
             if "quota" in str(e).lower():
                 raise StoreFullError(f"{self.path}: disk quota exceeded: {e}") from e
             raise IndexStoreError(f"{self.path}: {e}") from e
+
+    @contextmanager
+    def traced_read(self) -> Iterator[TracedTxn]:
+        """A read transaction that records every read made through it (for the bench)."""
+        with self.read() as txn:
+            yield TracedTxn(txn)
+
+    def replay_reads(self, reads: list[IndexRead]) -> int:
+        """A trace's reads as plain gets in one read transaction; how many found a value."""
+        with self.read() as txn:
+            return replay(txn, reads)
 
     def reader_check(self) -> int:
         """Clear reader slots left by dead processes; returns how many."""

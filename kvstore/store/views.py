@@ -1,18 +1,29 @@
 """Read-only views of the index for the command line: manifests by id, what each entry
-holds alone, block refcounts, the garbage awaiting compaction."""
+holds alone, block refcounts, the garbage awaiting compaction; and for the bench, the
+index reads a lookup makes."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from ..index import Index
-from ..schema import Manifest, decode_manifest
+from ..index import Index, IndexRead
+from ..schema import Manifest, Namespace, decode_manifest
+from .lookup import find
+
+if TYPE_CHECKING:
+    from .keys import TokenKeys
 
 
 class IndexViews:
     """Mixed into :class:`~kvstore.store.Store` (whose ``index`` it reads)."""
 
     index: Index
+    if TYPE_CHECKING:
+        _bisect: bool
+
+        def _keys(self, tokens: Any, ns: Namespace) -> TokenKeys: ...
+        def _ns(self, namespace: Namespace | None) -> Namespace: ...
 
     def manifests(self, entry_ids: Sequence[str]) -> dict[str, Manifest]:
         """The manifests of these full hex ids, in one read; an id without one is left out."""
@@ -41,3 +52,16 @@ class IndexViews:
         with self.index.read() as txn:
             refs = self.index.iter_refs(txn)
             return [(r.size, r.zero_since) for _, r in refs if r.refcount == 0]
+
+    def lookup_reads(self, tokens: Any, *, namespace: Namespace | None = None
+                     ) -> list[IndexRead]:
+        """The index reads a local lookup of ``tokens`` makes: each get and each cursor move."""
+        tk = self._keys(tokens, self._ns(namespace))
+        with self.index.traced_read() as txn:
+            find(self.index, txn, tk, bisect=self._bisect)
+            return txn.reads
+
+    def replay_reads(self, reads: list[IndexRead]) -> int:
+        """Those reads as plain gets in one read transaction (a lookup's limit, issue 16);
+        returns how many found a value."""
+        return self.index.replay_reads(reads)

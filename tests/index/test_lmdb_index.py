@@ -69,3 +69,19 @@ def test_access_stamps_are_batched_into_one_transaction(index: Index) -> None:
     assert rec is not None and rec.hits == 3 and rec.last_access > 0
     t = index.totals()
     assert (t.lookups, t.hits) == (5, 3)
+
+
+def test_a_traced_read_records_every_get_and_cursor_move_for_replay(index: Index) -> None:
+    key = b"k" * 32
+    index.commit_save(_plan(b"d" * 32, {}, key, [bytes([i]) * 4 for i in range(10)]))
+    with index.traced_read() as txn:
+        assert index.get_manifest(b"d" * 32, txn) == b"m" + b"d" * 32  # type: ignore[arg-type]
+        assert not index.has_prefix(b"?" * 32, txn)  # type: ignore[arg-type]
+        before, after = index.neighbors(key, bytes([5]) * 4, 2, txn)  # type: ignore[arg-type]
+        reads = txn.reads
+    assert len(before) == len(after) == 2
+    # two gets; set_key, set_range_dup, a next_dup, set_range_dup again, two prev_dups
+    assert len(reads) == 2 + 6
+    assert reads[0] == (index.db("manifests"), b"d" * 32)
+    assert all(k == key for _, k in reads[2:])
+    assert index.replay_reads(reads) == 7  # every read but the missing prefix key
