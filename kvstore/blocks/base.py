@@ -1,7 +1,7 @@
 """The block-store seam: bytes by digest, whatever holds them (local files, an object store).
 
-A local copy of the contract the package refactor introduces; the integrator
-keeps one of the two (they are meant to be identical).
+A backend subclasses :class:`BlockStore` and passes the shared suite in
+``tests/blocks/blockstore_suite.py`` (docs/ARCHITECTURE.md, "A block backend").
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import abc
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
-from .hashing import Digest
+from ..errors import CorruptBlockError
+from .hashing import Digest, new_hasher
 
 Buffer = bytes | memoryview
 
@@ -53,6 +54,19 @@ class BlockStore(abc.ABC):
     @abc.abstractmethod
     def stat(self, digest: bytes) -> BlockStat | None:
         """The block's size and age, or None if it is missing."""
+
+    @abc.abstractmethod
+    def where(self, digest: bytes) -> str:
+        """Where the block is kept (a path or a URL), for messages."""
+
+    def check(self, digest: bytes, data: Buffer) -> None:
+        """Raise CorruptBlockError when ``data`` does not hash to ``digest``."""
+        h = new_hasher(self.algo)
+        h.update(data)
+        got = h.digest()
+        if got != digest:
+            raise CorruptBlockError(self.where(digest), digest.hex(), got.hex(),
+                                    digest=digest.hex())
 
     def read_into(self, digest: bytes, offset: int, out: memoryview) -> None:
         """Copy ``len(out)`` bytes of the block, from ``offset``, into ``out`` (verified)."""

@@ -162,6 +162,9 @@ class LocalBlockStore(base.BlockStore):
         hx = check_digest(digest).hex()
         return f"{self._blocks}/{hx[:2]}/{hx}"
 
+    def where(self, digest: bytes) -> str:
+        return self._path(digest)
+
     def exists(self, digest: bytes) -> bool:
         """Whether the block is a regular file (a symlink or a FIFO in its place is not)."""
         try:
@@ -329,15 +332,6 @@ class LocalBlockStore(base.BlockStore):
         if verify:
             self.check(digest, data)
         return data
-
-    def check(self, digest: bytes, data: Buffer) -> None:
-        """Raise CorruptBlockError when ``data`` does not hash to ``digest``."""
-        h = new_hasher(self.algo)
-        h.update(data)
-        got = h.digest()
-        if got != digest:
-            raise CorruptBlockError(self._path(digest), digest.hex(), got.hex(),
-                                    digest=digest.hex())
 
     def hash_file(self, digest: bytes) -> bytes:
         """The digest of the block file's current bytes (a regular file, opened as by open)."""
