@@ -99,6 +99,28 @@ def test_lookup_work_is_bounded_by_the_query_not_the_store(
         assert decodes <= 3 * 2 * lookup_mod.SCAN
 
 
+def test_an_exact_prefix_among_many_entries_tied_past_the_value_cap_is_found(
+    tmp_path: Path,
+) -> None:
+    """60 conversations share a system prompt that ends mid-block and a template longer than
+    a prefix value holds (keys.TAIL tokens): their values under the block tie, so the sorted
+    neighbours of the query are not enough. The entry that is exactly a prefix of the query
+    (the previous turn of its conversation) must still be found, and nothing shorter."""
+    T = 256
+    system, template = list(range(300)), list(range(5000, 5000 + 60))
+    assert len(system) + len(template) - T > store_mod.P.TAIL  # the tie reaches past the cap
+    convs = [system + template + [10_000 + 50 * i + j for j in range(50)] for i in range(60)]
+    with kvstore.Store.open(tmp_path / "r", namespace=NS, block_tokens=T, durable=False) as s:
+        ids = [s.save(toks, [prefix_cache(toks)]).id for toks in convs]
+        for i in range(0, 60, 7):
+            q = convs[i] + [7, 8, 9]  # the next turn of conversation i
+            m = s.lookup(q)
+            assert m is not None and (m.length, m.entry_id) == (len(convs[i]), ids[i]), (i, m)
+        q = system + template + [77]  # no conversation's own tokens: the shared part only
+        m = s.lookup(q)
+        assert m is not None and m.length == len(system) + len(template)
+
+
 def _prefix_keys(s: kvstore.Store, suffix: bytes) -> list[bytes]:
     with s.index.read() as txn:
         cur = txn.cursor(db=s.index.db("prefix"))

@@ -79,10 +79,10 @@ def find(index: Index, txn: Any, tk: P.TokenKeys, *, bisect: bool = True) -> Mat
     keys, q, q_le, T, algo = tk.chain, tk.tokens, tk.le, tk.block_tokens, tk.algo
     top = deepest_reached(index, txn, keys) if bisect else len(keys) - 1
     for k in range(top, -1, -1):
-        best = None
+        best, crowded = None, False
         if index.has_prefix(keys[k], txn):
-            best = _best_trimmable(index, txn, keys[k], k, q, T)
-        if index.has_prefix(P.state_key(keys[k]), txn):
+            best, crowded = _best_trimmable(index, txn, keys[k], k, q, T)
+        if crowded or index.has_prefix(P.state_key(keys[k]), txn):
             best = _best_exact(index, txn, keys, k, q, q_le, T, algo, best)
         if best is not None:
             return best
@@ -138,12 +138,24 @@ def add_reach_markers(index: Index) -> int:
 
 def _best_trimmable(
     index: Index, txn: Any, key: bytes, k: int, q: Sequence[int], T: int
-) -> Match | None:
-    """The trimmable entry under ``c_k`` sharing the longest extension of ``q``."""
+) -> tuple[Match | None, bool]:
+    """The trimmable entry under ``c_k`` sharing the longest extension of ``q`` among the
+    query's sorted neighbours, and whether they were crowded.
+
+    Crowded: the farthest neighbour on a side still holds the query's first ``TAIL``
+    tokens past the block, so more entries may tie there than the window saw (their
+    values cannot tell them apart). The caller then probes the exact keys of the block,
+    which find any entry that is exactly a prefix of the query, however many tie.
+    """
     base = k * T
     cap = min(T, P.TAIL)
     qtail = list(q[base : base + T])
-    before, after = index.neighbors(key, P.encode_tail(qtail[:cap]), SCAN, txn)
+    probe = P.encode_tail(qtail[:cap])
+    before, after = index.neighbors(key, probe, SCAN, txn)
+    crowded = len(qtail) > cap and any(
+        len(side) == SCAN and P.split_value(side[-1])[0] == qtail[:cap]
+        for side in (before, after)
+    )
     best: Match | None = None
     for v in after + before:
         etail, _, digest = P.split_value(v)
@@ -168,7 +180,7 @@ def _best_trimmable(
         exact = n_entry == len(q) == length
         if best is None or (length, exact) > (best.length, best.exact):
             best = Match(Digest(digest), length, exact, True, n_entry)
-    return best
+    return best, crowded
 
 
 def _best_exact(
