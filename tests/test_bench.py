@@ -119,3 +119,32 @@ def test_verified_restore_is_held_to_load_prompt_cache_in_both_places() -> None:
     assert got["restore after eviction: restore 4k after eviction"] == (">= 1.0x", False)
     assert got["restore after eviction: restore 4k after eviction, verify_reads=False"] == (
         ">= 0.9x", True)
+
+
+def test_the_model_group_runs_only_with_a_model(tmp_path: Path) -> None:
+    from kvstore.bench.cli import MODEL_GROUP
+
+    assert MODEL_GROUP not in GROUPS  # the default run never loads a real model
+    assert main(["--config", "smoke", "--only", "model"]) == 2
+    assert main(["--config", "smoke", "--only", "model", "--model", str(tmp_path)]) == 2
+
+
+def test_model_targets_wait_for_the_issue_size() -> None:
+    from kvstore.bench.common import Row
+    from kvstore.bench.report import targets
+
+    def ttft(tokens: float, ratio: float) -> Row:
+        return Row("model", f"time to first token, {tokens:.0f} tokens, restore from page "
+                   "cache (m)", "s", 1.0, ratio, "prefill", "speedup", extra={"tokens": tokens})
+
+    shares = {f"store_turn{i}_share": s for i, s in enumerate((0.0, 0.9, 0.85, 0.9), 1)}
+    talk = Row("model", "4-turn conversation, prompt processing, store (cold memory each "
+               "turn) vs no cache (m)", "s", 1.0, 3.0, "none", "speedup",
+               extra={"turns": 4.0, **shares})
+    got = {t.name: t.met for t in targets([ttft(4096, 30), ttft(256, 5), talk])}
+    assert got["real model: time to first token, 4096 tokens, restore from page cache (m)"]
+    assert got["real model: time to first token, 256 tokens, restore from page cache (m)"] is None
+    assert got["real model: cached share of turns 2..4, store"] is True
+    talk.extra["store_turn3_share"] = 0.5
+    got = {t.name: t.met for t in targets([talk])}
+    assert got["real model: cached share of turns 2..4, store"] is False

@@ -18,6 +18,7 @@ from .common import CONFIGS, QUICK, Config, Row, cache_bytes, machine, make_cach
 from .report import human, table, targets, targets_table
 
 GROUPS = ("save", "restore", "multiturn", "shared", "lookup", "ttft", "concurrency", "remote")
+MODEL_GROUP = "model"  # only with --model: a real model's prefill takes minutes on a CPU
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
                         "without one, or when it does not answer, the group is skipped)")
     p.add_argument("--scratch", metavar="DIR",
                    help="where the temporary roots go (default: the system temp dir)")
+    p.add_argument("--model", metavar="smollm2|DIR",
+                   help="a real model ('smollm2', fetched on first use, or an mlx-lm model "
+                        "directory): adds the model group (pick it alone with --only model)")
     return p
 
 
@@ -118,17 +122,41 @@ def _concurrency(cfg: Config, scratch: Path, add: Callable[[list[Row]], None],
         pair.remove()
 
 
+def _model_group(cfg: Config, scratch: Path, model_dir: Path,
+                 log: Callable[[str], None] = print) -> list[Row]:
+    """The model group (only with --model): real-model TTFT and the conversation."""
+    from .model_cases import model_rows
+
+    rows = model_rows(cfg, scratch, model_dir, log)
+    for r in rows:
+        log(f"  {r.name}: kvstore {human(r.kvstore, r.unit)}, "
+            f"baseline {human(r.baseline, r.unit)}, ratio {r.ratio:.3f}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvstore bench``; returns the exit status."""
     args = _parser().parse_args(argv)
     cfg = CONFIGS[args.config] if args.config else (QUICK if args.quick else CONFIGS["full"])
-    groups = GROUPS
+    groups = GROUPS + ((MODEL_GROUP,) if args.model else ())
     if args.only:
         groups = tuple(g.strip() for g in args.only.split(",") if g.strip())
-        bad = [g for g in groups if g not in GROUPS]
+        bad = [g for g in groups if g not in (*GROUPS, MODEL_GROUP)]
         if bad:
             print(f"kvstore bench: unknown group(s) {', '.join(bad)}; choose from "
-                  f"{', '.join(GROUPS)}", file=sys.stderr)
+                  f"{', '.join(GROUPS)}, {MODEL_GROUP} (with --model)", file=sys.stderr)
+            return 2
+    model_dir = None
+    if MODEL_GROUP in groups:
+        from .model_cases import resolve_model
+
+        if not args.model:
+            print("kvstore bench: the model group needs --model smollm2|DIR", file=sys.stderr)
+            return 2
+        try:
+            model_dir = resolve_model(args.model)
+        except ValueError as e:
+            print(f"kvstore bench: {e}", file=sys.stderr)
             return 2
     base = Path(args.scratch) if args.scratch else None
     if base is not None:
@@ -141,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         rows = run(cfg, scratch, groups, remote=args.remote or os.environ.get("KVSTORE_REMOTE"))
+        if model_dir is not None:
+            rows += _model_group(cfg, scratch, model_dir)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     elapsed = time.perf_counter() - t0

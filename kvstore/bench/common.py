@@ -48,6 +48,8 @@ class Config:
     procs: tuple[int, ...] = (1, 2)
     conc_tokens: int = 4096
     conc_reps: int = 6  # restores per process
+    model_tokens: int = 4096  # the real model's TTFT prompt (the model group, with --model)
+    model_reps: int = 3  # restores timed per side; the prefill is timed once (minutes on a CPU)
     note: str = ""
 
 
@@ -86,6 +88,8 @@ SMOKE = Config(
     ttft_reps=1,
     conc_tokens=600,
     conc_reps=1,
+    model_tokens=256,
+    model_reps=1,
     note="smoke: checks that every case runs; its figures mean nothing",
 )
 CONFIGS = {c.name: c for c in (FULL, QUICK, SMOKE)}

@@ -19,25 +19,30 @@ BENCH_CONFIGS = ("full", "quick", "smoke")  # kvstore.bench.common.CONFIGS, with
               help="A named size (smoke takes seconds); overrides --quick.")
 @click.option("--only", metavar="GROUPS", default=None,
               help="Comma-separated subset of save, restore, multiturn, shared, lookup, ttft, "
-                   "concurrency.")
+                   "concurrency; and model (needs --model).")
 @click.option("--scratch", metavar="DIR", type=click.Path(path_type=Path), default=None,
               help="Where the temporary roots go (default: the system temp dir).")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
               metavar="FILE", help="Also write the results as JSON to FILE.")
+@click.option("--model", "model_name", default=None, metavar="smollm2|DIR",
+              help="Add the model group on a real model: 'smollm2' (fetched and converted on "
+                   "first use) or an mlx-lm model directory; '--only model' runs it alone.")
 @debug_option  # bench runs in roots of its own, and prints its own progress: no --root, -q
 def bench(quick: bool, config: str | None, only: str | None, scratch: Path | None,
-          json_file: Path | None) -> int:
+          json_file: Path | None, model_name: str | None) -> int:
     """Measure save, lookup and restore speed.
 
     Side by side with mlx-lm's own prompt-cache files, in temporary roots of its own
-    (under --scratch), never in a cache root.
+    (under --scratch), never in a cache root. With --model, also time to first token
+    and a 6-turn conversation on a real model.
     """
     from ..bench import main as bench_main
 
     argv = [*(["--quick"] if quick else []), *(["--config", config] if config else []),
             *(["--only", only] if only else []),
             *(["--scratch", str(scratch)] if scratch else []),
-            *(["--json", str(json_file)] if json_file else [])]
+            *(["--json", str(json_file)] if json_file else []),
+            *(["--model", model_name] if model_name else [])]
     return int(bench_main(argv) or 0)
 
 
