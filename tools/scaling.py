@@ -9,7 +9,9 @@
 - ``verify``: ``Store.verify(read_data=True)`` of those same roots, from the
   page cache, against their bytes (each root's blocks are hashed again).
 - ``lookup``: p50/p99 of a 32k-token query against 1k to 1M entries, the index
-  built by ``tools/fast_root.py`` (a save of each entry would take ~30 min at 1M).
+  built by ``tools/fast_root.py`` (a save of each entry would take ~30 min at 1M),
+  and the p50 of the same index reads alone (``Store.lookup_reads`` replayed as
+  plain gets, as the bench's lookup limit row does).
 - ``compact``: ``Store.compact(grace=0)`` of roots with 10k to 1M blocks
   (``tools/fast_root.py``), a tenth of their entries deleted first, so the
   sweep has real garbage to unlink; once with the number of blocks growing at
@@ -182,14 +184,26 @@ def lookup(scratch: Path, reps: int, max_entries: int) -> dict[str, Any]:
                     m = store.lookup(q)
                     times.append(time.perf_counter() - t)
                     assert m is not None and m.length >= want, "lookup missed a stored prefix"
+                # what grows with the entries: the index reads (bench's lookup limit row)
+                traces = [store.lookup_reads(q) for q, _ in qs[:100]]
+                gets = [len(r) for r in traces]
+                raw = []
+                for r in traces:
+                    t = time.perf_counter()
+                    store.replay_reads(r)
+                    raw.append(time.perf_counter() - t)
             times.sort()
             p50 = times[len(times) // 2]
             p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
             index_mib = sum(p.stat().st_size for p in (root / "index").glob("*")) / 2**20
             points.append({"entries": float(n), "p50": p50, "p99": p99, "build_s": build_s,
-                           "index_mib": index_mib})
-            print(f"  {n} entries: p50 {p50 * 1e6:.0f} µs, p99 {p99 * 1e6:.0f} µs "
-                  f"(built in {build_s:.0f} s, index {index_mib:.0f} MiB)", flush=True)
+                           "index_mib": index_mib, "gets": statistics.median(gets),
+                           "raw_gets_p50": statistics.median(raw),
+                           "load": os.getloadavg()[0]})
+            print(f"  {n} entries: p50 {p50 * 1e6:.0f} µs, p99 {p99 * 1e6:.0f} µs; its "
+                  f"{statistics.median(gets):.0f} gets alone {statistics.median(raw) * 1e6:.0f} µs "
+                  f"(built in {build_s:.0f} s, index {index_mib:.0f} MiB, "
+                  f"load {os.getloadavg()[0]:.2f})", flush=True)
     finally:
         builder.close()
         shutil.rmtree(root, ignore_errors=True)
