@@ -71,6 +71,15 @@ class TensorStream(io.RawIOBase):
         """Bytes ``[offset, offset + len(out))`` of tensor ``index`` into ``out``."""
         raise NotImplementedError
 
+    def finish(self) -> None:
+        """Complete what ``fill`` left for later; :func:`load_tensors` calls it once MLX
+        has allocated every array (and holds them), before it returns them.
+
+        A stream whose ``fill`` only notes where each tensor's bytes go can read every
+        tensor here at once, over all its threads, instead of one tensor at a time as
+        MLX asks for them. The default has nothing left to do.
+        """
+
     def readable(self) -> bool:
         return True
 
@@ -134,6 +143,7 @@ def load_tensors(make: Callable[[list[BaseException]], TensorStream], count: int
         assert isinstance(loaded, dict)
         arrays = [loaded[_name(i)] for i in range(count)]
         mx.eval(*arrays)
+        stream.finish()  # the arrays are alive: their memory may now be written
     except Exception as e:
         if errors:  # what went wrong in fill, not MLX's view of it
             raise errors[0] from e
