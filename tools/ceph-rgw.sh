@@ -98,6 +98,10 @@ rgw frontends = beast endpoint=127.0.0.1:$port tcp_nodelay=1
 rgw data = $DIR/rgw
 rgw enable usage log = false
 rgw thread pool size = 64
+# reclaim deleted objects' tails within seconds, not hours: the data is in memory
+rgw gc obj min wait = 0
+rgw gc processor period = 5
+rgw gc processor max time = 5
 CONF
     ceph-mon --mkfs -i a --mon-data "$DIR/mon" --fsid "$fsid" -c "$DIR/ceph.conf" >/dev/null 2>&1
     ceph-mon -i a -c "$DIR/ceph.conf"
