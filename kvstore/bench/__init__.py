@@ -3,7 +3,9 @@
 One run measures save, restore (page cache and cold), a multi-turn
 conversation, many sessions sharing a system prompt, lookup latency as the
 entries grow, restore vs recompute on a tiny model, and restore throughput
-with several processes — each row with both figures and their ratio.
+with several processes — each row with both figures and their ratio. With
+``--model`` (``model_cases``) it also measures a real model: time to first token,
+restore vs prefill, and a 6-turn conversation against mlx-lm's in-memory cache.
 """
 
 from .cli import GROUPS, main, run

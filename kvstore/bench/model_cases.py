@@ -235,12 +235,15 @@ def conversation_rows(root: Path, model: Any, tok: Any, model_dir: Path, label: 
                 elif m == "lru":
                     lru.insert_cache(key, prompt + reply, cache)
                 cached = len(prompt) - len(rest)
-                if m == "store" and i > 0:
+                if m == "store":
+                    done = tok.decode(rest) if len(rest) <= 60 else "…" + tok.decode(rest[-30:])
                     log(f"  turn {i + 1}: {cached}/{len(prompt)} tokens from the store; "
-                        f"processed: {tok.decode(rest)!r}")
+                        f"processed: {done!r}; reply {len(reply)} tokens"
+                        f"{'' if len(reply) == REPLY_TOKENS else ' and the stop token'}")
                 hist[m].append({"role": "assistant", "content": tok.decode(reply)})
                 turns[m].append({"prompt": float(len(prompt)), "cached": float(cached),
-                                 "share": cached / len(prompt), "ttft_s": dt})
+                                 "share": cached / len(prompt), "ttft_s": dt,
+                                 "reply": float(len(reply))})
     total = {m: sum(t["ttft_s"] for t in turns[m]) for m in MODES}
     for m in MODES:
         shares = " ".join(f"{t['share']:.0%}" for t in turns[m])
@@ -254,6 +257,7 @@ def conversation_rows(root: Path, model: Any, tok: Any, model_dir: Path, label: 
             extra[f"{m}_turn{i}_cached"] = t["cached"]
             extra[f"{m}_turn{i}_share"] = t["share"]
             extra[f"{m}_turn{i}_ttft_s"] = t["ttft_s"]
+            extra[f"{m}_turn{i}_reply"] = t["reply"]  # tokens fed (a stop token is not)
     name = f"{len(TURNS)}-turn conversation, prompt processing, store (cold memory each turn)"
     return [
         Row("model", f"{name} vs no cache ({label})", "s", total["store"], total["none"],

@@ -1,0 +1,67 @@
+"""``kvstore bench --model``: the model group on the real SmolLM2, at the smoke size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore.bench import SMOKE, main
+from kvstore.bench.model_cases import TURNS, _ttft_prompt
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def bench(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("bench-model")
+    out = tmp / "bench.json"
+    argv = ["--config", "smoke", "--only", "model", "--model", str(smollm2_dir),
+            "--json", str(out), "--scratch", str(tmp / "scratch")]
+    assert main(argv) == 0
+    doc: dict[str, Any] = json.loads(out.read_text())
+    assert not list((tmp / "scratch").iterdir()), "the scratch roots were not removed"
+    return doc
+
+
+def _rows(doc: dict[str, Any], part: str) -> list[dict[str, Any]]:
+    return [r for r in doc["rows"] if part in r["name"]]
+
+
+def test_restore_gives_the_prefill_first_token_faster(
+    bench: dict[str, Any], smollm2: tuple[Any, Any]
+) -> None:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    rows = _rows(bench, f"time to first token, {SMOKE.model_tokens} tokens, restore ")
+    assert [r["name"].split(" restore ")[1].split(" (")[0] for r in rows] == [
+        "from page cache", "after eviction"]
+    # the rows' token (the prefill's, which every restore matched) is mlx-lm's own
+    model, tok = smollm2
+    ids = _ttft_prompt(tok, SMOKE.model_tokens)
+    want, _ = next(generate_step(mx.array(ids), model, max_tokens=1))
+    for r in rows:
+        assert r["group"] == "model" and r["unit"] == "s"
+        assert r["extra"]["first_token"] == int(want)
+        assert r["ratio"] > 1, r  # restore + one step beats a prefill of 256 tokens
+
+
+def test_conversation_takes_all_but_the_new_turn_from_the_store(bench: dict[str, Any]) -> None:
+    rows = _rows(bench, "-turn conversation, prompt processing, store")
+    assert len(rows) == 2
+    x = rows[0]["extra"]
+    assert x == rows[1]["extra"] and x["turns"] == len(TURNS)
+    for mode in ("store", "lru"):
+        assert x[f"{mode}_turn1_cached"] == 0
+        for k in range(2, len(TURNS) + 1):
+            assert x[f"{mode}_turn{k}_share"] > 0.8, (mode, k, x)
+            # the whole previous prompt is reused: only its reply's end and the new turn miss
+            assert x[f"{mode}_turn{k}_cached"] >= x[f"{mode}_turn{k - 1}_prompt"], (mode, k)
+    assert all(x[f"none_turn{k}_cached"] == 0 for k in range(1, len(TURNS) + 1))
+    vs_none = next(r for r in rows if "vs no cache" in r["name"])
+    assert vs_none["ratio"] > 1, vs_none
+    held = {t["name"]: t["met"] for t in bench["targets"]}
+    assert held[f"real model: cached share of turns 2..{len(TURNS)}, store"] is True
