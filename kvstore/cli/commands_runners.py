@@ -19,7 +19,7 @@ BENCH_CONFIGS = ("full", "quick", "smoke")  # kvstore.bench.common.CONFIGS, with
               help="A named size (smoke takes seconds); overrides --quick.")
 @click.option("--only", metavar="GROUPS", default=None,
               help="Comma-separated subset of save, restore, multiturn, shared, lookup, ttft, "
-                   "concurrency; and model (needs --model).")
+                   "concurrency, remote (needs a remote); and model (needs --model).")
 @click.option("--scratch", metavar="DIR", type=click.Path(path_type=Path), default=None,
               help="Where the temporary roots go (default: the system temp dir).")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
@@ -27,9 +27,12 @@ BENCH_CONFIGS = ("full", "quick", "smoke")  # kvstore.bench.common.CONFIGS, with
 @click.option("--model", "model_name", default=None, metavar="smollm2|DIR",
               help="Add the model group on a real model: 'smollm2' (fetched and converted on "
                    "first use) or an mlx-lm model directory; '--only model' runs it alone.")
+@click.option("--remote", "remote", default=None, metavar="URL",
+              help="s3://BUCKET/PREFIX for the remote group (default: the global --remote, "
+                   "else $KVSTORE_REMOTE; without one the group is skipped).")
 @debug_option  # bench runs in roots of its own, and prints its own progress: no --root, -q
 def bench(quick: bool, config: str | None, only: str | None, scratch: Path | None,
-          json_file: Path | None, model_name: str | None) -> int:
+          json_file: Path | None, model_name: str | None, remote: str | None) -> int:
     """Measure save, lookup and restore speed.
 
     Side by side with mlx-lm's own prompt-cache files, in temporary roots of its own
@@ -43,6 +46,9 @@ def bench(quick: bool, config: str | None, only: str | None, scratch: Path | Non
             *(["--scratch", str(scratch)] if scratch else []),
             *(["--json", str(json_file)] if json_file else []),
             *(["--model", model_name] if model_name else [])]
+    url = remote or opts().remote
+    if url:
+        argv += ["--remote", url]
     return int(bench_main(argv) or 0)
 
 

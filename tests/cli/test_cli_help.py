@@ -25,7 +25,7 @@ COMMANDS = {
     "import": ["--json"],
     "export": ["--format", "--json"],
     "inspect": ["--tokens", "--json"],
-    "bench": ["--quick", "--config", "--only", "--scratch", "--json", "--model"],
+    "bench": ["--quick", "--config", "--only", "--scratch", "--json", "--model", "--remote"],
     "demo": [],
 }
 COMMON = ["--root", "--quiet", "--debug", "--help"]

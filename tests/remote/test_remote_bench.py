@@ -43,3 +43,17 @@ def test_remote_group_without_a_url_is_skipped_with_a_reason(
     monkeypatch.delenv("KVSTORE_REMOTE", raising=False)
     assert main(["--config", "smoke", "--only", "remote", "--scratch", str(tmp_path)]) == 0
     assert "[remote] skipped: no --remote URL and no $KVSTORE_REMOTE" in capsys.readouterr().out
+
+
+def test_kvstore_bench_takes_the_remote_from_its_option_and_from_the_global_one(
+        url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore.cli import main as cli
+
+    monkeypatch.delenv("KVSTORE_REMOTE", raising=False)
+    for argv in (["bench", "--remote", url], ["--remote", url, "bench"]):
+        out = tmp_path / f"{len(argv[0])}.json"
+        assert cli([*argv, "--config", "smoke", "--only", "remote", "--scratch",
+                    str(tmp_path), "--json", str(out)]) == 0, argv
+        assert f"[remote] {url}" in capsys.readouterr().out
+        assert {r["group"] for r in json.loads(out.read_text())["rows"]} == {"remote"}
