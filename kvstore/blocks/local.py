@@ -89,11 +89,18 @@ def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
 
 
 _sync_file_range = _load_sync_file_range()
-#: Worker threads of the two pools. Writes and hashing keep the cores busy: one
-#: thread a core. Reads mostly wait on the device, and a verified read hashes what
-#: it has just read: three reads in flight a core let one thread hash while the
-#: others wait (a 16k-token restore after eviction: 1.00x of load_prompt_cache with
-#: 2 threads, 1.23x with 6, on 2 cores; 3% slower from the page cache).
+#: Worker threads of the two pools (docs/BENCHMARKS.md, "Pool sizes"; tools/probe_io.py).
+#: Hashing and page-cache writes keep a core busy each: one thread a core. On 2
+#: cores BLAKE3 went 5.3 -> 10.0 GB/s from 1 to 2 threads and no higher at 4-32,
+#: writes 4.1 -> 6.8; the fsync round gains 10% from 2 to 8 threads, within the
+#: disk's run-to-run noise. The cap of 8: a save has few blocks (16 at 4k tokens)
+#: and 8 threads of writes would copy ~27 GB/s (~54 GB/s of memory traffic) at
+#: this core's speed, about what a 16-core host's memory gives (not measured).
+#: Reads mostly wait on the device, and a verified read hashes what it has just
+#: read: three in flight a core let one thread hash while the others wait (a 16k
+#: restore after eviction: 1.00x of load_prompt_cache with 2 threads, 1.23x with 6,
+#: on 2 cores; reads after eviction 1.49 GB/s at 1 in flight, 1.77 at 16). The cap
+#: of 16: one a core on 16 cores, where hashing, not waiting, fills the cores.
 IO_WORKERS = max(2, min(8, os.cpu_count() or 2))
 READ_WORKERS = max(4, min(16, 3 * (os.cpu_count() or 2)))
 _POOLS: dict[str, tuple[int, ThreadPoolExecutor]] = {}
