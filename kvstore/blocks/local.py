@@ -93,9 +93,10 @@ _sync_file_range = _load_sync_file_range()
 #: Hashing and page-cache writes keep a core busy each: one thread a core. On 2
 #: cores BLAKE3 went 5.3 -> 10.0 GB/s from 1 to 2 threads and no higher at 4-32,
 #: writes 4.1 -> 6.8; the fsync round gains 10% from 2 to 8 threads, within the
-#: disk's run-to-run noise. The cap of 8: a save has few blocks (16 at 4k tokens)
-#: and 8 threads of writes would copy ~27 GB/s (~54 GB/s of memory traffic) at
-#: this core's speed, about what a 16-core host's memory gives (not measured).
+#: disk's run-to-run noise. The cap of 8, measured on 16 cores: saves of 4k and 16k
+#: tokens with 8, 16 and 32 threads took 40-45 / 44-45 / 43-46 ms and 134-160 /
+#: 174-177 / 199 ms (non-durable); a save has few blocks (16 at 4k tokens) and memory,
+#: not cores, bounds the rest.
 #: Reads mostly wait on the device, and a verified read hashes what it has just
 #: read: three in flight a core let one thread hash while the others wait (a 16k
 #: restore after eviction: 1.00x of load_prompt_cache with 2 threads, 1.23x with 6,
