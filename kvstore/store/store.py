@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from ..errors import (
     ReadOnlyStoreError,
     RemoteError,
 )
-from ..index import DeletePlan, Index
+from ..index import Index
 from ..remote import DEFAULT_TIMEOUT, PushStats, Remote, RemoteHit
 from ..schema import (
     Manifest,
@@ -31,20 +31,19 @@ from ..schema import (
 )
 from . import keys as P
 from .access import AccessLog
-from .entries import Entry, EntryInfo, Stats, entries_of, resolve_id
+from .entries import Entry, EntryInfo, Stats
 from .files import FileBridge
-from .gc import DEFAULT_GRACE, CompactReport, compact, enforce_budget
+from .gc import DEFAULT_GRACE, enforce_budget
 from .lookup import (
     Match,
-    delete_plan,
     find,
     has_reach_markers,
 )
+from .maintenance import Maintenance
 from .restore import read_entry
 from .root import Root, RootSettings, default_root, has_root, open_root
 from .saving import CODEC_PROVIDER, PrefixGone, Priority, check_args, draft
 from .tiered import Pulled, RemoteLink
-from .verify import VerifyReport, verify
 from .views import IndexViews
 
 _log = logging.getLogger("kvstore")
@@ -52,7 +51,7 @@ _log = logging.getLogger("kvstore")
 _RESTORE_TRIES = 4  # lookups one restore makes when what it found went bad or away
 
 
-class Store(FileBridge, IndexViews):
+class Store(FileBridge, IndexViews, Maintenance):
     """A cache root: save caches, find the longest stored prefix, restore it."""
 
     max_bytes: int | None = None  # byte budget enforced after each save (Store.open)
@@ -403,80 +402,6 @@ class Store(FileBridge, IndexViews):
                         self._link.down(f"restore of {match.entry_id} failed: {e}")
                 continue
         return (cache, length) if cache is not None else (None, 0)
-
-    # --- entries -------------------------------------------------------------------------------
-
-    def resolve(self, entry_id: str) -> str:
-        """A full entry id from a unique prefix of at least ``MIN_ID_PREFIX`` (4) hex chars."""
-        return resolve_id(entry_id, (e.id for e in self.entries()))
-
-    def delete(self, entry_id: str | bytes) -> bool:
-        """Remove an entry and drop its block references; False when it did not exist."""
-        self._check_writable("delete an entry")
-        digest = self._digest(entry_id)
-        with self.index.write() as txn:
-            raw = self.index.get_manifest(digest, txn)
-            if raw is None:
-                return False
-            self.index.remove_entry(txn, digest, delete_plan(decode_manifest(raw), digest))
-            crash_point("delete_before_commit")
-        return True
-
-    def delete_plan(self, m: Manifest, digest: bytes) -> DeletePlan:
-        """The blocks, prefix keys and exact key an entry holds."""
-        return delete_plan(m, digest)
-
-    def entries(self, *, namespace: Namespace | None = None) -> Iterator[Entry]:
-        """Every entry (or those of one namespace)."""
-        self.flush_access()
-        with self.index.read() as txn:
-            rows = list(self.index.iter_entries(txn))
-        return entries_of(rows, namespace)
-
-    def compact(
-        self,
-        *,
-        max_bytes: int | None = None,
-        namespace_max_bytes: int | None = None,
-        grace: float = DEFAULT_GRACE,
-        dry_run: bool = False,
-    ) -> CompactReport:
-        """Evict above the byte budgets, delete expired garbage (:func:`.gc.compact`)."""
-        if not dry_run:
-            self._check_writable("compact")
-        self.flush_access()
-        return compact(
-            self.parts,
-            max_bytes=max_bytes,
-            namespace_max_bytes=namespace_max_bytes,
-            grace=grace,
-            dry_run=dry_run,
-        )
-
-    def verify(
-        self, *, read_data: bool = False, repair: bool = False, dry_run: bool = False
-    ) -> VerifyReport:
-        """Check refcounts, blocks and keys (and, with ``read_data``, every block's
-        bytes); ``repair`` fixes what it finds, ``dry_run`` only says how. See
-        :func:`kvstore.verify.verify`."""
-        if repair:
-            self._check_writable("repair")
-        self.flush_access()
-        return verify(self.parts, read_data=read_data, repair=repair, dry_run=dry_run)
-
-    def stats(self) -> Stats:
-        """Entries, blocks, logical vs physical bytes and the dedup ratio.
-
-        The ratio is logical bytes over the bytes of the blocks the entries
-        reference (unreferenced blocks waiting for compact are not the entries'),
-        1.0 when no entry references any block, as on a fresh root.
-        """
-        self.flush_access()
-        t = self.index.totals()
-        ratio = t.logical_bytes / t.live_bytes if t.live_bytes > 0 else 1.0
-        return Stats(
-            t.entries, t.blocks, t.logical_bytes, t.physical_bytes, ratio, t.lookups, t.hits
-        )
 
 
 __all__ = ["Entry", "EntryInfo", "Match", "Stats", "Store", "TensorSpec", "default_root"]
