@@ -32,7 +32,8 @@ from .common import Config, Row, block_files, drop_from_page_cache, median
 
 Log = Callable[[str], None]
 
-# The tests/model e2e suite's conversation (an archive's assistant, six short questions)
+# The conversation (an archive's assistant, six short questions); the OpenAI-client suite
+# (tests/model/test_openai_e2e.py) drives the same one through kvstore serve
 SYSTEM = (
     "You are the assistant of a small town archive. The archive keeps the parish registers, "
     "the mill's account books from 1820 to 1950, maps of the river and its three bridges, "

@@ -22,29 +22,12 @@ from typing import Any
 
 import pytest
 
+from kvstore.bench.model_cases import SYSTEM, TURNS  # the conversation the bench measures
+
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.model
 
-SYSTEM = (
-    "You are the assistant of a small town archive. The archive keeps the parish registers, "
-    "the mill's account books from 1820 to 1950, maps of the river and its three bridges, "
-    "letters of the families who ran the bakery and the school, and photographs of the "
-    "market square. Answer visitors briefly and politely, in one or two sentences. When a "
-    "question is about the town, say which part of the archive holds the answer. When it is "
-    "not, answer it plainly from general knowledge. Never invent documents, dates or names; "
-    "if you do not know, say so and suggest asking the archivist, who is in on weekdays from "
-    "nine to five. Opening hours: Monday to Friday, nine to five; Saturday, ten to one. "
-    "Copies cost ten cents a page; photographs may be taken without flash."
-)
-TURNS = [
-    "What is the capital of France?",
-    "Where can I find the mill's account books?",
-    "When is the archivist in?",
-    "How much does a copy cost?",
-    "Can I take photographs?",
-    "Thank you. What is two plus two?",
-]
 REPLY_TOKENS = 8
 MIN_TOKENS = "32"  # persist even the short prompts of this suite
 
