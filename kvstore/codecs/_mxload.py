@@ -78,6 +78,13 @@ class TensorStream(io.RawIOBase):
         A stream whose ``fill`` only notes where each tensor's bytes go can read every
         tensor here at once, over all its threads, instead of one tensor at a time as
         MLX asks for them. The default has nothing left to do.
+
+        This relies on MLX handing ``readinto`` the array's own buffer (mlx 0.32's
+        ``Load::eval_cpu`` reads straight into ``out.data``) and on nothing reading the
+        arrays before this returns: only :func:`load_tensors` holds them until then.
+        An MLX that read through a temporary buffer would break it, and every bit-exact
+        restore test would fail. Nothing is read when ``mx.load`` raises, so no write
+        can outlive an array MLX has already freed.
         """
 
     def readable(self) -> bool:
