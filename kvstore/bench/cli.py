@@ -41,8 +41,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
-        log: Callable[[str], None] = print, remote: str | None = None) -> list[Row]:
-    """Run the chosen cases of ``cfg`` under ``scratch``; returns their rows."""
+        log: Callable[[str], None] = print, remote: str | None = None,
+        model_dir: Path | None = None) -> list[Row]:
+    """Run the chosen cases of ``cfg`` under ``scratch``; returns their rows. The remote
+    group needs ``remote`` (an s3:// URL), the model group ``model_dir``."""
     from .index_cases import lookup_rows, ttft_rows
     from .io_cases import (
         SavedPair,
@@ -94,13 +96,17 @@ def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
     if "remote" in groups:
         from .remote_cases import reachable, remote_rows
 
-        why = "no --remote URL and no $KVSTORE_REMOTE" if not remote else reachable(remote)
-        if why:
+        if not remote:
+            log("[remote] skipped: no --remote URL and no $KVSTORE_REMOTE")
+        elif why := reachable(remote):
             log(f"[remote] skipped: {why}")
         else:
-            assert remote is not None
             log(f"[remote] {remote}")
             add(remote_rows(cfg, scratch, remote))
+    if MODEL_GROUP in groups and model_dir is not None:
+        from .model_cases import model_rows
+
+        add(model_rows(cfg, scratch, model_dir, log))
     return rows
 
 
@@ -120,18 +126,6 @@ def _concurrency(cfg: Config, scratch: Path, add: Callable[[list[Row]], None],
         add(concurrency_rows(cfg, pair.root, pair.file, pair.tokens, nbytes))
     finally:
         pair.remove()
-
-
-def _model_group(cfg: Config, scratch: Path, model_dir: Path,
-                 log: Callable[[str], None] = print) -> list[Row]:
-    """The model group (only with --model): real-model TTFT and the conversation."""
-    from .model_cases import model_rows
-
-    rows = model_rows(cfg, scratch, model_dir, log)
-    for r in rows:
-        log(f"  {r.name}: kvstore {human(r.kvstore, r.unit)}, "
-            f"baseline {human(r.baseline, r.unit)}, ratio {r.ratio:.3f}")
-    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,9 +162,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{info['cpu']}, {info['filesystem']}; {free / 2**30:.0f} GiB free for scratch")
     t0 = time.perf_counter()
     try:
-        rows = run(cfg, scratch, groups, remote=args.remote or os.environ.get("KVSTORE_REMOTE"))
-        if model_dir is not None:
-            rows += _model_group(cfg, scratch, model_dir)
+        rows = run(cfg, scratch, groups, remote=args.remote or os.environ.get("KVSTORE_REMOTE"),
+                   model_dir=model_dir)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     elapsed = time.perf_counter() - t0

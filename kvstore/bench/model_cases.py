@@ -27,24 +27,15 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 
+from ..demo import REAL_SYSTEM
 from ..store import Store
 from .common import Config, Row, block_files, drop_from_page_cache, median
 
 Log = Callable[[str], None]
 
-# The conversation (an archive's assistant, six short questions); the OpenAI-client suite
-# (tests/model/test_openai_e2e.py) drives the same one through kvstore serve
-SYSTEM = (
-    "You are the assistant of a small town archive. The archive keeps the parish registers, "
-    "the mill's account books from 1820 to 1950, maps of the river and its three bridges, "
-    "letters of the families who ran the bakery and the school, and photographs of the "
-    "market square. Answer visitors briefly and politely, in one or two sentences. When a "
-    "question is about the town, say which part of the archive holds the answer. When it is "
-    "not, answer it plainly from general knowledge. Never invent documents, dates or names; "
-    "if you do not know, say so and suggest asking the archivist, who is in on weekdays from "
-    "nine to five. Opening hours: Monday to Friday, nine to five; Saturday, ten to one. "
-    "Copies cost ten cents a page; photographs may be taken without flash."
-)
+# The conversation: the demo's archive assistant, six short questions; the OpenAI-client
+# suite (tests/model/test_openai_e2e.py) drives the same one through kvstore serve
+SYSTEM = REAL_SYSTEM
 TURNS = (
     "What is the capital of France?",
     "Where can I find the mill's account books?",
@@ -207,7 +198,7 @@ def conversation_rows(root: Path, model: Any, tok: Any, model_dir: Path, label: 
         "store (cold memory each turn) vs mlx-lm LRUPromptCache vs no cache")
     with Store.open(root) as store:
         for i, user in enumerate(TURNS):
-            for m in MODES[i % 3:] + MODES[: i % 3]:
+            for m in MODES[i % len(MODES):] + MODES[: i % len(MODES)]:
                 hist[m].append({"role": "user", "content": user})
                 prompt = [int(t) for t in
                           tok.apply_chat_template(hist[m], add_generation_prompt=True)]
