@@ -39,19 +39,10 @@ import numpy as np
 from kvstore import Store
 from kvstore.bench.common import QUICK, block_files, make_cache
 from kvstore.bench.io_cases import NS, tokens_for
+from kvstore.bench.limits import _balanced
 from kvstore.store.reader import _THREADS as THREADS
 
 PAGE = 4096
-
-
-def _groups(sizes: list[int], n: int) -> list[list[int]]:
-    groups: list[list[int]] = [[] for _ in range(n)]
-    loads = [0] * n
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        k = loads.index(min(loads))
-        groups[k].append(i)
-        loads[k] += sizes[i]
-    return [g for g in groups if g]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         store.save(toks, make_cache(QUICK, a.tokens, seed=1))
         paths = [str(x) for x in block_files(root)]
         sizes = [os.stat(x).st_size for x in paths]
-        groups = _groups(sizes, THREADS)
+        groups = _balanced(sizes, THREADS)
         warm = [np.ones(s, dtype=np.uint8) for s in sizes]
 
         def read_into(bufs: list[Any], idx: list[int]) -> None:
