@@ -42,7 +42,7 @@ OPENS_FILES = {
     "kvstore.blocks": "block files and the root's block directories",
     "kvstore.index": "the LMDB environment",
     "kvstore.formats": "mlx-bun v3/v4/v5 files the user names",
-    "kvstore.store._fs": "/proc/mounts, to name the root's filesystem",
+    "kvstore.store.local.filesystem": "/proc/mounts, to name the root's filesystem",
     "kvstore.mlx_lm.gguf": "the GGUF file it converts and the model directory it writes",
     "kvstore.mlx_lm.prompt_cache": "the model's own files, for its fingerprint",
     "kvstore.mlx_lm.fingerprint": "the model's own files, for its fingerprint",

@@ -18,7 +18,7 @@ from ..blocks.local import io_pool
 from ..codecs import snapshot
 from ..schema import Namespace
 from ..store import Store
-from ..store.root import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK
+from ..store.local.root import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK
 from ..store.writer import place
 from .common import (
     Config,

@@ -20,9 +20,9 @@ from typing import Any
 import mlx.core as mx
 
 from .._vio import preadv_all
-from ..codecs._mxload import TensorStream, load_tensors
 from ..codecs.base import TensorData
 from ..codecs.layout import DTYPES, MLX_BUN_DTYPES
+from ..codecs.mxload import TensorStream, load_tensors
 from ..errors import (
     AllocationBoundError,
     FileFormatError,

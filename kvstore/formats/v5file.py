@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from .._vio import preadv_all, pwritev_all
-from ..codecs._pieces import cut
 from ..codecs.base import AttachmentData
+from ..codecs.pieces import cut
 from ..errors import (
     BlockFileTypeError,
     BlockReferenceError,

@@ -17,8 +17,8 @@ import mlx.core as mx
 from .._vio import preadv_all
 from ..blocks import BlockCheck
 from ..blocks.local import READ_WORKERS, read_pool
-from ..codecs._mxload import TensorStream, load_tensors
 from ..codecs.layout import block_rows, geometry, spec_nbytes
+from ..codecs.mxload import TensorStream, load_tensors
 from ..errors import ShortReadError
 from ..schema import TensorSpec
 

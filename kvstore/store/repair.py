@@ -23,9 +23,9 @@ import msgspec
 from ..errors import KVStoreError
 from ..index import SavePlan
 from ..schema import Manifest, decode_manifest
+from .local.root import Root
 from .lookup import delete_plan
 from .plans import cut_manifest, encoded, entry_plan
-from .root import Root
 
 
 class _Blocks(msgspec.Struct):

@@ -14,9 +14,9 @@ from ..codecs import AttachmentData, codec_for_record
 from ..codecs.layout import manifest_block_sizes, n_token_blocks
 from ..errors import CacheMismatchError, CorruptBlockError, EntryNotFoundError, KVStoreError
 from ..schema import Layer, ListLayer, Manifest, decode_manifest, iter_tensor_specs
+from .local.root import Root
 from .reader import Want, load_arrays, plan_runs
 from .repair import plan_for_blocks
-from .root import Root
 
 _log = logging.getLogger("kvstore")
 

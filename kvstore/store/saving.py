@@ -23,8 +23,8 @@ from ..schema import (
     iter_tensor_specs,
 )
 from . import keys as P
+from .local.root import Root
 from .lookup import find, prefix_items, trimmable
-from .root import Root
 from .writer import place, write_blocks
 
 CODEC_PROVIDER = "kvstore-mlx/1"

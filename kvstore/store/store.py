@@ -34,6 +34,7 @@ from .access import AccessLog
 from .entries import Entry, EntryInfo, Stats
 from .files import FileBridge
 from .gc import DEFAULT_GRACE, enforce_budget
+from .local.root import Root, RootSettings, default_root, has_root, open_root
 from .lookup import (
     Match,
     find,
@@ -41,7 +42,6 @@ from .lookup import (
 )
 from .maintenance import Maintenance
 from .restore import read_entry
-from .root import Root, RootSettings, default_root, has_root, open_root
 from .saving import CODEC_PROVIDER, PrefixGone, Priority, check_args, draft
 from .tiered import Pulled, RemoteLink
 from .views import IndexViews

@@ -14,7 +14,7 @@ from typing import Any
 
 from .._crash import crash_point
 from ..blocks import open_real_dir
-from .root import Root
+from .local.root import Root
 
 TMP_MAX_AGE = 24 * 3600.0  # a temp file this old is stale even if its pid looks alive
 BATCH = 256  # blocks or entries per write transaction: keeps the writer lock short

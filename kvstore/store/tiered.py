@@ -24,8 +24,8 @@ from ..remote import PushStats, Remote, RemoteHit, RemoteSettings
 from ..schema import decode_manifest
 from . import keys as P
 from .entries import resolve_id
+from .local.root import Root
 from .plans import cut_manifest, encoded, entry_plan, publication
-from .root import Root
 
 _log = logging.getLogger("kvstore")
 

@@ -23,8 +23,8 @@ from ..errors import KVStoreError
 from ..index import EntryRecord, RefInfo, now_ms
 from ..schema import Manifest, decode_manifest
 from . import keys as P
+from .local.root import Root
 from .repair import RepairPlan, plan_for_blocks
-from .root import Root
 
 
 @dataclass

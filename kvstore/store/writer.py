@@ -20,8 +20,7 @@ from .._crash import crash_point
 from ..blocks import Digest, LocalBlockStore, new_hasher
 from ..blocks.local import io_pool
 from ..codecs import Snapshot, TensorData
-from ..codecs._fork import mlx_guard
-from ..codecs._pieces import cut
+from ..codecs.forksafe import mlx_guard
 from ..codecs.layout import (
     RESTORABLE_DTYPES,
     block_rows,
@@ -29,6 +28,7 @@ from ..codecs.layout import (
     geometry,
     n_token_blocks,
 )
+from ..codecs.pieces import cut
 from ..errors import CacheMismatchError, UnsupportedDtypeError
 from ..schema import Layer, ListLayer, TensorSpec
 

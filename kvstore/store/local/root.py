@@ -13,10 +13,10 @@ from typing import Any
 import msgspec
 import platformdirs
 
-from ..blocks import ALGORITHMS, BlockStat, LocalBlockStore
-from ..errors import NotAStoreError, RootSettingsError, UnsafeRootError
-from ..index import Index, now_ms
-from ._fs import check_filesystem
+from ...blocks import ALGORITHMS, BlockStat, LocalBlockStore
+from ...errors import NotAStoreError, RootSettingsError, UnsafeRootError
+from ...index import Index, now_ms
+from .filesystem import check_filesystem
 
 ROOT_FORMAT = 1
 DEFAULT_BLOCK_TOKENS = 256
