@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvstore.bench.common import QUICK, make_cache
 from kvstore.blocks import new_hasher
-from kvstore.blocks.local import io_pool
+from kvstore.blocks.pools import io_pool
 from kvstore.codecs import snapshot
 from kvstore.store.writer import place
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 
 from ..blocks import LocalBlockStore, hash_bytes
-from ..blocks.local import io_pool
+from ..blocks.pools import io_pool
 from ..codecs import snapshot
 from ..schema import Namespace
 from ..store import Store

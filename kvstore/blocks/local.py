@@ -16,11 +16,10 @@ import os
 import secrets
 import stat
 import sys
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .._vio import pwritev_all
 from ..errors import (
     BlockNotFoundError,
     CorruptBlockError,
@@ -32,7 +31,6 @@ from . import base
 from .hashing import Digest, check_digest, new_hasher
 
 Buffer = bytes | memoryview
-_IOV_MAX = 1024
 _counter = itertools.count()
 # Block files are opened without following a symlink and without blocking on a FIFO;
 # what is opened is then checked to be a regular file (see LocalBlockStore.open).
@@ -54,27 +52,6 @@ def file_kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _write_all(fd: int, pieces: Sequence[Buffer]) -> int:
-    """``writev`` every piece, coping with IOV_MAX and short writes."""
-    total = 0
-    pending = [memoryview(p).cast("B") for p in pieces if len(p)]
-    while pending:
-        batch = pending[:_IOV_MAX]
-        n = os.writev(fd, batch)
-        total += n
-        # drop what was written, keep the rest (a short write leaves a tail)
-        rest: list[memoryview] = []
-        for i, p in enumerate(batch):
-            if n >= len(p):
-                n -= len(p)
-                continue
-            rest.append(p[n:])
-            rest.extend(batch[i + 1 :])
-            break
-        pending = rest + pending[_IOV_MAX:]
-    return total
-
-
 def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
@@ -89,46 +66,6 @@ def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
 
 
 _sync_file_range = _load_sync_file_range()
-#: Worker threads of the two pools (docs/BENCHMARKS.md, "Pool sizes"; tools/probe_io.py).
-#: Hashing and page-cache writes keep a core busy each: one thread a core. On 2
-#: cores BLAKE3 went 5.3 -> 10.0 GB/s from 1 to 2 threads and no higher at 4-32,
-#: writes 4.1 -> 6.8; the fsync round gains 10% from 2 to 8 threads, within the
-#: disk's run-to-run noise. The cap of 8, measured on 16 cores: saves of 4k and 16k
-#: tokens with 8, 16 and 32 threads took 40-45 / 44-45 / 43-46 ms and 134-160 /
-#: 174-177 / 199 ms (non-durable); a save has few blocks (16 at 4k tokens) and memory,
-#: not cores, bounds the rest.
-#: Reads mostly wait on the device, and a verified read hashes what it has just
-#: read: three in flight a core let one thread hash while the others wait (a 16k
-#: restore after eviction: 1.00x of load_prompt_cache with 2 threads, 1.23x with 6,
-#: on 2 cores; reads after eviction 1.49 GB/s at 1 in flight, 1.77 at 16). The cap
-#: of 16: one a core on 16 cores, where hashing, not waiting, fills the cores.
-IO_WORKERS = max(2, min(8, os.cpu_count() or 2))
-READ_WORKERS = max(4, min(16, 3 * (os.cpu_count() or 2)))
-_POOLS: dict[str, tuple[int, ThreadPoolExecutor]] = {}
-_POOL_LOCK = threading.Lock()
-
-
-def _pool(name: str, workers: int) -> ThreadPoolExecutor:
-    with _POOL_LOCK:
-        got = _POOLS.get(name)
-        if got is None or got[0] != os.getpid():
-            got = _POOLS[name] = (os.getpid(), ThreadPoolExecutor(
-                workers, thread_name_prefix=f"kvstore-{name}"))
-        return got[1]
-
-
-def io_pool() -> ThreadPoolExecutor:
-    """The process's block write/hash threads (hashing, pwritev and fsync release the GIL).
-
-    One pool per process, made again after a fork: creating threads per save
-    costs more than a small one's work.
-    """
-    return _pool("io", IO_WORKERS)
-
-
-def read_pool() -> ThreadPoolExecutor:
-    """The process's block read threads (``preadv`` and hashing release the GIL)."""
-    return _pool("read", READ_WORKERS)
 
 
 _SYNC_FILE_RANGE_WRITE = 2
@@ -223,7 +160,7 @@ class LocalBlockStore(base.BlockStore):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                _write_all(fd, pieces)
+                pwritev_all(fd, [memoryview(p) for p in pieces], 0)
                 if sync:
                     os.fsync(fd)
                 elif self.durable:

@@ -18,7 +18,7 @@ import msgspec
 
 from .._crash import crash_point
 from ..blocks import Digest, LocalBlockStore, new_hasher
-from ..blocks.local import io_pool
+from ..blocks.pools import io_pool
 from ..codecs import Snapshot, TensorData
 from ..codecs.forksafe import mlx_guard
 from ..codecs.layout import (
