@@ -29,10 +29,12 @@ TIERS: dict[str, set[str]] = {
     "kvstore.index": BASE,
     "kvstore.codecs": BASE | {"kvstore.schema"},
     "kvstore.formats": BASE | {"kvstore.schema", "kvstore.codecs"},
-    "kvstore.remote": BASE | {"kvstore.schema", "kvstore.blocks", "kvstore.codecs"},
+    "kvstore.catalog": BASE | {"kvstore.schema", "kvstore.blocks", "kvstore.codecs"},
+    "kvstore.remote": BASE | {"kvstore.schema", "kvstore.blocks", "kvstore.codecs",
+                              "kvstore.catalog"},
     "kvstore.store": BASE
     | {"kvstore.schema", "kvstore.blocks", "kvstore.index", "kvstore.codecs", "kvstore.formats",
-       "kvstore.remote"},
+       "kvstore.catalog", "kvstore.remote"},
 }
 #: Above the store (cli/, mlx_lm/, bench/, the top-level modules): anything but the index,
 #: which only the store composes. The integrations never import the command line.

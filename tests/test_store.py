@@ -182,7 +182,7 @@ def test_bad_tokens(store: kvstore.Store, tokens: object, message: str) -> None:
 def test_numpy_tokens_are_the_same_tokens_as_a_list(store: kvstore.Store, dtype: type) -> None:
     toks = [0, 7, 65535, 3, 1]
     info = store.save(np.array(toks, dtype=dtype), [kv_cache(5, 0)])
-    assert list(kvstore.store.keys.tokens_from_le(store.manifest(info.id).tokens)) == toks
+    assert list(kvstore.catalog.keys.tokens_from_le(store.manifest(info.id).tokens)) == toks
     m = store.lookup(toks)
     assert m is not None and m.entry_id == info.id and m.exact
 

@@ -17,8 +17,8 @@ code on it.
   blocks, so manifests stay small), every block a real file named by the
   digest of its (64-byte) contents.
 
-Uses kvstore internals (kvstore.store.keys, .lookup, kvstore.index, kvstore.schema): a tool,
-not an API.
+Uses kvstore internals (kvstore.catalog.keys, kvstore.store.lookup, kvstore.index,
+kvstore.schema): a tool, not an API.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from kvstore import Namespace, Store
+from kvstore.catalog import keys as P
 from kvstore.index import EntryRecord, SavePlan, now_ms
 from kvstore.schema import Manifest, encode_manifest
-from kvstore.store import keys as P
 from kvstore.store.lookup import prefix_items, trimmable
 from kvstore.store.store import CODEC_PROVIDER
 

@@ -66,7 +66,7 @@ def show(entry: str, all_tokens: bool, as_json: bool) -> None:
 
     ENTRY is a full id or a unique prefix of one (at least 4 hex chars).
     """
-    from ..store import keys as P
+    from ..catalog import keys as P
 
     with open_store() as store:
         eid = store.resolve(entry)

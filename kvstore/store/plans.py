@@ -9,12 +9,12 @@ from collections.abc import Callable
 import msgspec
 
 from ..blocks import hash_bytes
+from ..catalog import keys as P
 from ..codecs import codec_for_record
 from ..codecs.layout import manifest_blocks
 from ..index import EntryRecord, SavePlan, now_ms
 from ..remote import Publication
 from ..schema import Layer, Manifest, encode_manifest
-from . import keys as P
 from .lookup import prefix_items, trimmable
 
 _ns_json = msgspec.json.Encoder()

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import msgspec
 
 from ..blocks import new_hasher
+from ..catalog import keys as P
 from ..codecs import AttachmentData, RawCache, snapshot
 from ..errors import CacheMismatchError
 from ..index import EntryRecord, SavePlan, now_ms
@@ -22,7 +23,6 @@ from ..schema import (
     encode_manifest,
     iter_tensor_specs,
 )
-from . import keys as P
 from .local.root import Root
 from .lookup import find, prefix_items, trimmable
 from .writer import place, write_blocks

@@ -10,6 +10,7 @@ from typing import Any
 
 from .._crash import crash_point
 from ..blocks import Digest, LocalBlockStore, from_hex
+from ..catalog import keys as P
 from ..codecs import AttachmentData
 from ..errors import (
     BlockNotFoundError,
@@ -29,7 +30,6 @@ from ..schema import (
     TensorSpec,
     decode_manifest,
 )
-from . import keys as P
 from .access import AccessLog
 from .entries import Entry, EntryInfo, Stats
 from .files import FileBridge

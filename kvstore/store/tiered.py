@@ -18,11 +18,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..catalog import keys as P
 from ..codecs.layout import manifest_blocks
 from ..errors import EntryNotFoundError, KVStoreError, RemoteError, RemoteUnavailableError
 from ..remote import PushStats, Remote, RemoteHit, RemoteSettings
 from ..schema import decode_manifest
-from . import keys as P
 from .entries import resolve_id
 from .local.root import Root
 from .plans import cut_manifest, encoded, entry_plan, publication

@@ -18,11 +18,11 @@ from typing import Any
 
 import msgspec
 
+from ..catalog import keys as P
 from ..codecs.layout import manifest_blocks
 from ..errors import KVStoreError
 from ..index import EntryRecord, RefInfo, now_ms
 from ..schema import Manifest, decode_manifest
-from . import keys as P
 from .local.root import Root
 from .repair import RepairPlan, plan_for_blocks
 

@@ -12,7 +12,7 @@ from ..schema import Manifest, Namespace, decode_manifest
 from .lookup import find
 
 if TYPE_CHECKING:
-    from .keys import TokenKeys
+    from ..catalog.keys import TokenKeys
 
 
 class IndexViews:
