@@ -22,7 +22,6 @@ import numpy as np
 
 from .._crash import crash_point
 from ..blocks.hashing import hash_bytes
-from ..blocks.s3 import S3BlockStore, S3Client, parse_s3_url
 from ..codecs.layout import manifest_blocks
 from ..errors import (
     ManifestError,
@@ -53,6 +52,7 @@ from .layout import (
     parse_marker,
 )
 from .lease import DEFAULT_LEASE, DEFAULT_MARGIN, Lease
+from .s3 import S3BlockStore, S3Client, parse_s3_url
 
 _log = logging.getLogger("kvstore")
 _T = TypeVar("_T")

@@ -9,13 +9,13 @@ from blocks.blockstore_suite import BlockStoreTests, block
 
 from kvstore.blocks import hash_bytes
 from kvstore.blocks.base import BlockStore
-from kvstore.blocks.s3 import S3BlockStore, S3Client, parse_s3_url
 from kvstore.errors import (
     RemoteAuthError,
     RemoteNotFoundError,
     RemoteUnavailableError,
     RemoteURLError,
 )
+from kvstore.remote.s3 import S3BlockStore, S3Client, parse_s3_url
 
 
 class TestS3BlockStore(BlockStoreTests):

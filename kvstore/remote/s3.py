@@ -19,6 +19,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from ..blocks.base import BlockStat, BlockStore, Buffer
+from ..blocks.hashing import Digest, check_digest, new_hasher
 from ..errors import (
     BlockNotFoundError,
     RemoteAuthError,
@@ -27,8 +29,6 @@ from ..errors import (
     RemoteUnavailableError,
     RemoteURLError,
 )
-from .base import BlockStat, BlockStore, Buffer
-from .hashing import Digest, check_digest, new_hasher
 
 __all__ = [
     "ObjectInfo",
