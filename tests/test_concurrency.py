@@ -24,7 +24,8 @@ from helpers.kv import (
 
 import kvstore
 import kvstore.store.local.filesystem
-from kvstore.errors import StoreFullError, UnsupportedFilesystemError
+from kvstore.errors import StoreFullError
+from kvstore.store.errors import UnsupportedFilesystemError
 
 
 def _lock_holders(lockfile: Path) -> set[int]:

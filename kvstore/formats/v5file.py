@@ -19,21 +19,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._vio import preadv_all, pwritev_all
+from .._vio import ShortReadError, preadv_all, pwritev_all
 from ..codecs.base import AttachmentData
 from ..codecs.pieces import cut
-from ..errors import (
-    BlockFileTypeError,
-    BlockReferenceError,
-    CacheMismatchError,
-    CorruptFileBlockError,
-    ShortReadError,
-)
+from ..errors import CacheMismatchError
 from ..schema import Namespace
 from . import _v3json
 from ._frame import PREFIX_LEN, align_up, atomic_file, check_target, encode_prefix, plan_file
 from ._v3io import PieceSource, tensor_pieces, validate_slot
 from .bunhash import bun_hash_pieces_hex
+from .errors import BlockFileTypeError, BlockReferenceError, FileDigestMismatchError
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "BlockFiles", "block_refs", "block_source", "save_v5"]
 
@@ -163,7 +158,7 @@ class BlockRange(PieceSource):
                     self._sha[i].update(piece)
             got = self._sha[i].hexdigest()
             if got != digest:
-                raise CorruptFileBlockError(
+                raise FileDigestMismatchError(
                     self.path, f"{self.where}: KV block mismatch: block {digest} hashes to {got}",
                     digest, got, block_path=str(file),
                 )

@@ -41,7 +41,8 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from kvstore.errors import FileFormatError, KVStoreError
+from ..errors import KVStoreError
+from ..formats.errors import FileFormatError
 
 __all__ = [
     "MODELS",

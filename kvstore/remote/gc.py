@@ -22,8 +22,9 @@ import msgspec
 
 from .._crash import crash_point
 from ..blocks.base import BlockStat
-from ..errors import KVStoreError, RemoteNotFoundError
+from ..errors import KVStoreError
 from ..schema import Manifest
+from .errors import RemoteNotFoundError
 from .layout import ACCESS, EXACT, MANIFESTS, MARKERS, entry_of_key, manifest_key
 from .tier import RemoteTier
 

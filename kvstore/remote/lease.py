@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ..errors import RemoteError, RemoteLeaseError, RemoteNotFoundError
+from .errors import RemoteError, RemoteLeaseError, RemoteNotFoundError
 from .layout import LEASE
 from .s3 import S3Client
 

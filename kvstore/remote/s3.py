@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 
 from ..blocks.base import BlockStat, BlockStore, Buffer
 from ..blocks.hashing import Digest, check_digest, new_hasher
-from ..errors import (
-    BlockNotFoundError,
+from ..errors import BlockNotFoundError
+from .errors import (
     RemoteAuthError,
     RemoteError,
     RemoteNotFoundError,

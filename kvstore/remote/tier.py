@@ -23,14 +23,9 @@ import numpy as np
 from .._crash import crash_point
 from ..blocks.hashing import hash_bytes
 from ..codecs.layout import manifest_blocks
-from ..errors import (
-    ManifestError,
-    RemoteError,
-    RemoteLeaseError,
-    RemoteNotFoundError,
-    RootSettingsError,
-)
+from ..errors import DigestMismatchError, ManifestError, RootSettingsError
 from ..schema import Manifest, decode_manifest
+from .errors import RemoteError, RemoteLeaseError, RemoteNotFoundError
 from .layout import (
     ACCESS,
     BLOCKS,
@@ -237,15 +232,18 @@ class RemoteTier:
         return self._pool.submit(fn, *args)
 
     def manifest(self, digest: bytes) -> tuple[bytes, Manifest]:
-        """An entry's manifest, checked against its name; ManifestError when it does not match."""
+        """An entry's manifest, checked against its name (DigestMismatchError) and decoded
+        (ManifestError)."""
         with self._lock:
             hit = self._manifests.get(digest)
             if hit is not None:
                 self._manifests.move_to_end(digest)
                 return hit
         raw = self.client.get(manifest_key(self.prefix, digest))
-        if hash_bytes(self.settings.hash, raw) != digest:
-            raise ManifestError(f"{self.url}{MANIFESTS}{digest.hex()}: bytes do not match its name")
+        got = hash_bytes(self.settings.hash, raw)
+        if got != digest:
+            raise DigestMismatchError(f"{self.url}{MANIFESTS}{digest.hex()}", digest.hex(),
+                                      got.hex())
         m = decode_manifest(raw)
         with self._lock:
             self._manifests[digest] = (raw, m)
@@ -389,7 +387,7 @@ class RemoteTier:
         def judge(m: Marker) -> RemoteHit | None:
             try:
                 _, man = self.manifest(m.entry)
-            except (RemoteNotFoundError, ManifestError):
+            except (RemoteNotFoundError, ManifestError, DigestMismatchError):
                 return None  # evicted meanwhile, or bad: verify reports it
             lcp = common_tokens(man.tokens, q_le)
             if m.trimmable:
@@ -455,7 +453,7 @@ class RemoteTier:
             o, d = item
             try:
                 _, m = self.manifest(d)
-            except (RemoteNotFoundError, ManifestError):
+            except (RemoteNotFoundError, ManifestError, DigestMismatchError):
                 return None
             size = sum(manifest_blocks(m).values())
             return RemoteEntry(d.hex(), m.n_tokens, m.namespace.model_id, m.namespace.ns,

@@ -14,16 +14,16 @@ from ..catalog import keys as P
 from ..codecs import AttachmentData
 from ..errors import (
     BlockNotFoundError,
-    CorruptBlockError,
+    DigestMismatchError,
     EntryNotFoundError,
     InvalidDigestError,
     ManifestError,
     NamespaceRequiredError,
     ReadOnlyStoreError,
-    RemoteError,
 )
 from ..index import Index
 from ..remote import DEFAULT_TIMEOUT, PushStats, Remote, RemoteHit
+from ..remote.errors import RemoteError
 from ..schema import (
     Manifest,
     Namespace,
@@ -394,7 +394,7 @@ class Store(FileBridge, IndexViews, Maintenance):
             try:
                 cache, length = self.load(match, verify=verify), match.length
                 break
-            except (BlockNotFoundError, CorruptBlockError, EntryNotFoundError, ManifestError,
+            except (BlockNotFoundError, DigestMismatchError, EntryNotFoundError, ManifestError,
                     RemoteError) as e:
                 if match.where == "remote":  # a local hit or a miss instead, never an error
                     remote = False

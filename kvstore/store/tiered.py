@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from ..catalog import keys as P
 from ..codecs.layout import manifest_blocks
-from ..errors import EntryNotFoundError, KVStoreError, RemoteError, RemoteUnavailableError
+from ..errors import EntryNotFoundError, KVStoreError
 from ..remote import PushStats, Remote, RemoteHit, RemoteSettings
+from ..remote.errors import RemoteError, RemoteUnavailableError
 from ..schema import decode_manifest
 from .entries import resolve_id
 from .local.root import Root

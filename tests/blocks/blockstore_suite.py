@@ -13,7 +13,12 @@ import pytest
 
 from kvstore.blocks import hash_bytes
 from kvstore.blocks.base import BlockStore
-from kvstore.errors import BlockNotFoundError, CorruptBlockError, InvalidDigestError
+from kvstore.errors import (
+    BlockNotFoundError,
+    CorruptBlockError,
+    DigestMismatchError,
+    InvalidDigestError,
+)
 
 
 def block(seed: int, n: int = 4096) -> bytes:
@@ -63,6 +68,9 @@ class BlockStoreTests:
         with pytest.raises(CorruptBlockError) as e:
             store.get(d)
         assert d.hex() in str(e.value) and hash_bytes(store.algo, bytes(bad)).hex() in str(e.value)
+        assert isinstance(e.value, DigestMismatchError)
+        assert (e.value.where, e.value.expected, e.value.got) == (
+            store.where(d), d.hex(), hash_bytes(store.algo, bytes(bad)).hex())
         assert store.get(d, verify=False) == bytes(bad)
 
     def test_read_into_copies_a_range(self, store: BlockStore) -> None:

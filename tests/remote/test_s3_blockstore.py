@@ -9,7 +9,7 @@ from blocks.blockstore_suite import BlockStoreTests, block
 
 from kvstore.blocks import hash_bytes
 from kvstore.blocks.base import BlockStore
-from kvstore.errors import (
+from kvstore.remote.errors import (
     RemoteAuthError,
     RemoteNotFoundError,
     RemoteUnavailableError,
