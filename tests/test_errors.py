@@ -12,6 +12,7 @@ import pytest
 import kvstore
 from kvstore.errors import CorruptBlockError, DigestMismatchError, KVStoreError
 from kvstore.formats.errors import (
+    CorruptFileBlockError,
     FileDigestMismatchError,
     FileFormatError,
     HeaderHashMismatchError,
@@ -35,12 +36,16 @@ def test_a_file_digest_mismatch_is_both_a_digest_mismatch_and_a_file_format_erro
         "/f.kv", "tensor hash mismatch", "/blocks/x", "00ff", "ff00")
     assert str(e) == "/f.kv: tensor hash mismatch"
     assert HeaderHashMismatchError is TensorHashMismatchError is FileDigestMismatchError
+    b = CorruptFileBlockError("/v5.json", "KV block mismatch", "ab", "cd", block_path="/b/ab")
+    assert isinstance(b, FileDigestMismatchError) and isinstance(b, CorruptBlockError)
+    assert (b.path, b.where, b.digest, b.expected, b.got) == ("/v5.json", "/b/ab", "ab", "ab", "cd")
 
 
 @pytest.mark.parametrize("err", [
     DigestMismatchError("s3://b/team/manifests/ab", "ab", "cd"),
     CorruptBlockError("/r/blocks/ab/abcd", "4096 bytes", "10 bytes", digest="ab" * 32),
     FileDigestMismatchError("/f.kv", "header hash mismatch", "1", "2", block_path="/b"),
+    CorruptFileBlockError("/v5.json", "KV block mismatch", "ab", "cd", block_path="/b/ab"),
 ])
 def test_errors_pickle_whole(err: KVStoreError) -> None:
     back = pickle.loads(pickle.dumps(err))

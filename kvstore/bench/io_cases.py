@@ -87,7 +87,7 @@ def _save_parts(scratch: Path, n: int, cache: list[Any]) -> tuple[Callable[[], f
         bstore = LocalBlockStore(root, "blake3", durable=False)
         try:
             t = _clock()
-            list(pool.map(bstore.write_tmp, blocks))
+            list(pool.map(bstore.stage, blocks))
             return _clock() - t
         finally:
             shutil.rmtree(root)

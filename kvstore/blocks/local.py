@@ -23,7 +23,6 @@ from .._vio import pwritev_all
 from ..errors import (
     BlockNotFoundError,
     CorruptBlockError,
-    ReadOnlyStoreError,
     StoreFullError,
     UnsafeRootError,
 )
@@ -130,6 +129,7 @@ class LocalBlockStore(base.BlockStore):
         Only a regular file is freshened (and so reused by a save): a symlink is
         never followed to touch the file it points at.
         """
+        self.check_writable()
         path = self._path(digest)
         try:
             if not stat.S_ISREG(os.lstat(path).st_mode):
@@ -141,26 +141,25 @@ class LocalBlockStore(base.BlockStore):
 
     # --- writes ----------------------------------------------------------
 
-    def _check_writable(self) -> None:
-        if self.read_only:
-            raise ReadOnlyStoreError(f"{self.root} is open read-only")
+    def where_all(self) -> str:
+        return str(self.root)
 
-    def write_tmp(self, pieces: Sequence[Buffer], *, sync: bool | None = None) -> Path:
-        """Write ``pieces`` to a new temp file; returns its path.
+    def stage(self, pieces: Sequence[Buffer], *, sync: bool = False) -> base.Staged:
+        """Write ``pieces`` to a new temp file in ``tmp/``.
 
-        With ``sync`` (default: the root's durability) the file is fsynced
-        before this returns. ``sync=False`` on a durable root starts the
-        file's writeback without waiting for it, so a caller writing many
-        blocks can fsync them together afterwards (:meth:`sync_file`).
+        With ``sync`` the file is fsynced before this returns. Without it, on a
+        durable root, the file's writeback is started without waiting for it, so a
+        caller writing many blocks can fsync them together afterwards
+        (:meth:`sync_staged`).
         """
-        self._check_writable()
-        sync = self.durable if sync is None else sync
+        self.check_writable()
         name = f"{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}.tmp"
         tmp = self.tmp_dir / name
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                pwritev_all(fd, [memoryview(p) for p in pieces], 0)
+                views = [memoryview(p) for p in pieces]
+                pwritev_all(fd, views, 0)
                 if sync:
                     os.fsync(fd)
                 elif self.durable:
@@ -172,21 +171,23 @@ class LocalBlockStore(base.BlockStore):
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StoreFullError(f"{self.root}: no space left writing a block") from e
             raise
-        return tmp
+        return base.Staged(path=str(tmp), size=sum(v.nbytes for v in views))
 
-    def sync_file(self, path: Path) -> None:
-        """fsync a file written with ``write_tmp(..., sync=False)``."""
-        fd = os.open(path, os.O_RDONLY)
+    def sync_staged(self, staged: base.Staged) -> None:
+        """fsync a temp file staged without ``sync``."""
+        fd = os.open(staged.path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
 
-    def publish(self, tmp: Path, digest: bytes) -> tuple[bool, Path]:
+    def publish(self, staged: base.Staged, digest: bytes) -> bool:
         """Link a temp file into place as ``digest``; never replaces an existing block.
 
-        Returns (True, fan-out dir) when this call created the block.
+        True when this call created the block; the temp file is removed either way.
         """
+        self.check_writable()
+        tmp = staged.path
         final = self._path(digest)
         try:
             try:
@@ -205,28 +206,31 @@ class LocalBlockStore(base.BlockStore):
                 except FileExistsError:
                     pass
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        return created, Path(os.path.dirname(final))
+            self.discard(staged)
+        return created
 
-    def sync_dirs(self, dirs: Iterable[Path]) -> None:
-        """fsync directories so new names survive a crash (no-op when not durable)."""
+    def discard(self, staged: base.Staged) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staged.path)
+
+    def sync_published(self, digests: Iterable[bytes]) -> None:
+        """fsync the fan-out directories of these blocks, so their names survive a crash
+        (nothing when the root is not durable)."""
         if not self.durable:
             return
-        for d in set(dirs):
+        for d in sorted({os.path.dirname(self._path(d)) for d in digests}):
             fd = os.open(d, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
 
-    def put(self, digest: bytes, pieces: Sequence[Buffer]) -> bool:
+    def _put(self, digest: bytes, pieces: Sequence[Buffer]) -> bool:
         """Store one block unless it exists; True when it was written now."""
-        self._check_writable()
         if self.exists(digest):
             return False
-        created, parent = self.publish(self.write_tmp(pieces), digest)
-        self.sync_dirs([parent])
+        created = self.publish(self.stage(pieces, sync=self.durable), digest)
+        self.sync_published([digest])
         return created
 
     # --- reads -----------------------------------------------------------
@@ -317,13 +321,12 @@ class LocalBlockStore(base.BlockStore):
 
     # --- deletion and listing ----------------------------------------------
 
-    def delete(self, digest: bytes) -> bool:
+    def _delete(self, digest: bytes) -> bool:
         """Unlink the block; False when it was already gone.
 
         A directory in a block's place is moved to ``quarantine/`` instead
         (unlink cannot remove it, and GC must not stop at it).
         """
-        self._check_writable()
         try:
             self.path(digest).unlink()
             return True
@@ -332,7 +335,7 @@ class LocalBlockStore(base.BlockStore):
         except IsADirectoryError:
             return self.quarantine(digest) is not None
 
-    def quarantine(self, digest: bytes) -> Path | None:
+    def quarantine(self, digest: bytes) -> str | None:
         """Move a (corrupt) block aside into ``quarantine/``; None when it was gone.
 
         The move goes through a descriptor of ``quarantine/`` opened without
@@ -341,7 +344,7 @@ class LocalBlockStore(base.BlockStore):
         file. A block already in quarantine is replaced (a directory there is
         given a numbered name beside it).
         """
-        self._check_writable()
+        self.check_writable()
         self.quarantine_dir.mkdir(exist_ok=True)
         dfd = open_real_dir(self.quarantine_dir)
         name = digest.hex()
@@ -349,7 +352,7 @@ class LocalBlockStore(base.BlockStore):
             for i in range(100):
                 try:
                     os.replace(self._path(digest), name, dst_dir_fd=dfd)
-                    return self.quarantine_dir / name
+                    return str(self.quarantine_dir / name)
                 except FileNotFoundError:
                     return None
                 except OSError as e:  # a directory on one side of the rename, not both

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import DigestMismatchError, KVStoreError
+from ..errors import CorruptBlockError, DigestMismatchError, KVStoreError
 
 
 class FileFormatError(KVStoreError, ValueError):
@@ -73,10 +73,29 @@ def _file_digest_mismatch(
     return FileDigestMismatchError(path, reason, expected, got, block_path=block_path)
 
 
-#: The names each case had before they were one error.
+#: The names the header's and a tensor's case had before they were one error.
 HeaderHashMismatchError = FileDigestMismatchError
 TensorHashMismatchError = FileDigestMismatchError
-CorruptFileBlockError = FileDigestMismatchError
+
+
+class CorruptFileBlockError(FileDigestMismatchError, CorruptBlockError):
+    """A v5 file's block does not hash to its name: a file's digest mismatch that is also a
+    block's (a :class:`CorruptBlockError`, ``digest`` its name, ``path`` the v5 file)."""
+
+    def __init__(self, path: str, reason: str, expected: str = "", got: str = "", *,
+                 block_path: str = "") -> None:
+        super().__init__(path, reason, expected, got, block_path=block_path)
+        self.digest = expected
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_corrupt_file_block,
+                (self.path, self.reason, self.expected, self.got, self.block_path))
+
+
+def _corrupt_file_block(
+    path: str, reason: str, expected: str, got: str, block_path: str
+) -> CorruptFileBlockError:
+    return CorruptFileBlockError(path, reason, expected, got, block_path=block_path)
 
 
 class BlockReferenceError(FileFormatError):

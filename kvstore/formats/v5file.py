@@ -28,7 +28,7 @@ from . import _v3json
 from ._frame import PREFIX_LEN, align_up, atomic_file, check_target, encode_prefix, plan_file
 from ._v3io import PieceSource, tensor_pieces, validate_slot
 from .bunhash import bun_hash_pieces_hex
-from .errors import BlockFileTypeError, BlockReferenceError, FileDigestMismatchError
+from .errors import BlockFileTypeError, BlockReferenceError, CorruptFileBlockError
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "BlockFiles", "block_refs", "block_source", "save_v5"]
 
@@ -158,7 +158,7 @@ class BlockRange(PieceSource):
                     self._sha[i].update(piece)
             got = self._sha[i].hexdigest()
             if got != digest:
-                raise FileDigestMismatchError(
+                raise CorruptFileBlockError(
                     self.path, f"{self.where}: KV block mismatch: block {digest} hashes to {got}",
                     digest, got, block_path=str(file),
                 )

@@ -25,6 +25,7 @@ from ..blocks.hashing import hash_bytes
 from ..codecs.layout import manifest_blocks
 from ..errors import DigestMismatchError, ManifestError, RootSettingsError
 from ..schema import Manifest, decode_manifest
+from .blocks import S3BlockStore
 from .errors import RemoteError, RemoteLeaseError, RemoteNotFoundError
 from .layout import (
     ACCESS,
@@ -47,7 +48,7 @@ from .layout import (
     parse_marker,
 )
 from .lease import DEFAULT_LEASE, DEFAULT_MARGIN, Lease
-from .s3 import S3BlockStore, S3Client, parse_s3_url
+from .s3 import S3Client, parse_s3_url
 
 _log = logging.getLogger("kvstore")
 _T = TypeVar("_T")
@@ -189,7 +190,7 @@ class RemoteTier:
                 f"{self.url} was created with other settings than this root ({'; '.join(diff)})"
             )
         self._settings = got
-        self._blocks = S3BlockStore(self.client, self.prefix, got.hash)
+        self._blocks = S3BlockStore(self.client, self.prefix, got.hash, pool=self._pool)
         return got
 
     @property
@@ -202,7 +203,7 @@ class RemoteTier:
                     bucket=self.url.bucket, key=self.prefix + SETTINGS,
                 )
             self._settings = got
-            self._blocks = S3BlockStore(self.client, self.prefix, got.hash)
+            self._blocks = S3BlockStore(self.client, self.prefix, got.hash, pool=self._pool)
         return self._settings
 
     @property
@@ -291,7 +292,7 @@ class RemoteTier:
             self.client.put(mkey, pub.manifest)  # ...unless it evicted our manifest: again
         blocks = self.blocks
         digests = list(pub.blocks)
-        there = self.map(lambda d: self.client.head(blocks.key(d)) is not None, digests)
+        there = self.map(blocks.exists, digests)
         missing = [d for d, ok in zip(digests, there, strict=True) if not ok]
         st.present = len(digests) - len(missing)
 

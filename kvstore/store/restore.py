@@ -35,9 +35,8 @@ def read_entry(
         except _BadBlocks as e:
             if _repair_bad(root, e.bad):
                 d = min(e.bad)
-                path, why = root.blocks.path(d), e.bad[d][0]
                 raise CorruptBlockError(
-                    str(path), f"block {d.hex()}", why, digest=d.hex()
+                    root.blocks.where(d), f"block {d.hex()}", e.bad[d][0], digest=d.hex()
                 ) from None
     return _read_once(root, digest, length, verify)
 

@@ -58,7 +58,7 @@ def unlink_orphans(root: Root, orphans: list[tuple[bytes, int]], cutoff: int) ->
 def stale_tmp(root: Root, grace: float) -> list[str]:
     """Temp files older than the grace whose writer is gone.
 
-    A temp file lives from ``write_tmp`` to ``publish``; its name starts with
+    A temp file lives from ``stage`` to ``publish``; its name starts with
     the writer's pid, and a file of a live writer is kept (unless absurdly old)
     so that compaction never makes a save fail.
     """

@@ -49,10 +49,7 @@ class Root:
 
     def block_files(self) -> Iterator[tuple[bytes, BlockStat]]:
         """Every block file with its size and age (a file gone meanwhile is skipped)."""
-        for d in self.blocks.iter():
-            st = self.blocks.stat(d)
-            if st is not None:
-                yield d, st
+        return self.blocks.iter_stats()
 
 
 def default_root() -> Path:
