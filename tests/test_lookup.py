@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import kvstore
 from kvstore import schema
-from kvstore.store import lookup as lookup_mod
 from kvstore.store import store as store_mod
+from kvstore.store.local import catalog as lookup_mod
 
 NS = kvstore.Namespace(model_id="lookup")
 seqs = st.lists(st.integers(0, 2), min_size=1, max_size=14)

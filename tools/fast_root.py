@@ -17,7 +17,7 @@ code on it.
   blocks, so manifests stay small), every block a real file named by the
   digest of its (64-byte) contents.
 
-Uses kvstore internals (kvstore.catalog.keys, kvstore.store.lookup, kvstore.index,
+Uses kvstore internals (kvstore.catalog.keys, kvstore.store.local.catalog, kvstore.index,
 kvstore.schema): a tool, not an API.
 """
 
@@ -40,7 +40,7 @@ from kvstore import Namespace, Store
 from kvstore.catalog import keys as P
 from kvstore.index import EntryRecord, SavePlan, now_ms
 from kvstore.schema import Manifest, encode_manifest
-from kvstore.store.lookup import prefix_items, trimmable
+from kvstore.store.local.catalog import prefix_items, trimmable
 from kvstore.store.store import CODEC_PROVIDER
 
 VOCAB = 32000

@@ -47,8 +47,8 @@ from typing import Any
 from .._crash import crash_point
 from ..index import EntryRecord, RefInfo, Totals, now_ms
 from ..schema import decode_manifest
+from .local.catalog import delete_plan
 from .local.root import Root
-from .lookup import delete_plan
 from .sweep import batches, stale_tmp, unlink_orphans, unlink_tmp
 
 DEFAULT_GRACE = 600.0  # seconds

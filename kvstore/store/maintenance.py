@@ -12,8 +12,8 @@ from ..index import DeletePlan, Index
 from ..schema import Manifest, Namespace, decode_manifest
 from .entries import Entry, Stats, entries_of, resolve_id
 from .gc import DEFAULT_GRACE, CompactReport, compact
+from .local.catalog import delete_plan
 from .local.root import Root
-from .lookup import delete_plan
 from .verify import VerifyReport, verify
 
 

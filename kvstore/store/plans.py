@@ -15,7 +15,7 @@ from ..codecs.layout import manifest_blocks
 from ..index import EntryRecord, SavePlan, now_ms
 from ..remote import Publication
 from ..schema import Layer, Manifest, encode_manifest
-from .lookup import prefix_items, trimmable
+from .local.catalog import prefix_items, trimmable
 
 _ns_json = msgspec.json.Encoder()
 

@@ -23,8 +23,8 @@ import msgspec
 from ..errors import KVStoreError
 from ..index import SavePlan
 from ..schema import Manifest, decode_manifest
+from .local.catalog import delete_plan
 from .local.root import Root
-from .lookup import delete_plan
 from .plans import cut_manifest, encoded, entry_plan
 
 

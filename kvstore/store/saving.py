@@ -23,8 +23,8 @@ from ..schema import (
     encode_manifest,
     iter_tensor_specs,
 )
+from .local.catalog import find, prefix_items, trimmable
 from .local.root import Root
-from .lookup import find, prefix_items, trimmable
 from .writer import place, write_blocks
 
 CODEC_PROVIDER = "kvstore-mlx/1"

@@ -34,12 +34,12 @@ from .access import AccessLog
 from .entries import Entry, EntryInfo, Stats
 from .files import FileBridge
 from .gc import DEFAULT_GRACE, enforce_budget
-from .local.root import Root, RootSettings, default_root, has_root, open_root
-from .lookup import (
+from .local.catalog import (
     Match,
     find,
     has_reach_markers,
 )
+from .local.root import Root, RootSettings, default_root, has_root, open_root
 from .maintenance import Maintenance
 from .restore import read_entry
 from .saving import CODEC_PROVIDER, PrefixGone, Priority, check_args, draft

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..index import Index, IndexRead
 from ..schema import Manifest, Namespace, decode_manifest
-from .lookup import find
+from .local.catalog import find
 
 if TYPE_CHECKING:
     from ..catalog.keys import TokenKeys

@@ -21,12 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..blocks import Digest
-from ..catalog import keys as P
-from ..codecs import codec_for_record
-from ..errors import KVStoreError
-from ..index import DeletePlan, Index
-from ..schema import Layer, Manifest, decode_manifest
+from ...blocks import Digest
+from ...catalog import keys as P
+from ...codecs import codec_for_record
+from ...errors import KVStoreError
+from ...index import DeletePlan, Index
+from ...schema import Layer, Manifest, decode_manifest
 
 _log = logging.getLogger("kvstore")
 SCAN = 8  # prefix values examined on each side of a lookup's probe
