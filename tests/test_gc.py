@@ -14,6 +14,7 @@ from mlx_lm.models.cache import LRUPromptCache
 import kvstore
 from kvstore.index import EntryRecord, RefInfo
 from kvstore.store.gc import EvictionOrder
+from kvstore.store.local.catalog import delete_plan
 
 BLOCK = 16 * 2 * 2 * 8 * 2  # one full token block: 16 tokens, K+V, H2 D8 fp16
 
@@ -58,7 +59,9 @@ def test_remove_entry_twice_does_not_drop_refs_twice(tmp_path: Path) -> None:
     save(s, 2, 80, shared=32)
     e = next(iter(s.entries()))
     digest = bytes.fromhex(e.id)
-    plan = s.delete_plan(s.manifest(digest), digest)
+    got = s.local.catalog.manifest(digest)
+    assert got is not None
+    plan = delete_plan(got[1], got[0], digest)
     with s.index.write() as txn:
         s.index.remove_entry(txn, digest, plan)
     before = stored_refs(s)

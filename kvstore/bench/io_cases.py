@@ -15,10 +15,10 @@ from mlx_lm.models import cache as _mlx_cache
 
 from ..blocks import LocalBlockStore, hash_bytes
 from ..blocks.pools import io_pool
+from ..catalog.settings import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK
 from ..codecs import snapshot
 from ..schema import Namespace
 from ..store import Store
-from ..store.local.root import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK
 from ..store.writer import place
 from .common import (
     Config,

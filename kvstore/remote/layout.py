@@ -4,7 +4,8 @@ Every object is immutable and, but for the GC lease, named by what it holds::
 
     <prefix>kvstore.json                         the settings (format, hash, block size)
     <prefix>blocks/ab/<hex>                      block bytes (the local file's bytes)
-    <prefix>manifests/<hex>                      an encoded manifest, named by its digest
+    <prefix>manifests/<hex>                      an encoded manifest, named by its digest;
+                                                 metadata ``priority``: the entry's
     <prefix>markers/<c_k>/<entry>.<n>.<t|x>      the entry reaches depth k (empty body)
     <prefix>exact/<exact key>/<entry>.<t|x>      the entry is complete (put last)
     <prefix>access/<ms>-<random>                 a batch of access times (msgpack)
@@ -17,13 +18,11 @@ it can serve a shorter prefix (docs/FORMAT.md, "The remote tier").
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+import uuid
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import msgspec
-
-REMOTE_FORMAT = 1
 SETTINGS = "kvstore.json"
 BLOCKS = "blocks/"
 MANIFESTS = "manifests/"
@@ -33,28 +32,17 @@ ACCESS = "access/"
 LEASE = "gc/lease"
 
 
-class RemoteSettings(msgspec.Struct, frozen=True, kw_only=True):
-    """What a bucket's roots share; a local root with others cannot use it."""
-
-    format: int = REMOTE_FORMAT
-    hash: str
-    block_tokens: int
-    state_block_bytes: int
-    created_at: int
-
-    def differences(self, hash: str, block_tokens: int, state_block_bytes: int) -> list[str]:
-        """The settings of a local root that differ from these, as ``name: ours vs theirs``."""
-        pairs = (("hash", self.hash, hash), ("block_tokens", self.block_tokens, block_tokens),
-                 ("state_block_bytes", self.state_block_bytes, state_block_bytes))
-        return [f"{n}: local {b} vs remote {a}" for n, a, b in pairs if a != b]
-
-
 class Marker(NamedTuple):
     """A parsed depth marker: which entry, how long, whether it trims."""
 
     entry: bytes
     n_tokens: int
     trimmable: bool
+
+
+def access_key(prefix: str) -> str:
+    """A new access-times object: named by the time it is written, and a random suffix."""
+    return f"{prefix}{ACCESS}{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:12]}"
 
 
 def manifest_key(prefix: str, digest: bytes) -> str:
@@ -109,19 +97,6 @@ def entry_of_key(key: str) -> bytes | None:
     """The entry digest a marker, exact marker or manifest key ends in (None: a stray)."""
     name = key.rsplit("/", 1)[-1]
     return _hex32(name.split(".", 1)[0])
-
-
-@dataclass(frozen=True)
-class Publication:
-    """One local entry as the remote needs it: its manifest, blocks and keys."""
-
-    digest: bytes
-    manifest: bytes
-    blocks: dict[bytes, int]  # distinct block digest -> size, in manifest order
-    depth_keys: Sequence[bytes]  # c_1 .. c_K: the entry holds K full blocks
-    exact_key: bytes
-    n_tokens: int
-    trimmable: bool
 
 
 @dataclass

@@ -15,9 +15,10 @@ boto3 was chosen over obstore by measurement (``tools/bench_s3_client.py``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from .errors import (
     RemoteAuthError,
@@ -32,7 +33,10 @@ __all__ = [
     "S3Client",
     "S3URL",
     "parse_s3_url",
+    "run_all",
 ]
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 DEFAULT_CONNECT_TIMEOUT = 5.0
 DEFAULT_READ_TIMEOUT = 30.0
@@ -80,6 +84,22 @@ class ObjectInfo(NamedTuple):
     key: str
     size: int
     mtime: float
+
+
+def run_all(pool: Executor, fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
+    """``fn`` over ``items`` on ``pool``'s threads, in order; every call is waited for and
+    the first error is raised."""
+    futs = [pool.submit(fn, x) for x in items]
+    out: list[_R] = []
+    err: BaseException | None = None
+    for f in futs:
+        try:
+            out.append(f.result())
+        except BaseException as e:  # noqa: BLE001 - the first error wins, all are waited
+            err = err or e
+    if err is not None:
+        raise err
+    return out
 
 
 def _status(err: Any) -> int | None:
@@ -182,11 +202,15 @@ class S3Client:
         """HEAD the bucket: RemoteNotFoundError, RemoteAuthError or RemoteUnavailableError."""
         self._call("HEAD bucket", "", self._s3.head_bucket)
 
-    def put(self, key: str, body: bytes, *, if_absent: bool = True) -> bool:
-        """PUT ``body``; with ``if_absent`` (``If-None-Match: *``) False when the key exists."""
+    def put(self, key: str, body: bytes, *, if_absent: bool = True,
+            metadata: dict[str, str] | None = None) -> bool:
+        """PUT ``body`` (with user ``metadata``, ``x-amz-meta-*``); with ``if_absent``
+        (``If-None-Match: *``) False when the key exists."""
         kw: dict[str, Any] = {"Key": key, "Body": body}
         if if_absent:
             kw["IfNoneMatch"] = "*"
+        if metadata:
+            kw["Metadata"] = metadata
         for attempt in range(DEFAULT_ATTEMPTS):
             try:
                 self._s3.put_object(Bucket=self.bucket, **kw)
@@ -206,11 +230,16 @@ class S3Client:
 
     def get(self, key: str) -> bytes:
         """GET the whole object; RemoteNotFoundError when it is missing."""
+        return self.get_with_metadata(key)[0]
+
+    def get_with_metadata(self, key: str) -> tuple[bytes, dict[str, str]]:
+        """GET the whole object and its user metadata; RemoteNotFoundError when missing."""
         r = self._call("GET", key, self._s3.get_object, Key=key)
         try:
-            return bytes(r["Body"].read())
+            body = bytes(r["Body"].read())
         except (self._exc.BotoCoreError, OSError) as e:
             raise self._error(e, key, "GET") from e
+        return body, {str(k): str(v) for k, v in (r.get("Metadata") or {}).items()}
 
     def head(self, key: str) -> ObjectInfo | None:
         """HEAD: the object's size and mtime, or None when it is missing."""

@@ -7,3 +7,7 @@ from ..errors import KVStoreError
 
 class UnsupportedFilesystemError(KVStoreError, OSError):
     """The root lies on a filesystem where LMDB locking is unsafe (NFS, CIFS)."""
+
+
+class TierTimeoutError(KVStoreError, TimeoutError):
+    """A tier below this machine's root did not answer within its bound (a lookup, a pull)."""

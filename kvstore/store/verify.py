@@ -16,13 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from ..catalog import keys as P
+from ..catalog.base import open_manifest
+from ..catalog.records import records_of
 from ..codecs.layout import manifest_blocks
 from ..errors import KVStoreError
-from ..index import EntryRecord, RefInfo, now_ms
-from ..schema import Manifest, decode_manifest
+from ..index import RefInfo, now_ms
+from .local.catalog import entry_record
 from .local.root import Root
 from .repair import RepairPlan, plan_for_blocks
 
@@ -99,7 +99,7 @@ def _scan(root: Root, txn: Any, report: VerifyReport) -> _Scan:
     for d, v in idx.iter_manifests(txn):
         s.manifests.add(d)
         try:
-            blocks = manifest_blocks(decode_manifest(v))
+            blocks = manifest_blocks(open_manifest(v, d))
         except (KVStoreError, ValueError):
             s.bad.add(d)
             report.bad_manifests.append(d.hex())
@@ -263,7 +263,7 @@ def _rebuild(
     idx = root.index
     manifests: dict[bytes, dict[bytes, int]] = {}
     for d, v in idx.iter_manifests(txn):
-        manifests[d] = manifest_blocks(decode_manifest(v))
+        manifests[d] = manifest_blocks(open_manifest(v, d))
     counted: dict[bytes, tuple[int, int]] = {}
     for blocks in manifests.values():
         for b, size in blocks.items():
@@ -291,8 +291,10 @@ def _rebuild(
     for d in entries.keys() - manifests.keys():
         idx.delete_entry(txn, d)
         del entries[d]
-    for d in manifests.keys() - entries.keys():
-        entries[d] = _entry_from_manifest(decode_manifest(idx.get_manifest(d, txn) or b""))
+    for d in manifests.keys() - entries.keys():  # a record lost: the manifest's own
+        raw = idx.get_manifest(d, txn) or b""
+        m = open_manifest(raw, d)
+        entries[d] = entry_record(records_of(m, raw, d, last_access=m.created_at))
         idx.put_entry(txn, d, entries[d])
     # orphan files: nothing references them; a save in flight rewrites in its commit
     for d in plan.orphans:
@@ -306,18 +308,6 @@ def _rebuild(
     t.physical_bytes = sum(r.size for r in refs.values())
     t.zero_bytes = sum(r.size for r in refs.values() if r.refcount == 0)
     idx.put_totals(txn, t)
-
-
-def _entry_from_manifest(m: Manifest) -> EntryRecord:
-    blocks = manifest_blocks(m)
-    sizes = [blocks[bytes(d)] for d in (*m.token_blocks, *m.state_blocks)]
-    return EntryRecord(
-        namespace=msgspec.json.encode(m.namespace).decode(),
-        n_tokens=m.n_tokens,
-        logical_bytes=sum(sizes),
-        created_at=m.created_at,
-        last_access=m.created_at,
-    )
 
 
 __all__ = ["VerifyReport", "verify"]
