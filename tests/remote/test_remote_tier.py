@@ -15,6 +15,8 @@ import kvstore
 from kvstore.catalog.records import records_of
 from kvstore.errors import RootSettingsError
 from kvstore.remote import Remote
+from kvstore.remote.errors import RemoteLeaseError
+from kvstore.remote.gc import plan_compact
 
 
 def count_requests(store: kvstore.Store) -> list[str]:
@@ -186,6 +188,36 @@ def test_compact_evicts_lru_and_sweeps(tmp_path: Path, url: str) -> None:
         assert r.verify(read_data=True).sound
         rep = r.compact(grace=3600)
         assert rep.blocks_deleted == 0 and rep.evicted == []
+
+
+def test_a_remote_compaction_is_a_plan_run_once(tmp_path: Path, url: str) -> None:
+    """The plan to execute holds the lease from before its listing until its execution
+    ends; it deletes what its report says; it runs once; a dry run's plan (listed without
+    the lease) cannot be executed."""
+    with open_store(tmp_path / "a", remote=url) as a:
+        ids = []
+        for seed in (20, 21):
+            t = tokens_for(seed, 3 * T)
+            ids.append(a.save(t, make_cache(t)).id)
+            a.push(60)
+            time.sleep(1.1)  # LastModified has one-second resolution
+        r = a.remote
+        assert r is not None
+        dry = plan_compact(r, max_bytes=0, grace=0, lease=False)
+        assert dry.report().evicted == ids and r.stats().lease is None
+        with pytest.raises(RemoteLeaseError):
+            dry.execute()
+        plan = plan_compact(r, max_bytes=3 * T * 64, grace=0)
+        assert r.stats().lease is not None  # held by the plan
+        planned = plan.report()
+        assert planned.dry_run and planned.evicted == [ids[0]] and planned.blocks_deleted == 3
+        done = plan.execute()
+        assert not done.dry_run and (done.evicted, done.blocks_deleted) == ([ids[0]], 3)
+        st = r.stats()
+        assert (st.entries, st.blocks, st.lease) == (1, 3, None)
+        with pytest.raises(RuntimeError, match="once"):
+            plan.execute()
+        assert r.verify(read_data=True).sound
 
 
 def test_the_compaction_race(tmp_path: Path, url: str) -> None:
