@@ -121,7 +121,7 @@ def _owner(name: str, table: dict[str, str] | set[str]) -> bool:
 
 def test_the_walk_sees_every_kind_of_import() -> None:
     got = {t for t, _ in _imports("kvstore.store.store")}
-    assert "kvstore.store.gc" in got and "kvstore.blocks" in got  # relative, from-imports
+    assert "kvstore.store.upkeep.gc" in got and "kvstore.blocks" in got  # relative, from-imports
     assert "kvstore.formats.bunhash" in MODULES and "kvstore._wyhash" in MODULES
     lazy = {t for t, _ in _imports("kvstore.cli.main")}
     assert "click" in lazy
@@ -194,8 +194,8 @@ def test_the_tier_check_can_fail() -> None:
     assert _tier_errors("kvstore.codecs.base", "kvstore.formats.v3")
     assert _tier_errors("kvstore.cli.main", "kvstore.index")
     assert _tier_errors("kvstore.mlx_lm.serve", "kvstore.cli.render")
-    assert _tier_errors("kvstore.store.gc", "kvstore")
-    assert _tier_errors("kvstore.store.gc", "kvstore.blocks") is None
+    assert _tier_errors("kvstore.store.upkeep.gc", "kvstore")
+    assert _tier_errors("kvstore.store.upkeep.gc", "kvstore.blocks") is None
 
 
 def test_each_tier_imports_only_the_tiers_below() -> None:
@@ -303,7 +303,7 @@ def _private_error(importer: str, target: str) -> str | None:
 
 
 def test_the_private_check_can_fail() -> None:
-    assert _private_error("kvstore.store.reader", "kvstore.codecs._pieces")
+    assert _private_error("kvstore.store.data.reader", "kvstore.codecs._pieces")
     assert _private_error("kvstore.bench.limits", "kvstore.blocks.local._write_all")
     assert _private_error("tools.probe", "kvstore.bench.limits._balanced")
     assert _private_error("tools.probe", "kvstore._vio.pwritev_all")

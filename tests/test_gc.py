@@ -13,8 +13,8 @@ from mlx_lm.models.cache import LRUPromptCache
 
 import kvstore
 from kvstore.index import EntryRecord, RefInfo
-from kvstore.store.gc import EvictionOrder, plan_budget, plan_compact
 from kvstore.store.local.catalog import delete_plan
+from kvstore.store.upkeep.gc import EvictionOrder, plan_budget, plan_compact
 
 BLOCK = 16 * 2 * 2 * 8 * 2  # one full token block: 16 tokens, K+V, H2 D8 fp16
 

@@ -19,7 +19,7 @@ from ..catalog.settings import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK
 from ..codecs import snapshot
 from ..schema import Namespace
 from ..store import Store
-from ..store.writer import place
+from ..store.data.writer import place
 from .common import (
     Config,
     Row,

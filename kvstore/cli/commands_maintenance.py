@@ -57,7 +57,7 @@ def stats(as_json: bool) -> None:
     Entries, blocks, logical vs stored bytes, the dedup ratio, the byte budget (when one
     is recorded), unreferenced blocks awaiting compact, and the lookup hit rate.
     """
-    from ..store.gc import DEFAULT_GRACE
+    from ..store.upkeep.gc import DEFAULT_GRACE
 
     with open_store() as store:
         st = store.stats()

@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..schema import Namespace
-from .access import AccessLog
 from .entries import Entry, Stats, entries_of, resolve_id
-from .gc import DEFAULT_GRACE, CompactReport, plan_compact
 from .local.root import Root
-from .verify import VerifyReport, verify
+from .upkeep.access import AccessLog
+from .upkeep.gc import DEFAULT_GRACE, CompactReport, plan_compact
+from .upkeep.verify import VerifyReport, verify
 
 
 class Maintenance:

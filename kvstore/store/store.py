@@ -29,16 +29,16 @@ from ..index import Index, IndexRead
 from ..remote import DEFAULT_TIMEOUT, PushStats, Remote
 from ..remote.errors import RemoteUnavailableError
 from ..schema import Manifest, Namespace, TensorSpec
-from .access import AccessLog
 from .bridge import read_file, write_file
+from .data.restore import read_entry
+from .data.saving import CODEC_PROVIDER, PrefixGone, check_args, draft
 from .entries import Entry, EntryInfo, Stats
-from .gc import DEFAULT_GRACE, CompactReport, plan_budget
 from .local.root import Root, default_root, has_root, open_root
 from .maintenance import Maintenance
-from .restore import read_entry
-from .saving import CODEC_PROVIDER, PrefixGone, check_args, draft
 from .tiers import Pulled, Tiers
-from .verify import VerifyReport
+from .upkeep.access import AccessLog
+from .upkeep.gc import DEFAULT_GRACE, CompactReport, plan_budget
+from .upkeep.verify import VerifyReport
 from .views import IndexViews
 
 _log = logging.getLogger("kvstore")
@@ -118,7 +118,7 @@ class Store:
         ``hash`` and ``block_tokens`` are fixed when a root is created; passing
         other values for an existing root is a :class:`RootSettingsError`.
         With ``max_bytes`` every save that takes the live bytes over it evicts
-        least-recently-used entries until they fit (see :mod:`kvstore.store.gc`);
+        least-recently-used entries until they fit (see :mod:`kvstore.store.upkeep.gc`);
         ``gc_grace`` (default 600 s) is the grace that eviction honours.
 
         ``verify_reads`` (the default) checks every block a restore, load or
@@ -171,7 +171,7 @@ class Store:
 
     def flush_access(self) -> None:
         """Write pending access stamps and lookup counts to the index now (see
-        :mod:`kvstore.store.access`: they are also written a second after the first
+        :mod:`kvstore.store.upkeep.access`: they are also written a second after the first
         one, by :meth:`close` and at interpreter exit)."""
         self._access.flush()
 
@@ -326,7 +326,7 @@ class Store:
         block's digest over the bytes read. A missing block raises
         :class:`BlockNotFoundError`; a corrupt one (the wrong digest, the wrong
         size, not a regular file) is quarantined, the entries that need it are
-        cut back or dropped (see :mod:`kvstore.store.repair`), and
+        cut back or dropped (see :mod:`kvstore.store.upkeep.repair`), and
         :class:`CorruptBlockError` names it: a new lookup then finds the
         longest intact prefix. A match of a lower tier is first written back
         into this root (:meth:`Tiers.write_back`).
@@ -446,7 +446,7 @@ class Store:
 
     def compact(self, *, max_bytes: int | None = None, namespace_max_bytes: int | None = None,
                 grace: float = DEFAULT_GRACE, dry_run: bool = False) -> CompactReport:
-        """Evict above the byte budgets, delete expired garbage (:mod:`kvstore.store.gc`);
+        """Evict above the byte budgets, delete expired garbage (:mod:`kvstore.store.upkeep.gc`);
         ``dry_run``: the plan's report, nothing done."""
         if not dry_run:
             self._check_writable("compact")
@@ -456,7 +456,7 @@ class Store:
                ) -> VerifyReport:
         """Check refcounts, blocks and keys (and, with ``read_data``, every block's
         bytes); ``repair`` fixes what it finds, ``dry_run`` only says how. See
-        :func:`kvstore.store.verify.verify`."""
+        :func:`kvstore.store.upkeep.verify.verify`."""
         if repair:
             self._check_writable("repair")
         return self.maintenance.verify(read_data, repair, dry_run)

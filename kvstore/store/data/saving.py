@@ -8,15 +8,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..catalog import keys as P
-from ..catalog.base import Ensure
-from ..catalog.find import find
-from ..catalog.records import PRIORITIES, Records, encoded, records_of
-from ..codecs import AttachmentData, RawCache, snapshot
-from ..errors import CacheMismatchError
-from ..index import now_ms
-from ..schema import Attachment, Layer, Manifest, Namespace, iter_tensor_specs
-from .local.root import Root
+from ...catalog import keys as P
+from ...catalog.base import Ensure
+from ...catalog.find import find
+from ...catalog.records import PRIORITIES, Records, encoded, records_of
+from ...codecs import AttachmentData, RawCache, snapshot
+from ...errors import CacheMismatchError
+from ...index import now_ms
+from ...schema import Attachment, Layer, Manifest, Namespace, iter_tensor_specs
+from ..local.root import Root
 from .writer import place, write_blocks
 
 CODEC_PROVIDER = "kvstore-mlx/1"

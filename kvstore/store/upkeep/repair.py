@@ -20,13 +20,13 @@ from typing import Any
 
 import msgspec
 
-from ..catalog.base import open_manifest
-from ..catalog.records import cut_manifest, encoded, records_of
-from ..errors import KVStoreError
-from ..index import SavePlan
-from ..schema import Manifest
-from .local.catalog import save_plan
-from .local.root import Root
+from ...catalog.base import open_manifest
+from ...catalog.records import cut_manifest, encoded, records_of
+from ...errors import KVStoreError
+from ...index import SavePlan
+from ...schema import Manifest
+from ..local.catalog import save_plan
+from ..local.root import Root
 
 
 class _Blocks(msgspec.Struct):

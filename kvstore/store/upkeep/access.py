@@ -15,8 +15,8 @@ import threading
 import weakref
 from collections.abc import Callable
 
-from ..errors import KVStoreError
-from ..index import Index
+from ...errors import KVStoreError
+from ...index import Index
 
 _log = logging.getLogger("kvstore")
 

@@ -34,7 +34,8 @@ least-recently-used queue per priority (assistant, user, system); take from the
 lowest class whose queue is at least as long as the next class's, else move up.
 A restore counts as an access (``Store.load`` stamps ``last_access``).
 
-Verification and repair live in :mod:`kvstore.store.verify` and :mod:`kvstore.store.repair`.
+Verification and repair live in :mod:`kvstore.store.upkeep.verify` and
+:mod:`kvstore.store.upkeep.repair`.
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._crash import crash_point
-from ..catalog.base import Plan, open_manifest
-from ..index import EntryRecord, RefInfo, Totals, now_ms
-from .local.root import Root
+from ..._crash import crash_point
+from ...catalog.base import Plan, open_manifest
+from ...index import EntryRecord, RefInfo, Totals, now_ms
+from ..local.root import Root
 from .sweep import batches, stale_tmp, unlink_orphans, unlink_tmp
 
 DEFAULT_GRACE = 600.0  # seconds

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .._vio import ShortReadError, preadv_all
-from ..blocks import BlockCheck
-from ..blocks.pools import READ_WORKERS, balanced, read_pool
-from ..codecs.layout import block_rows, geometry, spec_nbytes
-from ..codecs.mxload import TensorStream, load_tensors
-from ..schema import TensorSpec
+from ..._vio import ShortReadError, preadv_all
+from ...blocks import BlockCheck
+from ...blocks.pools import READ_WORKERS, balanced, read_pool
+from ...codecs.layout import block_rows, geometry, spec_nbytes
+from ...codecs.mxload import TensorStream, load_tensors
+from ...schema import TensorSpec
 
 _ZEROS = bytes(1 << 20)
 _IOV_MAX = 1024

@@ -15,22 +15,22 @@ from typing import TypeVar
 import mlx.core as mx
 import msgspec
 
-from .._crash import crash_point
-from ..blocks import BlockStore, Digest, new_hasher
-from ..blocks.base import Staged
-from ..blocks.pools import io_pool
-from ..codecs import Snapshot, TensorData
-from ..codecs.forksafe import mlx_guard
-from ..codecs.layout import (
+from ..._crash import crash_point
+from ...blocks import BlockStore, Digest, new_hasher
+from ...blocks.base import Staged
+from ...blocks.pools import io_pool
+from ...codecs import Snapshot, TensorData
+from ...codecs.forksafe import mlx_guard
+from ...codecs.layout import (
     RESTORABLE_DTYPES,
     block_rows,
     dtype_name,
     geometry,
     n_token_blocks,
 )
-from ..codecs.pieces import cut
-from ..errors import CacheMismatchError, UnsupportedDtypeError
-from ..schema import Layer, ListLayer, TensorSpec
+from ...codecs.pieces import cut
+from ...errors import CacheMismatchError, UnsupportedDtypeError
+from ...schema import Layer, ListLayer, TensorSpec
 
 Pieces = list[memoryview]
 _T = TypeVar("_T")

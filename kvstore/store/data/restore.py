@@ -9,15 +9,15 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from ..blocks import BlockCheck
-from ..catalog.base import open_manifest
-from ..codecs import AttachmentData, codec_for_record
-from ..codecs.layout import manifest_block_sizes, n_token_blocks
-from ..errors import CacheMismatchError, CorruptBlockError, EntryNotFoundError, KVStoreError
-from ..schema import Layer, ListLayer, Manifest, iter_tensor_specs
-from .local.root import Root
+from ...blocks import BlockCheck
+from ...catalog.base import open_manifest
+from ...codecs import AttachmentData, codec_for_record
+from ...codecs.layout import manifest_block_sizes, n_token_blocks
+from ...errors import CacheMismatchError, CorruptBlockError, EntryNotFoundError, KVStoreError
+from ...schema import Layer, ListLayer, Manifest, iter_tensor_specs
+from ..local.root import Root
+from ..upkeep.repair import plan_for_blocks
 from .reader import Want, load_arrays, plan_runs
-from .repair import plan_for_blocks
 
 _log = logging.getLogger("kvstore")
 

@@ -2,7 +2,7 @@
 
 Without ``read_data`` the blocks are checked for presence, file type and size
 only; their contents are not read (as ``restic check`` without
-``--read-data``). The repair is a :class:`~kvstore.store.repair.RepairPlan` made and
+``--read-data``). The repair is a :class:`~kvstore.store.upkeep.repair.RepairPlan` made and
 executed in one write transaction, recounting from the manifests under the
 writer lock, so it is safe while other processes save, restore and compact;
 ``dry_run`` makes the same plan in a read transaction and executes nothing.
@@ -16,14 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..catalog import keys as P
-from ..catalog.base import open_manifest
-from ..catalog.records import records_of
-from ..codecs.layout import manifest_blocks
-from ..errors import KVStoreError
-from ..index import RefInfo, now_ms
-from .local.catalog import entry_record
-from .local.root import Root
+from ...catalog import keys as P
+from ...catalog.base import open_manifest
+from ...catalog.records import records_of
+from ...codecs.layout import manifest_blocks
+from ...errors import KVStoreError
+from ...index import RefInfo, now_ms
+from ..local.catalog import entry_record
+from ..local.root import Root
 from .repair import RepairPlan, plan_for_blocks
 
 
@@ -157,7 +157,7 @@ def verify(
     """Check the index against the manifests and the block files; optionally repair.
 
     Repair quarantines corrupt blocks, cuts back or drops the entries that need a
-    missing or corrupt block (see :mod:`kvstore.store.repair`), rebuilds refcounts and
+    missing or corrupt block (see :mod:`kvstore.store.upkeep.repair`), rebuilds refcounts and
     totals from the surviving manifests, removes dangling keys, dangling zero
     records and orphan block files, all in one write transaction. With
     ``dry_run`` (only with ``repair``) the plan is made and nothing is changed.
