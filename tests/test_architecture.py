@@ -204,6 +204,32 @@ def test_each_tier_imports_only_the_tiers_below() -> None:
     assert not bad, "\n".join(bad)
 
 
+#: The store's parts, lowest first (docs/ARCHITECTURE.md): a part imports only itself and the
+#: parts before it; the facade (``store.py``, ``tiers.py``, ``maintenance.py``, ``views.py``
+#: and the rest of ``kvstore.store``) may import them all.
+STORE_PARTS = ["kvstore.store.errors", "kvstore.store.local", "kvstore.store.upkeep",
+               "kvstore.store.data"]
+
+
+def _store_part(name: str) -> int:
+    for i, part in enumerate(STORE_PARTS):
+        if name == part or name.startswith(part + "."):
+            return i
+    return len(STORE_PARTS)
+
+
+def test_the_store_part_check_can_fail() -> None:
+    assert _store_part("kvstore.store.local.root") < _store_part("kvstore.store.data.saving")
+    assert _store_part("kvstore.store.tiers") == len(STORE_PARTS)
+
+
+def test_the_store_parts_depend_one_way() -> None:
+    bad = [f"{m}:{line} imports {t}" for m in sorted(MODULES) if m.startswith("kvstore.store.")
+           for t, line in _imports(m)
+           if t.startswith("kvstore.store.") and _store_part(t) > _store_part(m)]
+    assert not bad, "\n".join(bad)
+
+
 def test_lmdb_is_imported_by_the_index_alone() -> None:
     bad = [f"{m}:{line}" for m in MODULES for t, line in _imports(m)
            if t.split(".")[0] == "lmdb" and not m.startswith("kvstore.index")]
