@@ -17,7 +17,7 @@ PKG = Path(__file__).resolve().parent.parent / "kvstore"
 TOOLS = PKG.parent / "tools"
 MAX_LINES = 500
 
-#: What each tier may import of kvstore (DESIGN.md, "Which part may know which").
+#: What each tier may import of kvstore (docs/ARCHITECTURE.md).
 #: A module of a tier may always import its own tier.
 BASE = {"kvstore.errors", "kvstore._wyhash", "kvstore._vio", "kvstore._crash"}
 TIERS: dict[str, set[str]] = {

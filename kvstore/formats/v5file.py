@@ -247,7 +247,7 @@ def save_v5(
 
     Tensor ``off`` values are the v3 layout's (mlx-bun's reader ignores them);
     ``hash`` is each tensor's Bun.hash, as in v3. ``metadata`` is kept as in
-    :func:`~kvstore.codecs.v3.save_v3`.
+    :func:`~kvstore.formats.v3.save_v3`.
     """
     if not cache:
         raise CacheMismatchError("nothing to save: the cache list is empty")
