@@ -98,6 +98,13 @@ class BlockStore(abc.ABC):
         self.check_writable()
         return self._put(digest, pieces)
 
+    def put_many(self, blocks: Iterable[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:
+        """:meth:`put` of each ``(digest, pieces)`` as it comes (a stream: nothing is kept
+        once written), in a batch where the backend can (a local root syncs the new files
+        together); which were written now."""
+        self.check_writable()
+        return [self._put(d, pieces) for d, pieces in blocks]
+
     def delete(self, digest: bytes) -> bool:
         """Remove the block; False if it was already gone."""
         self.check_writable()

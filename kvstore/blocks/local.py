@@ -28,6 +28,7 @@ from ..errors import (
 )
 from . import base
 from .hashing import Digest, check_digest, new_hasher
+from .pools import io_pool
 
 Buffer = bytes | memoryview
 _counter = itertools.count()
@@ -224,6 +225,32 @@ class LocalBlockStore(base.BlockStore):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+    def put_many(self, blocks: Iterable[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:
+        """Store the blocks not stored yet, as they come: each written to a temp file (its
+        writeback started, its bytes then let go), then, on a durable root, all fsynced
+        together on the I/O threads, linked into place and their directories fsynced once."""
+        self.check_writable()
+        out: list[bool] = []
+        staged: dict[int, tuple[bytes, base.Staged]] = {}
+        created: list[bytes] = []
+        try:
+            for d, pieces in blocks:
+                if not self.exists(d):
+                    staged[len(out)] = (d, self.stage(pieces))
+                out.append(False)
+            if self.durable:
+                list(io_pool().map(lambda x: self.sync_staged(x[1]), staged.values()))
+            for i in list(staged):
+                d, st = staged.pop(i)
+                out[i] = self.publish(st, d)
+                if out[i]:
+                    created.append(d)
+        finally:
+            for _, st in staged.values():
+                self.discard(st)
+        self.sync_published(created)
+        return out
 
     def _put(self, digest: bytes, pieces: Sequence[Buffer]) -> bool:
         """Store one block unless it exists; True when it was written now."""

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 
 from ..blocks.base import BlockStat, BlockStore, Buffer
 from ..blocks.hashing import Digest, check_digest, new_hasher
 from ..errors import BlockNotFoundError
 from .errors import RemoteNotFoundError
 from .s3 import S3Client
+
+AHEAD = 32  # blocks a get_many downloads ahead of its caller
 
 
 class S3BlockStore(BlockStore):
@@ -64,16 +67,21 @@ class S3BlockStore(BlockStore):
         return self.client.head(self.key(digest)) is not None
 
     def get_many(self, digests: Sequence[bytes]) -> Iterator[tuple[bytes, bytes]]:
-        """Each block, verified, downloaded on the remote's request threads (in order)."""
+        """Each block, verified, in order, downloaded on the remote's request threads at most
+        ``AHEAD`` ahead of the one the caller takes (so memory holds no more than those)."""
         if self._pool is None:
             yield from super().get_many(digests)
             return
-        futures = [self._pool.submit(self.get, d) for d in digests]
+        pool = self._pool
+        ahead: deque[Future[bytes]] = deque()
+        todo = iter(digests)
         try:
-            for d, f in zip(digests, futures, strict=True):
-                yield d, f.result()
+            for d in digests:
+                while len(ahead) < AHEAD and (nxt := next(todo, None)) is not None:
+                    ahead.append(pool.submit(self.get, nxt))
+                yield d, ahead.popleft().result()
         finally:
-            for f in futures:
+            for f in ahead:
                 f.cancel()
 
     def _delete(self, digest: bytes) -> bool:

@@ -133,6 +133,15 @@ class BlockStoreTests:
         assert store.publish(again, d) is False
         assert store.get(d) == data
 
+    def test_put_many_puts_what_is_missing(self, store: BlockStore) -> None:
+        blobs = [block(50 + i, 300) for i in range(4)]
+        ds = [hash_bytes(store.algo, b) for b in blobs]
+        store.put(ds[1], [blobs[1]])
+        assert store.put_many([(d, [b]) for d, b in zip(ds, blobs, strict=True)]) == [
+            True, False, True, True]
+        assert [store.get(d) for d in ds] == blobs
+        assert store.put_many([]) == []
+
     def test_a_discarded_stage_leaves_nothing(self, store: BlockStore) -> None:
         data = block(21)
         st = store.stage([data])
@@ -207,6 +216,7 @@ class BlockStoreTests:
         fd = ro.open(d, len(data))
         os.close(fd)
         for write in (lambda: ro.put(o, [other]), lambda: ro.delete(d), lambda: ro.freshen(d),
+                      lambda: ro.put_many([(o, [other])]),
                       lambda: ro.stage([other]), lambda: ro.quarantine(d),
                       lambda: ro.publish(Staged(pieces=[other], size=len(other)), o)):
             with pytest.raises(ReadOnlyStoreError):

@@ -52,14 +52,18 @@ class Root(Tier):
         need = list(rec.blocks)
         missing = [d for d in need if not self.blocks.exists(d)]
         got = Copied(present=len(need) - len(missing))
-        for d, data in source.get_many(missing):
-            self.blocks.put(d, [data])
-            got.blocks += 1
-            got.bytes += len(data)
+
+        def fetched() -> Iterator[tuple[bytes, list[bytes]]]:  # one block in memory at a time
+            for d, data in source.get_many(missing):
+                got.blocks += 1
+                got.bytes += len(data)
+                yield d, [data]
+
+        self.blocks.put_many(fetched())
 
         def ensure(digests: Sequence[bytes]) -> None:
-            for d, data in source.get_many([d for d in digests if not self.blocks.exists(d)]):
-                self.blocks.put(d, [data])
+            again = [d for d in digests if not self.blocks.exists(d)]
+            self.blocks.put_many((d, [data]) for d, data in source.get_many(again))
 
         got.created = self.catalog.commit(rec, ensure)
         return got
