@@ -198,7 +198,7 @@ def _plan(remote: RemoteTier, max_bytes: int | None, grace: float,
 def _gone(remote: RemoteTier, d: bytes) -> bool:
     """Whether a manifest that failed to load was deleted meanwhile (not bad)."""
     try:
-        return remote.client.head(manifest_key(remote.prefix, d)) is None
+        return not remote.catalog.has_manifest(d)
     except RemoteNotFoundError:
         return True
 
