@@ -64,7 +64,7 @@ def draft(
     *,
     reuse_prefix: bool,
 ) -> Draft:
-    """Write the blocks of ``cache`` that are not stored yet and plan its index records.
+    """Write the blocks of ``cache`` that are not stored yet and make its records.
 
     With ``reuse_prefix`` the leading full token blocks a stored entry holds for the
     same tokens are referenced instead of hashed (their bytes must then be there at

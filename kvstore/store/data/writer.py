@@ -55,12 +55,6 @@ class BlockSet:
             out.setdefault(d, p)
         return out
 
-    def sizes(self) -> dict[bytes, int]:
-        return {d: sum(len(x) for x in p) for d, p in self.by_digest().items()}
-
-    def logical_bytes(self) -> int:
-        return sum(sum(len(x) for x in p) for p in self.token_pieces + self.state_pieces)
-
 
 def _view(td: TensorData) -> tuple[mx.array, memoryview]:
     arr = td.array
