@@ -15,6 +15,8 @@ from typing import Any, Literal
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 
+from .._vio import full_fsync
+
 RatioKind = Literal["speedup", "fraction", "throughput"]
 
 # mlx-lm's cache module is untyped: typed handles for what the cases use
@@ -234,9 +236,10 @@ def decode_step(cache: Sequence[Any]) -> None:
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Flush a file or directory as the store flushes its own (:func:`full_fsync`)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        full_fsync(fd)
     finally:
         os.close(fd)
 

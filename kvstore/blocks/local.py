@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .._vio import full_fsync
 from ..errors import (
     BlockNotFoundError,
     CorruptBlockError,
@@ -225,7 +226,7 @@ class LocalBlockStore(base.BlockStore):
             try:
                 _write_all(fd, pieces)
                 if sync:
-                    os.fsync(fd)
+                    full_fsync(fd)
                 elif self.durable:
                     _start_writeback(fd)
             finally:
@@ -241,7 +242,7 @@ class LocalBlockStore(base.BlockStore):
         """fsync a file written with ``write_tmp(..., sync=False)``."""
         fd = os.open(path, os.O_RDONLY)
         try:
-            os.fsync(fd)
+            full_fsync(fd)
         finally:
             os.close(fd)
 
@@ -279,7 +280,7 @@ class LocalBlockStore(base.BlockStore):
         for d in set(dirs):
             fd = os.open(d, os.O_RDONLY)
             try:
-                os.fsync(fd)
+                full_fsync(fd)
             finally:
                 os.close(fd)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._vio import full_fsync
 from ..codecs.base import AttachmentData, TensorData
 from ..schema import Namespace
 from . import _v3json
@@ -163,7 +164,7 @@ def atomic_file(path: str | os.PathLike[str], *, sync_dir: bool = True) -> Itera
     try:
         os.fchmod(fd, 0o644)
         yield fd
-        os.fsync(fd)
+        full_fsync(fd)
     except BaseException:
         os.close(fd)
         os.unlink(tmp)
@@ -178,6 +179,6 @@ def atomic_file(path: str | os.PathLike[str], *, sync_dir: bool = True) -> Itera
         return
     dfd = os.open(target.parent, os.O_RDONLY)
     try:
-        os.fsync(dfd)
+        full_fsync(dfd)
     finally:
         os.close(dfd)

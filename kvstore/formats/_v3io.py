@@ -22,7 +22,7 @@ import mlx.core as mx
 from .._vio import preadv_all
 from ..codecs._mxload import TensorStream, load_tensors
 from ..codecs.base import TensorData
-from ..codecs.layout import DTYPES, MLX_BUN_DTYPES
+from ..codecs.layout import MLX_BUN_DTYPES
 from ..errors import (
     AllocationBoundError,
     FileFormatError,
@@ -35,6 +35,7 @@ from ..errors import (
     TensorShapeMismatchError,
     TruncatedFileError,
 )
+from ..schema import DTYPES
 from .bunhash import BunHasher
 
 _HEX16 = re.compile(r"[0-9a-f]{16}")  # fullmatch: Python's `$` would allow a final newline
