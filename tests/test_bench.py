@@ -38,6 +38,8 @@ EXPECTED = (
     "limit: restore 600 after eviction",
     "limit: lookup 30 entries, 2048 token query",
     "limit: lookup 30 entries, 2048 token query, with its keys",
+    "startup: import kvstore + Store.open",
+    "startup: kvstore stats",
 )
 
 

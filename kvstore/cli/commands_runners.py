@@ -19,7 +19,7 @@ BENCH_CONFIGS = ("full", "quick", "smoke")  # kvstore.bench.common.CONFIGS, with
               help="A named size (smoke takes seconds); overrides --quick.")
 @click.option("--only", metavar="GROUPS", default=None,
               help="Comma-separated subset of save, restore, multiturn, shared, lookup, ttft, "
-                   "concurrency, remote (needs a remote); and model (needs --model).")
+                   "concurrency, startup, remote (needs a remote); and model (needs --model).")
 @click.option("--scratch", metavar="DIR", type=click.Path(path_type=Path), default=None,
               help="Where the temporary roots go (default: the system temp dir).")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
