@@ -245,8 +245,9 @@ def _print_verify(data: dict[str, Any], sound: bool, *, repair: bool, dry_run: b
     else:
         click.echo("\n".join(H.render_report(data, skip_empty=True, skip=_VERIFY_SKIP)))
     if not quiet and not data.get("data_read"):
-        click.echo("note: block contents were not read (only presence, type and size); "
-                   "'kvstore verify --read-data' hashes every block")
+        how = ("'kvstore verify --read-data --repair' also repairs what that finds" if repair
+               else "'kvstore verify --read-data' hashes every block")
+        click.echo(f"note: block contents were not read (only presence, type and size); {how}")
     if repair and not dry_run:
         if not actions:
             if not quiet:
@@ -256,5 +257,8 @@ def _print_verify(data: dict[str, Any], sound: bool, *, repair: bool, dry_run: b
     if actions and (dry_run or repair):
         click.echo("\n".join(f"  {line}" for line in actions))
     if not sound:
-        hint = "" if repair else "; 'kvstore verify --repair' can fix it"
+        # the repair must see what this run saw: a corrupt block is only found by reading it
+        again = "kvstore verify --read-data --repair" if data.get("data_read") \
+            else "kvstore verify --repair"
+        hint = "" if repair else f"; '{again}' can fix it"
         click.echo(f"kvstore: verify found problems in {root}{hint}", err=True)
