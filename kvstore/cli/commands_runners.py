@@ -55,8 +55,8 @@ def bench(quick: bool, config: str | None, only: str | None, scratch: Path | Non
 @click.command()
 @click.option("--model", "model_name", default=None, metavar="smollm2|DIR",
               help="A real model: 'smollm2' (fetched and converted on first use) or an "
-                   "mlx-lm model directory. Default: smollm2 if already fetched, else the tiny "
-                   "random-weight model.")
+                   "mlx-lm model directory. Default: the tiny random-weight model (seconds, "
+                   "nothing downloaded).")
 @common
 def demo(model_name: str | None) -> int:
     """Try kvstore on a tiny local model, or on a real one with --model.
