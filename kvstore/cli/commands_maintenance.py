@@ -63,6 +63,7 @@ def stats(as_json: bool) -> None:
         st = store.stats()
         s = store.settings
         zero = store.unreferenced_blocks()
+        tmp = store.temp_files()
     # What a plain 'kvstore compact' (default grace) would free now, and what it keeps
     cutoff = int(time.time() * 1000) - int(DEFAULT_GRACE * 1000)
     held = [(size, since) for size, since in zero if since > cutoff]
@@ -75,6 +76,8 @@ def stats(as_json: bool) -> None:
         "unreferenced_held_blocks": len(held),
         "unreferenced_held_bytes": sum(z for z, _ in held),
         "unreferenced_held_until": held_until,
+        "tmp_files": tmp.files, "tmp_bytes": tmp.bytes,
+        "tmp_abandoned_files": tmp.abandoned_files, "tmp_abandoned_bytes": tmp.abandoned_bytes,
         "budget_bytes": None,  # a root records no budget: one is given per process
         "hit_rate": st.hits / st.lookups if st.lookups else None,
     }
@@ -95,6 +98,8 @@ def stats(as_json: bool) -> None:
     ]
     if zero:
         rows.append(("unreferenced", _unreferenced_text(zero, held, held_until, DEFAULT_GRACE)))
+    if tmp.files:
+        rows.append(("temp files", _tmp_text(tmp)))
     if st.lookups:
         rows.append(("hit rate", f"{st.hits / st.lookups:.1%} ({H.format_count(st.hits)} of "
                                  f"{H.plural(st.lookups, 'lookup')})"))
@@ -102,6 +107,21 @@ def stats(as_json: bool) -> None:
         rows.append(("hit rate", "no lookups recorded"))
     width = max(len(k) for k, _ in rows)
     click.echo("\n".join(f"{k.ljust(width)}  {v}" for k, v in rows))
+
+
+def _tmp_text(tmp: Any) -> str:
+    """``tmp/``: writes in progress, and what writers that are gone left behind."""
+    def files(n: int, size: int) -> str:
+        return f"{H.plural(n, 'file')}, {H.format_bytes(size)}"
+
+    live = tmp.files - tmp.abandoned_files
+    parts = []
+    if tmp.abandoned_files:
+        parts.append(f"{files(tmp.abandoned_files, tmp.abandoned_bytes)} left by writers that "
+                     "are gone (an interrupted save): 'kvstore compact' removes them")
+    if live:
+        parts.append(f"{files(live, tmp.bytes - tmp.abandoned_bytes)} being written")
+    return "; ".join(parts)
 
 
 def _unreferenced_text(zero: list[tuple[int, int]], held: list[tuple[int, int]],
@@ -210,12 +230,19 @@ def verify(read_data: bool, repair: bool, dry_run: bool, as_json: bool) -> None:
         raise UserError("--dry-run goes with --repair (verify alone changes nothing)")
     with open_store() as store:
         report = store.verify(read_data=read_data, repair=repair, dry_run=dry_run)
+        tmp = store.temp_files()
     data = H.report_dict(report)
     sound = report.sound
     if as_json:
-        emit({"root": str(store.root), "sound": sound, "dry_run": dry_run, "report": data})
+        emit({"root": str(store.root), "sound": sound, "dry_run": dry_run, "report": data,
+              "tmp_abandoned_files": tmp.abandoned_files,
+              "tmp_abandoned_bytes": tmp.abandoned_bytes})
     else:
         _print_verify(data, sound, repair=repair, dry_run=dry_run, root=str(store.root))
+        if tmp.abandoned_files and not opts().quiet:  # not a fault of the store: a note
+            click.echo(f"note: tmp/ holds {H.plural(tmp.abandoned_files, 'file')} "
+                       f"({H.format_bytes(tmp.abandoned_bytes)}) left by writers that are "
+                       "gone (an interrupted save); 'kvstore compact' removes them")
     if not sound:
         click.get_current_context().exit(1)
 

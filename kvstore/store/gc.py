@@ -49,7 +49,7 @@ from ..index import EntryRecord, RefInfo, Totals, now_ms
 from ..schema import decode_manifest
 from .lookup import delete_plan
 from .root import Root
-from .sweep import batches, stale_tmp, unlink_orphans, unlink_tmp
+from .sweep import batches, stale_tmp_files, unlink_orphans, unlink_tmp
 
 DEFAULT_GRACE = 600.0  # seconds
 _ROUNDS = 8  # budget passes before giving up on a store that concurrent saves keep filling
@@ -64,7 +64,8 @@ class CompactReport:
     freed_bytes: int = 0
     orphans_removed: int = 0  # block files that had no refs record
     orphan_bytes: int = 0
-    tmp_removed: int = 0  # stale files of tmp/
+    tmp_removed: int = 0  # stale files of tmp/ (a writer that is gone left them, or too old)
+    tmp_bytes: int = 0
     physical_before: int = 0
     physical_after: int = 0
     live_after: int = 0
@@ -304,6 +305,7 @@ class CompactPlan:
     orphans: list[tuple[bytes, int]]  # block files no record names, past the grace -> size
     tmp: list[str]  # stale temp files of tmp/
     held: dict[bytes, tuple[int, int]]  # unreferenced blocks the grace keeps: (size, since)
+    tmp_bytes: int = 0  # what the stale temp files hold
 
     def report(self) -> CompactReport:
         """What executing the plan would do (the dry run's report)."""
@@ -314,6 +316,7 @@ class CompactPlan:
         r.orphans_removed = len(self.orphans)
         r.orphan_bytes = sum(size for _, size in self.orphans)
         r.tmp_removed = len(self.tmp)
+        r.tmp_bytes = self.tmp_bytes
         # with grace 0 every zero-ref block goes, the evictions' too: live bytes remain
         r.physical_after = (
             self.live_after if self.grace == 0 else self.physical_before - r.freed_bytes
@@ -341,7 +344,7 @@ class CompactPlan:
         report.orphans_removed, report.orphan_bytes = unlink_orphans(
             root, self.orphans, self.cutoff
         )
-        report.tmp_removed = unlink_tmp(root, self.tmp)
+        report.tmp_removed, report.tmp_bytes = unlink_tmp(root, self.tmp)
         after = root.index.totals()
         report.physical_after, report.live_after = after.physical_bytes, after.live_bytes
         _fill_held(report, _held_blocks(root, self.grace), self.grace)
@@ -370,6 +373,7 @@ def plan_compact(
     files = [(d, st) for d, st in root.block_files() if st.mtime * 1000 <= cutoff]
     with root.index.read() as txn:
         orphans = [(d, st.size) for d, st in files if root.index.get_ref(d, txn) is None]
+    tmp = stale_tmp_files(root, grace)
     return CompactPlan(
         max_bytes=max_bytes,
         namespace_max_bytes=namespace_max_bytes,
@@ -381,8 +385,9 @@ def plan_compact(
         zeroed=zeroed,
         zero_refs=[(d, r) for d, r in zero if r.zero_since <= cutoff],
         orphans=orphans,
-        tmp=stale_tmp(root, grace),
+        tmp=[f.name for f in tmp],
         held={d: (r.size, r.zero_since) for d, r in zero if r.zero_since > cutoff},
+        tmp_bytes=sum(f.size for f in tmp),
     )
 
 

@@ -14,6 +14,7 @@ from .entries import Entry, Stats, entries_of, resolve_id
 from .gc import DEFAULT_GRACE, CompactReport, compact
 from .lookup import delete_plan
 from .root import Root
+from .sweep import TempFiles, temp_files
 from .verify import VerifyReport, verify
 
 
@@ -86,6 +87,11 @@ class Maintenance:
             self._check_writable("repair")
         self.flush_access()
         return verify(self.parts, read_data=read_data, repair=repair, dry_run=dry_run)
+
+    def temp_files(self) -> TempFiles:
+        """What ``tmp/`` holds: writes in progress, and files a writer that is gone left (a
+        save killed midway), which the next compact removes whatever its grace."""
+        return temp_files(self.parts)
 
     def stats(self) -> Stats:
         """Entries, blocks, logical vs physical bytes and the dedup ratio.
