@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from .._human import SizeError, parse_size
+from .._human import SizeError, parse_budget, parse_size
 from . import render as H
 
 if TYPE_CHECKING:
@@ -94,15 +94,19 @@ json_option = click.option("--json", "as_json", is_flag=True,
 
 
 class ByteSize(click.ParamType):  # type: ignore[type-arg]
-    """A byte count such as ``10G``, ``500MiB``, ``1.5GB`` or ``1048576``."""
+    """A byte count such as ``10G``, ``500MiB``, ``1.5GB`` or ``1048576``; with ``budget``,
+    a bare number below 1 MiB is refused as a forgotten unit (:func:`parse_budget`)."""
 
     name = "size"
+
+    def __init__(self, *, budget: bool = False) -> None:
+        self.budget = budget
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
         try:
-            return parse_size(str(value))
+            return (parse_budget if self.budget else parse_size)(str(value))
         except SizeError as e:
             self.fail(str(e), param, ctx)
 

@@ -174,9 +174,9 @@ def rm(entries: tuple[str, ...], as_json: bool) -> None:
 
 
 @click.command()
-@click.option("--max-bytes", type=ByteSize(), default=None, metavar="SIZE",
+@click.option("--max-bytes", type=ByteSize(budget=True), default=None, metavar="SIZE",
               help="Evict least recently used entries until the root fits (e.g. 10G, 500MiB).")
-@click.option("--namespace-max-bytes", type=ByteSize(), default=None, metavar="SIZE",
+@click.option("--namespace-max-bytes", type=ByteSize(budget=True), default=None, metavar="SIZE",
               help="Also cap each namespace at SIZE.")
 @click.option("--grace", type=click.FloatRange(min=0), default=grace_default, show_default=True,
               metavar="SECONDS", help="Keep unreferenced blocks and temp files this long.")
@@ -206,6 +206,11 @@ def compact(max_bytes: int | None, namespace_max_bytes: int | None, grace: float
         shown["held_back"] = (f"{H.format_bytes(data['held_bytes'])} in "
                               f"{H.plural(data['held_blocks'], 'block')} "
                               f"{H.grace_hold(grace, data['held_until'])}")
+        once = data["physical_after"] - data["held_bytes"]
+        budget = "" if max_bytes is None else (
+            f", within --max-bytes {H.format_bytes(max_bytes)}" if once <= max_bytes
+            else f", still over --max-bytes {H.format_bytes(max_bytes)}")
+        shown["on_disk_then"] = f"{H.format_bytes(once)} once they are freed{budget}"
     lines = H.render_report(shown, skip_empty=True)
     if dry_run:
         click.echo("dry run: nothing was changed; compact would do this:")

@@ -196,7 +196,7 @@ def _print_verify(rep: Any) -> None:
 
 
 @remote_group.command("compact")
-@click.option("--max-bytes", type=ByteSize(), default=None, metavar="SIZE",
+@click.option("--max-bytes", type=ByteSize(budget=True), default=None, metavar="SIZE",
               help="Evict least-recently-used entries until the blocks fit (e.g. 50G).")
 @click.option("--grace", type=click.FloatRange(min=0), default=None, metavar="S",
               help="Keep unreferenced blocks younger than S seconds (default 3600).")

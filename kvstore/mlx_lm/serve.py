@@ -54,9 +54,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_size(text: str) -> int:
-    """``--max-bytes`` and friends: the CLI's size syntax (``10G``, ``500MiB``, plain bytes)."""
+    """``--queue-bytes``: the CLI's size syntax (``10G``, ``500MiB``, plain bytes)."""
     try:
         return _human.parse_size(text)
+    except _human.SizeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_budget(text: str) -> int:
+    """``--max-bytes``: a size, and a bare number below 1 MiB is a forgotten unit."""
+    try:
+        return _human.parse_budget(text)
     except _human.SizeError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -85,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--max-bytes",
-        type=parse_size,
+        type=parse_budget,
         default=None,
         metavar="SIZE",
         help="disk budget of the root; least recently used entries are evicted "

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
-from cli_helpers import Root, run, run_here
+import pytest
+from cli_helpers import Root, assert_user_error, run, run_here
 
 from kvstore import Store
 
@@ -47,3 +50,46 @@ def test_temp_files_of_a_writer_that_is_gone_are_counted_and_compacted(fresh_roo
     assert (st["tmp_files"], st["tmp_abandoned_files"]) == (1, 0)
     live.unlink()
     assert "temp files" not in run("stats", "--root", root).out
+
+
+# --- item 9: compact says when held-back bytes are free; a budget without its unit -----------
+
+
+def test_compact_says_when_the_bytes_it_holds_back_are_free(fresh_root: Root) -> None:
+    root = fresh_root.path
+    r = run_here("compact", "--max-bytes", "2K", "--root", root)
+    assert r.code == 0, r
+    lines = r.out.splitlines()
+    (held,) = [line for line in lines if line.startswith("held back")]
+    assert re.search(r"until \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \(in 1[01] min; a compact after "
+                     r"that frees them; 'kvstore compact --grace 0' frees them now\)$", held)
+    (then,) = [line for line in lines if line.startswith("on disk then")]
+    assert then.endswith("0 B once they are freed, within --max-bytes 2.0 KiB"), then
+    d = run_here("compact", "--grace", "0", "--json", "--root", root).json()["report"]
+    assert d["physical_after"] == 0
+
+
+@pytest.mark.parametrize("option", ["--max-bytes", "--namespace-max-bytes"])
+def test_a_budget_without_its_unit_is_refused_before_anything_is_evicted(
+    fresh_root: Root, option: str
+) -> None:
+    root = fresh_root.path
+    before = run_here("ls", "--json", "--root", root).json()["entries"]
+    r = run_here("compact", option, "20", "--root", root)
+    assert_user_error(r, option, "20 has no unit: 20 bytes would evict nearly every entry; "
+                      "did you mean 20M or 20G? (write 20B if you mean bytes)")
+    assert run_here("ls", "--json", "--root", root).json()["entries"] == before
+    assert run_here("compact", option, "20B", "--dry-run", "--root", root).code == 0
+    assert run_here("compact", option, "0", "--dry-run", "--root", root).code == 0
+    assert run_here("compact", option, "1048576", "--dry-run", "--root", root).code == 0
+
+
+def test_serve_refuses_a_budget_without_its_unit_too(tmp_path: Path) -> None:
+    r = run("serve", "--max-bytes", "20", "--root", tmp_path / "root")
+    assert_user_error(r, "--max-bytes", "20 has no unit")
+    assert not (tmp_path / "root").exists()
+
+
+def test_remote_compact_refuses_a_budget_without_its_unit() -> None:
+    assert_user_error(run_here("--remote", "s3://b/p", "remote", "compact", "--max-bytes", "20"),
+                      "--max-bytes", "20 has no unit")
