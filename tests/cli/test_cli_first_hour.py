@@ -93,3 +93,56 @@ def test_serve_refuses_a_budget_without_its_unit_too(tmp_path: Path) -> None:
 def test_remote_compact_refuses_a_budget_without_its_unit() -> None:
     assert_user_error(run_here("--remote", "s3://b/p", "remote", "compact", "--max-bytes", "20"),
                       "--max-bytes", "20 has no unit")
+
+
+# --- item 10: export keeps an existing file, names a missing directory, sizes its v5 blocks ---
+
+
+def test_export_refuses_to_overwrite_without_force(shared_root: Root, tmp_path: Path) -> None:
+    a40 = shared_root.ids["a40"]
+    out = tmp_path / "a40.kv"
+    out.write_bytes(b"my own file\n")
+    r = run_here("export", a40, out, "--root", shared_root.path)
+    assert_user_error(r, f"{out} exists; give --force to overwrite it")
+    assert out.read_bytes() == b"my own file\n"
+    r = run_here("export", a40, out, "--force", "--root", shared_root.path)
+    assert r.code == 0, r
+    assert out.read_bytes()[:10] == b"MLXBUNKV2\n"
+
+
+def test_export_into_a_missing_directory_names_it(shared_root: Root, tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such"
+    for fmt in ("v3", "v5"):
+        r = run_here("export", shared_root.ids["a40"], missing / "a.kv", "--format", fmt,
+                     "--root", shared_root.path)
+        assert_user_error(r, f"{missing}: no such directory")
+        assert ".tmp" not in r.err
+    assert not missing.exists()
+
+
+def test_the_api_export_names_a_missing_directory_too(shared_root: Root, tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    with Store.open(shared_root.path, create=False) as s, pytest.raises(FileNotFoundError) as e:
+        s.export(shared_root.ids["a40"], missing / "a.kv")
+    assert e.value.filename == str(missing) and e.value.strerror == "no such directory"
+    assert not missing.exists()
+
+
+def test_a_v5_export_reports_the_blocks_it_wrote(shared_root: Root, tmp_path: Path) -> None:
+    out = tmp_path / "v5" / "a90.kv"
+    out.parent.mkdir()
+    d = run_here("export", shared_root.ids["a90"], out, "--format", "v5", "--json",
+                 "--root", shared_root.path).json()
+    files = sorted((out.parent / "blocks").iterdir())
+    assert d["file_bytes"] == out.stat().st_size
+    assert d["block_files"] == len(files) > 0
+    assert d["block_bytes"] == sum(f.stat().st_size for f in files)
+    logical = {e["id"]: e["logical_bytes"] for e in
+               run_here("ls", "--json", "--root", shared_root.path).json()["entries"]}
+    assert 0 < d["block_bytes"] <= logical[d["id"]]  # pieces alike in two tensors: one file
+    assert d["blocks_dir"] == str(out.parent / "blocks")
+    human = run_here("export", shared_root.ids["a90"], tmp_path / "v5" / "b.kv", "--format",
+                     "v5", "--root", shared_root.path).out
+    assert re.fullmatch(rf"exported {shared_root.ids['a90'][:12]} to .*b\.kv \(v5, 90 tokens, a "
+                        rf"[\d.]+ KiB header file \+ [\d.]+ KiB in {len(files)} block files under "
+                        rf"{re.escape(str(out.parent / 'blocks'))}/\)\n", human), human

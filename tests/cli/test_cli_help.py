@@ -23,7 +23,7 @@ COMMANDS = {
     "compact": ["--max-bytes", "--namespace-max-bytes", "--grace", "--dry-run", "--json"],
     "verify": ["--read-data", "--repair", "--json"],
     "import": ["--json"],
-    "export": ["--format", "--json"],
+    "export": ["--format", "--force", "--json"],
     "inspect": ["--tokens", "--json"],
     "bench": ["--quick", "--config", "--only", "--scratch", "--json", "--model", "--remote"],
     "demo": [],
