@@ -33,9 +33,9 @@ EXPECTED = (
     "restore throughput, 2 process",
     "limit: save 600 durable",
     "limit: save 600 non-durable",
-    "limit: restore 600 page cache",
-    "limit: restore 600 verify=True",
-    "limit: restore 600 after eviction",
+    "limit: restore 600 page cache, verify_reads=False: Store.restore alone",
+    "limit: restore 600 page cache: Store.restore alone",
+    "limit: restore 600 after eviction, verify_reads=False: Store.restore alone",
     "limit: lookup 30 entries, 2048 token query",
     "limit: lookup 30 entries, 2048 token query, with its keys",
     "startup: import kvstore + Store.open",
@@ -150,3 +150,54 @@ def test_model_targets_wait_for_the_issue_size() -> None:
     talk.extra["store_turn3_share"] = 0.5
     got = {t.name: t.met for t in targets([talk])}
     assert got["real model: cached share of turns 2..4, store"] is False
+
+
+# --- issue 27, item 12: one label, one figure per case, a reason for every n/a -----------------
+
+
+def test_quick_targets_say_why_they_are_not_judged_and_name_limits_once() -> None:
+    from kvstore.bench.common import Row
+    from kvstore.bench.limits import limit_row
+    from kvstore.bench.report import targets, targets_table
+
+    size = {"turns": 8.0, "turn_tokens": 1000.0}
+    rows = [
+        Row("multiturn", "multi-turn total save time, reuse_prefix=True (x)", "s", 1.0, 3.0,
+            "b", "speedup", extra=size),
+        Row("multiturn", "multi-turn bytes written vs unique KV bytes", "B", 1.2, 1.0, "b",
+            "fraction", extra=size),
+        Row("lookup", "lookup p99, 10k entries", "s", 1e-3, 1e-2, "b", "speedup",
+            extra={"entries": 10_000}),
+        limit_row("limit: save 4k durable", 1.0, 0.9, "raw"),
+    ]
+    ts = targets(rows)
+    assert "machine limit: save 4k durable" in {t.name for t in ts}
+    assert not any("limit: limit:" in t.name for t in ts)
+    undecided = [t for t in ts if t.met is None]
+    assert len(undecided) == 4  # save speed (no row), the two multi-turn ones, 100k lookup
+    assert all(t.why for t in undecided), undecided
+    table = targets_table(ts)
+    assert "| n/a |" not in table
+    assert ("n/a: held at 16 turns of 2000 tokens; this run has 8 of 1000 (the full config "
+            "measures it)") in table
+    assert "n/a: this run stops at 10000 entries (the full config goes to 100k)" in table
+
+
+def test_each_restore_case_is_measured_once(tmp_path: Path) -> None:
+    """The limit rows take the Store.restore share of the restore rows' own runs: never a
+    second, different figure for the same case."""
+    from kvstore.bench.cli import run
+    from kvstore.bench.common import SMOKE
+
+    rows = run(SMOKE, tmp_path, ("restore",), log=lambda line: None)
+    by_name = {r.name: r for r in rows}
+    limits = [r for r in rows if r.group == "limit"]
+    assert len(limits) == 3
+    for r in limits:
+        whole = by_name[r.part_of]  # the restore row whose runs it is a part of
+        assert r.name == f"limit: {whole.name}: Store.restore alone"
+        assert 0 < r.kvstore <= whole.kvstore
+        assert r.extra["decode_s"] == pytest.approx(whole.kvstore - r.kvstore)
+    assert {r.part_of for r in limits} == {"restore 600 page cache",
+                                          "restore 600 page cache, verify_reads=False",
+                                          "restore 600 after eviction, verify_reads=False"}

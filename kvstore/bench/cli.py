@@ -49,13 +49,11 @@ def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
     from .index_cases import lookup_rows, ttft_rows
     from .io_cases import (
         SavedPair,
-        _label,
         multiturn_rows,
         restore_rows,
         save_rows,
         shared_rows,
     )
-    from .limits import restore_limit_rows
 
     rows: list[Row] = []
 
@@ -75,8 +73,7 @@ def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
                 pair = SavedPair(scratch, n, cache)
                 try:
                     if "restore" in groups:
-                        add(restore_rows(cfg, pair))
-                        add(restore_limit_rows(cfg, pair, _label(n)))
+                        add(restore_rows(cfg, pair))  # and its limit rows, from the same runs
                     if "concurrency" in groups and n == cfg.sizes[0]:
                         _concurrency(cfg, scratch, add, log)
                 finally:

@@ -116,6 +116,7 @@ class Row:
     ratio_kind: RatioKind
     ratio: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    part_of: str = ""  # the row whose runs this one's figure is a part of (the limit rows)
 
     def __post_init__(self) -> None:
         if self.ratio_kind == "speedup":
