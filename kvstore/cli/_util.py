@@ -75,11 +75,19 @@ debug_option = click.option("--debug", is_flag=True, expose_value=False, is_eage
                             callback=_set("debug"), help="Show the full traceback of an error.")
 
 
-def common(f: F) -> F:
-    """``--root``, ``--quiet`` and ``--debug``, accepted by the group and every command."""
+def no_root(f: F) -> F:
+    """``--quiet`` and ``--debug`` alone: for the commands that touch no root (``inspect``,
+    ``model fetch``), whose help must not offer a ``--root`` that would do nothing."""
     f = debug_option(f)
-    f = click.option("-q", "--quiet", is_flag=True, expose_value=False, callback=_set("quiet"),
-                     help="No progress bars or chatter; errors still go to stderr.")(f)
+    return click.option("-q", "--quiet", is_flag=True, expose_value=False,
+                        callback=_set("quiet"),
+                        help="No progress bars or chatter; errors still go to stderr.")(f)
+
+
+def common(f: F) -> F:
+    """``--root``, ``--remote``, ``--quiet`` and ``--debug``, accepted by the group and by
+    every command that works on a root."""
+    f = no_root(f)
     f = click.option("--root", type=click.Path(path_type=Path), expose_value=False,
                      callback=_set("root"), metavar="DIR",
                      help="Cache root (default: $KVSTORE_ROOT, else the user cache dir).")(f)
@@ -157,6 +165,34 @@ def progress(total: int | None, desc: str, unit: str = "it") -> Iterator[Callabl
         yield bar.update
     finally:
         bar.close()
+
+
+@contextmanager
+def phase_progress(units: dict[str, str]) -> Iterator[Callable[[str, int, int], None]]:
+    """tqdm bars on stderr (or a no-op) for a store call's ``progress(phase, done, total)``:
+    one bar per phase, in the unit ``units`` gives it (``B`` shows sizes)."""
+    if not progress_enabled():
+        yield lambda phase, done, total: None
+        return
+    from tqdm import tqdm
+
+    bars: dict[str, Any] = {}
+
+    def update(phase: str, done: int, total: int) -> None:
+        bar = bars.get(phase)
+        if bar is None:
+            unit = units.get(phase, "it")
+            bar = bars[phase] = tqdm(total=total, desc=phase, unit=unit, leave=False,
+                                     file=sys.stderr, unit_scale=unit == "B",
+                                     dynamic_ncols=True)
+        bar.total = total
+        bar.update(done - bar.n)
+
+    try:
+        yield update
+    finally:
+        for bar in bars.values():
+            bar.close()
 
 
 # --- namespaces and entries -----------------------------------------------------------

@@ -8,7 +8,17 @@ from typing import Any, Literal
 import click
 
 from . import render as H
-from ._util import UserError, common, emit, json_option, open_store, opts, oserror_line, progress
+from ._util import (
+    UserError,
+    common,
+    emit,
+    json_option,
+    no_root,
+    open_store,
+    opts,
+    oserror_line,
+    progress,
+)
 
 __all__ = ["export", "import_", "inspect_"]
 
@@ -112,7 +122,7 @@ def export(entry: str, path: Path, fmt: Literal["v3", "v5"], force: bool, as_jso
 @click.argument("file", type=click.Path(path_type=Path))
 @click.option("--tokens", "all_tokens", is_flag=True, help="Print every token, not the first 16.")
 @json_option
-@common
+@no_root  # a file, not a root
 def inspect_(file: Path, all_tokens: bool, as_json: bool) -> int:
     """Describe an mlx-bun cache file.
 

@@ -18,6 +18,7 @@ from ._util import (
     json_option,
     open_store,
     opts,
+    phase_progress,
     resolve_all,
 )
 
@@ -191,9 +192,9 @@ def compact(max_bytes: int | None, namespace_max_bytes: int | None, grace: float
     deletes blocks unreferenced for longer than --grace, orphan block files and stale
     temp files.
     """
-    with open_store() as store:
+    with open_store() as store, phase_progress({"evict": "entry", "sweep": "file"}) as bar:
         report = store.compact(max_bytes=max_bytes, namespace_max_bytes=namespace_max_bytes,
-                               grace=grace, dry_run=dry_run)
+                               grace=grace, dry_run=dry_run, progress=bar)
     data = H.report_dict(report)
     if as_json:
         emit({"root": str(store.root), "dry_run": dry_run, "report": data})
@@ -233,8 +234,9 @@ def verify(read_data: bool, repair: bool, dry_run: bool, as_json: bool) -> None:
     """
     if dry_run and not repair:
         raise UserError("--dry-run goes with --repair (verify alone changes nothing)")
-    with open_store() as store:
-        report = store.verify(read_data=read_data, repair=repair, dry_run=dry_run)
+    with open_store() as store, phase_progress({"blocks": "B"}) as bar:
+        report = store.verify(read_data=read_data, repair=repair, dry_run=dry_run,
+                              progress=bar)
         tmp = store.temp_files()
     data = H.report_dict(report)
     sound = report.sound

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ._util import common, debug_option, opts
+from ._util import common, debug_option, no_root, opts
 
 __all__ = ["BENCH_CONFIGS", "bench", "demo", "model_group", "serve"]
 
@@ -77,7 +77,7 @@ def model_group() -> None:
 @model_group.command(name="fetch")
 @click.argument("name", type=click.Choice(["smollm2"]))
 @click.argument("directory", required=False, type=click.Path(path_type=Path))
-@common
+@no_root  # the model cache is not a root
 def model_fetch(name: str, directory: Path | None) -> None:
     """Download (once) and convert model NAME; print its mlx-lm directory.
 

@@ -146,3 +146,65 @@ def test_a_v5_export_reports_the_blocks_it_wrote(shared_root: Root, tmp_path: Pa
     assert re.fullmatch(rf"exported {shared_root.ids['a90'][:12]} to .*b\.kv \(v5, 90 tokens, a "
                         rf"[\d.]+ KiB header file \+ [\d.]+ KiB in {len(files)} block files under "
                         rf"{re.escape(str(out.parent / 'blocks'))}/\)\n", human), human
+
+
+# --- item 13: verify and compact show progress; inspect and model fetch offer no --root -------
+
+
+def test_verify_and_compact_report_their_progress(fresh_root: Root) -> None:
+    with Store.open(fresh_root.path, create=False) as s:
+        physical = s.stats().physical_bytes
+        calls: list[tuple[str, int, int]] = []
+        s.verify(read_data=True, progress=lambda *a: calls.append(a))
+        assert calls[-1] == ("blocks", physical, physical)
+        assert [c[1] for c in calls] == sorted(c[1] for c in calls) and len(calls) > 1
+        for name in ("a90", "o48"):
+            s.delete(fresh_root.ids[name])
+        calls.clear()
+        swept = s.compact(grace=0, progress=lambda *a: calls.append(a))
+        assert swept.freed_blocks > 0 and not swept.evicted
+        assert calls[-1] == ("sweep", swept.freed_blocks, swept.freed_blocks)
+        assert not any(c[0] == "evict" for c in calls)
+        calls.clear()
+        report = s.compact(max_bytes=0, grace=0, progress=lambda *a: calls.append(a))
+    assert len(report.evicted) == 4
+    assert [c for c in calls if c[0] == "evict"][-1] == ("evict", 4, 4)
+
+
+def _on_a_terminal(*args: str | Path) -> str:
+    """``kvstore ARGS`` with stdout and stderr on a pseudo-terminal, as a person runs it."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))  # rows, cols
+    p = subprocess.Popen([sys.executable, "-P", "-m", "kvstore", *map(str, args)],
+                         stdout=slave, stderr=slave, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    out = b""
+    try:
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the other side is closed
+                break
+            if not chunk:
+                break
+            out += chunk
+        assert p.wait(60) in (0, 1)
+    finally:
+        os.close(master)
+    return out.decode(errors="replace")
+
+
+def test_verify_read_data_and_compact_show_a_bar_on_a_terminal(fresh_root: Root) -> None:
+    out = _on_a_terminal("verify", "--read-data", "--root", fresh_root.path)
+    assert "blocks:" in out and "ok: the store is sound" in out, out
+    out = _on_a_terminal("compact", "--max-bytes", "0", "--grace", "0", "--root",
+                         fresh_root.path)
+    assert "evict:" in out and "sweep:" in out, out
+    assert "-q" not in out
+    quiet = _on_a_terminal("verify", "--read-data", "-q", "--root", fresh_root.path)
+    assert "blocks:" not in quiet

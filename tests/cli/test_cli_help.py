@@ -29,8 +29,9 @@ COMMANDS = {
     "demo": [],
 }
 COMMON = ["--root", "--quiet", "--debug", "--help"]
-# bench runs in scratch roots of its own and prints its own progress: no --root, no --quiet
-OWN_COMMON = {"bench": ["--debug", "--help"]}
+# bench runs in scratch roots of its own and prints its own progress: no --root, no --quiet;
+# inspect reads a file, not a root (issue 27, item 13)
+OWN_COMMON = {"bench": ["--debug", "--help"], "inspect": ["--quiet", "--debug", "--help"]}
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +76,14 @@ def test_subcommand_help_lists_its_options(
         assert m is not None, f"{opt} missing from:\n{out}"
         described = m.group(1).strip() or out[m.end():].lstrip("\n").split("\n")[0].strip()
         assert described, f"{opt} has no description"
+
+
+@pytest.mark.parametrize("argv", [["inspect", "--help"], ["model", "fetch", "--help"]])
+def test_commands_that_touch_no_root_offer_no_root_option(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 27, item 13: --root and --remote would do nothing there."""
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "--quiet" in out and "--debug" in out
+    assert "--root" not in out and "--remote" not in out
