@@ -96,3 +96,38 @@ def test_the_store_api_creates_the_default_root_beside_the_old_models(tmp_path: 
                        env=env, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == [str(root), "0"]
+
+
+# --- item 14: run from the folder that holds a clone named kvstore ----------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_a_clone_that_shadows_the_package_says_what_to_do(tmp_path: Path) -> None:
+    holder = tmp_path / "src"
+    holder.mkdir()
+    (holder / "kvstore").symlink_to(REPO, target_is_directory=True)  # ~/src/kvstore, a clone
+    script = holder / "example.py"
+    script.write_text("from kvstore import Namespace, Store\nprint('imported')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for argv in ([sys.executable, str(script)], [sys.executable, "-m", "kvstore", "--version"]):
+        p = subprocess.run(argv, capture_output=True, text=True, cwd=holder, env=env,
+                           timeout=120)
+        assert p.returncode == 1, p
+        last = p.stderr.strip().splitlines()[-1]
+        assert "unknown location" not in p.stderr, p.stderr
+        assert f"'import kvstore' found {holder / 'kvstore'}, a checkout of kvstore's " in last
+        assert "Run Python from another directory" in last and "python -P" in last, last
+    # what it says to do works
+    p = subprocess.run([sys.executable, "-P", str(script)], capture_output=True, text=True,
+                       cwd=holder, env=env, timeout=120)
+    assert (p.returncode, p.stdout) == (0, "imported\n"), p.stderr
+
+
+def test_the_checkouts_root_file_does_nothing_under_another_name(tmp_path: Path) -> None:
+    """A test runner or a tool may import the checkout's root as a package of its own name."""
+    link = tmp_path / "some_checkout"
+    link.symlink_to(REPO, target_is_directory=True)
+    p = subprocess.run([sys.executable, "-c", "import some_checkout; print('ok')"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert (p.returncode, p.stdout) == (0, "ok\n"), p.stderr
