@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -127,12 +128,34 @@ def emit(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2))
 
 
+class _NoReadOnlyNotice(logging.Filter):
+    """Drops the store's "opened read-only" notice: a command that must write says it in its
+    one error line instead (a user error is one line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "opened read-only" not in record.getMessage()
+
+
 @contextmanager
-def open_store(create: bool = False, **kwargs: Any) -> Iterator[Store]:
+def open_store(create: bool = False, *, writes: str | None = None,
+               **kwargs: Any) -> Iterator[Store]:
+    """The root, open; ``writes`` (what the command is about to do) makes a root that can
+    only be read one ``kvstore: error:`` line, before anything is done."""
     from ..store import Store
 
     kwargs.setdefault("remote", "")  # the commands that use the remote pass it
-    with Store.open(opts().resolved_root(), create=create, **kwargs) as store:
+    quiet = _NoReadOnlyNotice()
+    log = logging.getLogger("kvstore")
+    if writes is not None:
+        log.addFilter(quiet)
+    try:
+        store = Store.open(opts().resolved_root(), create=create, **kwargs)
+    finally:
+        log.removeFilter(quiet)
+    with store:
+        if writes is not None and store.read_only:
+            raise UserError(f"{store.root} is read-only here (a read-only filesystem, or "
+                            f"another user's root): cannot {writes}")
         yield store
 
 

@@ -39,7 +39,7 @@ def import_(files: tuple[Path, ...], as_json: bool) -> None:
 
     done: list[dict[str, Any]] = []
     failed: list[dict[str, str]] = []
-    with open_store() as store, progress(len(files), "import", "file") as advance:
+    with open_store(writes="import") as store, progress(len(files), "import", "file") as advance:
         for f in files:
             try:
                 if not f.is_file():

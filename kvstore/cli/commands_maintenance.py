@@ -152,7 +152,7 @@ def rm(entries: tuple[str, ...], as_json: bool) -> None:
     Every ENTRY is checked before anything is removed. Blocks no longer referenced
     are deleted by 'kvstore compact' after the grace period.
     """
-    with open_store() as store:
+    with open_store(writes="remove entries") as store:
         ids = resolve_all(store, entries)  # every id checked before anything is removed
         ms = store.manifests(ids)
         uniq = store.unique_bytes(ms)
@@ -192,7 +192,8 @@ def compact(max_bytes: int | None, namespace_max_bytes: int | None, grace: float
     deletes blocks unreferenced for longer than --grace, orphan block files and stale
     temp files.
     """
-    with open_store() as store, phase_progress({"evict": "entry", "sweep": "file"}) as bar:
+    with open_store(writes=None if dry_run else "compact") as store, \
+            phase_progress({"evict": "entry", "sweep": "file"}) as bar:
         report = store.compact(max_bytes=max_bytes, namespace_max_bytes=namespace_max_bytes,
                                grace=grace, dry_run=dry_run, progress=bar)
     data = H.report_dict(report)
@@ -234,7 +235,8 @@ def verify(read_data: bool, repair: bool, dry_run: bool, as_json: bool) -> None:
     """
     if dry_run and not repair:
         raise UserError("--dry-run goes with --repair (verify alone changes nothing)")
-    with open_store() as store, phase_progress({"blocks": "B"}) as bar:
+    with open_store(writes="repair" if repair and not dry_run else None) as store, \
+            phase_progress({"blocks": "B"}) as bar:
         report = store.verify(read_data=read_data, repair=repair, dry_run=dry_run,
                               progress=bar)
         tmp = store.temp_files()

@@ -87,3 +87,42 @@ def test_commands_that_touch_no_root_offer_no_root_option(
     out = capsys.readouterr().out
     assert "--quiet" in out and "--debug" in out
     assert "--root" not in out and "--remote" not in out
+
+
+def _commands() -> dict[str, set[str]]:
+    """Every command the user runs (``model fetch``, ``remote ls``, …) -> its options."""
+    import click
+
+    from kvstore.cli import cli
+
+    out: dict[str, set[str]] = {}
+
+    def walk(group: click.Group, prefix: str) -> None:
+        for name, cmd in group.commands.items():
+            if isinstance(cmd, click.Group):
+                walk(cmd, f"{prefix}{name} ")
+            else:
+                out[f"{prefix}{name}"] = {o for p in cmd.params for o in p.opts}
+
+    walk(cli, "")
+    return out
+
+
+def test_the_readme_says_which_commands_take_root_and_quiet() -> None:
+    """Issue 27, item 11: the README said every command takes --root and -q; bench takes
+    neither, inspect and model fetch no --root."""
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+
+    def named(pattern: str) -> set[str]:
+        m = re.search(pattern, text)
+        assert m is not None, pattern
+        return set(re.findall(r"`([a-z ]+)`", m.group(1)))
+
+    cmds = _commands()
+    assert named(r"Every command but (.*?) takes `--root DIR`") == {
+        c for c, o in cmds.items() if "--root" not in o}
+    assert named(r"every command but (.*?) takes `-q/--quiet`") == {
+        c for c, o in cmds.items() if "--quiet" not in o}
+    assert all("--debug" in o for o in cmds.values())
