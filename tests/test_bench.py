@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,34 @@ def test_each_restore_case_is_measured_once(tmp_path: Path) -> None:
     assert {r.part_of for r in limits} == {"restore 600 page cache",
                                           "restore 600 page cache, verify_reads=False",
                                           "restore 600 after eviction, verify_reads=False"}
+
+
+def _normal(name: str) -> str:
+    """A row name with its sizes and counts as N, and a model's name (the last parenthesis
+    without a space) left out: the doc's full run and a smoke run name rows alike."""
+    name = re.sub(r" \([^ ()]+\)$", "", name)
+    return re.sub(r"\d+(\.\d+)?k?", "N", name)
+
+
+def test_benchmarks_md_tables_use_the_benchs_own_row_names(tmp_path: Path) -> None:
+    """Issue 27, item 11: every row of a table in the bench's own format in
+    docs/BENCHMARKS.md is a name the bench prints (sizes aside)."""
+    from kvstore.bench.cli import GROUPS, MODEL_GROUP, run
+    from kvstore.bench.common import SMOKE
+    from kvstore.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny-model", "llama")
+    groups = tuple(g for g in GROUPS if g not in ("remote", "startup")) + (MODEL_GROUP,)
+    rows = run(SMOKE, tmp_path, groups, log=lambda line: None, model_dir=model)
+    known = {_normal(r.name) for r in rows}
+    text = (Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md").read_text()
+    header = "| case | kvstore | baseline | ratio | baseline is |"
+    names = []
+    for table in text.split(header)[1:]:
+        for line in table.splitlines()[2:]:
+            if not line.startswith("|"):
+                break
+            names.append(line.split("|")[1].strip())
+    assert len(names) >= 30
+    unknown = [n for n in names if _normal(n) not in known]
+    assert unknown == [], unknown

@@ -131,3 +131,29 @@ def test_the_checkouts_root_file_does_nothing_under_another_name(tmp_path: Path)
     p = subprocess.run([sys.executable, "-c", "import some_checkout; print('ok')"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert (p.returncode, p.stdout) == (0, "ok\n"), p.stderr
+
+
+# --- item 11: the README's restore figures say which are verified ----------------------------
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in text.splitlines() if line.startswith("|") and not line.startswith("|--")]
+
+
+def test_the_readmes_restore_figures_say_whether_they_are_verified() -> None:
+    """The default restore is verified; a figure without verification says so, and every
+    figure is one of docs/BENCHMARKS.md's rows of the same kind."""
+    readme = (REPO / "README.md").read_text()
+    bench_rows = _table_rows((REPO / "docs" / "BENCHMARKS.md").read_text())
+    table = readme[readme.index("## Benchmarks"):readme.index("On a real model")]
+    restores = [r for r in _table_rows(table)
+                if r[0].startswith("restore ") or r[0] == "the same, `verify_reads=False`"]
+    assert len(restores) >= 4
+    verified = [r for r in restores if "verified (the default)" in r[0]]
+    unverified = [r for r in restores if "`verify_reads=False`" in r[0]]
+    assert verified and len(verified) + len(unverified) == len(restores), restores
+    for r in restores:
+        off = r in unverified
+        assert any(b[1:3] == r[1:3] and ("verify_reads=False" in b[0]) == off
+                   and b[0].startswith("restore ") for b in bench_rows), r
