@@ -45,8 +45,7 @@ SESSIONS = [
 ]
 SECOND_PROCESS_QUESTION = "Tell me about the river and the old mill."
 # a real model gets real text, two sessions and a shorter prompt: each request that reuses
-# a prefix is also prefilled from nothing, which takes seconds to minutes on a CPU; the
-# shared part is still longer than one block of 256 tokens, so it is stored once
+# a prefix is also prefilled from nothing, which takes seconds to minutes on a CPU
 REAL_SESSIONS = 2
 REAL_SYSTEM = (
     "You are the assistant of a small town archive. The archive keeps the parish registers, "
@@ -57,7 +56,12 @@ REAL_SYSTEM = (
     "not, answer it plainly from general knowledge. Never invent documents, dates or names; "
     "if you do not know, say so and suggest asking the archivist, who is in on weekdays from "
     "nine to five. Opening hours: Monday to Friday, nine to five; Saturday, ten to one. "
-    "Copies cost ten cents a page; photographs may be taken without flash. The reading room "
+    "Copies cost ten cents a page; photographs may be taken without flash."
+)
+# the demo's real prompt goes on (the bench's model group and tests/model keep the text
+# above): with it the sessions share more than one block of 256 tokens, so dedup shows
+REAL_MORE = (
+    "The reading room "
     "has twelve seats and two microfilm readers; bring a pencil, as ink is not allowed near "
     "the registers. Children under twelve visit with an adult. The archive also answers "
     "letters: replies take about two weeks, and a search of the registers costs five "
@@ -192,7 +196,7 @@ def _say_reply(say: Callable[[str], None], user: str, r: dict[str, Any]) -> None
 
 def _system_prompt(real: bool = False) -> str:
     if real:
-        return REAL_SYSTEM
+        return f"{REAL_SYSTEM} {REAL_MORE}"
     return "You are the assistant of a small town archive. " + sample_text(SYSTEM_WORDS, seed=11)
 
 

@@ -153,11 +153,12 @@ def test_the_documented_real_model_recipe_on_a_fresh_machine(tmp_path: Path) -> 
 def test_the_real_demo_prompt_shares_a_whole_block(smollm2: tuple[object, object]) -> None:
     """Issue 27, item 7: the real model's sessions share more than one block of the default
     root (the issue saw 179 tokens shared and dedup x1.00)."""
-    from kvstore.demo import REAL_SESSIONS, REAL_SYSTEM, SESSIONS, _shared_line
+    from kvstore.demo import REAL_SESSIONS, SESSIONS, _shared_line, _system_prompt
 
     _, tok = smollm2
     prompts = [list(tok.apply_chat_template(  # type: ignore[attr-defined]
-        [{"role": "system", "content": REAL_SYSTEM}, {"role": "user", "content": s[0]}],
+        [{"role": "system", "content": _system_prompt(real=True)},
+         {"role": "user", "content": s[0]}],
         add_generation_prompt=True)) for s in SESSIONS[:REAL_SESSIONS]]
     line = _shared_line(prompts, 256, 1.0)
     assert "1 whole block of 256 tokens" in line or "whole blocks of 256" in line, line
