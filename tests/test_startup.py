@@ -3,7 +3,8 @@
 mlx-lm pulls in transformers (about a second on a 2-core machine): ``import kvstore``,
 ``Store.open`` and ``stats``, ``ls``, ``show``, ``tree``, ``rm``, ``verify`` and
 ``compact`` need no cache class, so a fresh process running them must leave ``mlx_lm``
-(and ``transformers``) out of ``sys.modules``. How fast that makes them is a row of
+(and ``transformers``) out of ``sys.modules``; nor do they need the remote tier (a store
+without one) or the mlx-bun file formats. How fast that makes them is a row of
 ``kvstore bench`` (the ``startup`` group), not a timed test.
 """
 
@@ -27,13 +28,13 @@ _CHECK = textwrap.dedent("""
     from kvstore import Store
     with Store.open(root) as store:
         ids = [e.id for e in store.entries()]
-    loaded = {"open": sorted(m for m in ("mlx_lm", "transformers") if m in sys.modules)}
+    HEAVY = ("mlx_lm", "transformers", "kvstore.remote", "boto3", "kvstore.formats.v3")
+    loaded = {"open": sorted(m for m in HEAVY if m in sys.modules)}
     from kvstore.cli import main
     for args in (["stats"], ["ls"], ["show", ids[0]], ["tree"], ["verify", "--read-data"],
                  ["rm", ids[1]], ["compact", "--grace", "0"]):
         code = main(["--root", root, "-q", *args])
-        loaded[args[0]] = [code, sorted(m for m in ("mlx_lm", "transformers")
-                                        if m in sys.modules)]
+        loaded[args[0]] = [code, sorted(m for m in HEAVY if m in sys.modules)]
     print(json.dumps(loaded))
 """)
 
