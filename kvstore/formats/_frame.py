@@ -145,10 +145,15 @@ def encode_prefix(header_json: bytes) -> bytes:
 
 
 def check_target(path: str | os.PathLike[str]) -> Path:
-    """``path`` as a Path, refused before any work when it names a directory."""
+    """``path`` as a Path, refused before any work when it names a directory or its
+    directory does not exist (the error names that directory, not a temp file in it)."""
     target = Path(path)
     if target.is_dir():
         raise IsADirectoryError(errno.EISDIR, "is a directory, not a file to write", str(target))
+    parent = target.parent
+    if not parent.is_dir():
+        what = "not a directory" if parent.exists() else "no such directory"
+        raise FileNotFoundError(errno.ENOENT, what, str(parent))
     return target
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..schema import Namespace
-from .bridge import read_file, write_file
 from .entries import EntryInfo
 
 
@@ -30,6 +29,8 @@ class FileBridge:
         The entry's namespace is ``namespace``, else the header's identity, else
         the store's default (:class:`NamespaceRequiredError` when there is none).
         """
+        from .bridge import read_file  # the formats: imported by the calls that use them
+
         self._check_writable("import")
         f = read_file(path, verify=verify)
         info: EntryInfo = self.save(
@@ -65,4 +66,6 @@ class FileBridge:
         eid = self.resolve(entry_id) if isinstance(entry_id, str) else entry_id
         m = self.manifest(eid)
         tokens, cache, attachments = self.load_entry(eid, verify=verify)
+        from .bridge import write_file
+
         return write_file(m, tokens, cache, attachments, path, format=format)

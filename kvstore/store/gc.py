@@ -40,7 +40,7 @@ Verification and repair live in :mod:`kvstore.store.verify` and :mod:`kvstore.st
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +49,8 @@ from ..index import EntryRecord, RefInfo, Totals, now_ms
 from ..schema import decode_manifest
 from .lookup import delete_plan
 from .root import Root
-from .sweep import batches, stale_tmp, unlink_orphans, unlink_tmp
+from .sweep import batches, stale_tmp_files, unlink_orphans, unlink_tmp
+from .verify import Progress
 
 DEFAULT_GRACE = 600.0  # seconds
 _ROUNDS = 8  # budget passes before giving up on a store that concurrent saves keep filling
@@ -64,7 +65,8 @@ class CompactReport:
     freed_bytes: int = 0
     orphans_removed: int = 0  # block files that had no refs record
     orphan_bytes: int = 0
-    tmp_removed: int = 0  # stale files of tmp/
+    tmp_removed: int = 0  # stale files of tmp/ (a writer that is gone left them, or too old)
+    tmp_bytes: int = 0
     physical_before: int = 0
     physical_after: int = 0
     live_after: int = 0
@@ -209,8 +211,10 @@ def _plan(
     return victims, live, zeroed
 
 
-def _evict(root: Root, victims: list[bytes], grace: float, report: CompactReport) -> None:
-    """Remove the victims in short transactions; unlink what they zero if the grace allows."""
+def _evict(root: Root, victims: list[bytes], grace: float, report: CompactReport,
+           step: Callable[[int], None] | None = None) -> None:
+    """Remove the victims in short transactions; unlink what they zero if the grace allows.
+    ``step(n)`` is told of each batch of ``n`` victims done."""
     idx = root.index
     for batch in batches(victims, 64):
         zeroed: list[bytes] = []
@@ -228,6 +232,8 @@ def _evict(root: Root, victims: list[bytes], grace: float, report: CompactReport
         if zeroed:
             with idx.write() as txn:
                 _unlink_zero(root, txn, zeroed, _cutoff_ms(grace), report)
+        if step is not None:
+            step(len(batch))
 
 
 def _unlink_zero(
@@ -304,6 +310,7 @@ class CompactPlan:
     orphans: list[tuple[bytes, int]]  # block files no record names, past the grace -> size
     tmp: list[str]  # stale temp files of tmp/
     held: dict[bytes, tuple[int, int]]  # unreferenced blocks the grace keeps: (size, since)
+    tmp_bytes: int = 0  # what the stale temp files hold
 
     def report(self) -> CompactReport:
         """What executing the plan would do (the dry run's report)."""
@@ -314,6 +321,7 @@ class CompactPlan:
         r.orphans_removed = len(self.orphans)
         r.orphan_bytes = sum(size for _, size in self.orphans)
         r.tmp_removed = len(self.tmp)
+        r.tmp_bytes = self.tmp_bytes
         # with grace 0 every zero-ref block goes, the evictions' too: live bytes remain
         r.physical_after = (
             self.live_after if self.grace == 0 else self.physical_before - r.freed_bytes
@@ -326,22 +334,41 @@ class CompactPlan:
         _fill_held(r, held, self.grace)
         return r
 
-    def execute(self, root: Root) -> CompactReport:
-        """Evict, then unlink the expired garbage; the report says what was done."""
+    def execute(self, root: Root, progress: Progress | None = None) -> CompactReport:
+        """Evict, then unlink the expired garbage; the report says what was done.
+
+        ``progress("evict"|"sweep", done, total)`` follows the evictions, then the
+        garbage (blocks, orphan files, temp files), in items.
+        """
         report = CompactReport(physical_before=self.physical_before, grace=self.grace)
+        done = {"evict": 0, "sweep": 0}
+        totals = {"evict": len(self.victims),
+                  "sweep": len(self.zero_refs) + len(self.orphans) + len(self.tmp)}
+
+        def step(phase: str) -> Callable[[int], None]:
+            def advance(n: int) -> None:
+                done[phase] += n
+                if progress is not None:
+                    progress(phase, done[phase], totals[phase])
+            return advance
+
         if self.victims:
-            _evict(root, self.victims, self.grace, report)
+            _evict(root, self.victims, self.grace, report, step("evict"))
             # saves committed meanwhile may be over the budget again: a few more rounds
             _apply_budget(
                 root, self.max_bytes, self.namespace_max_bytes, self.grace, report, _ROUNDS - 1
             )
+        sweep = step("sweep")
         for batch in batches([d for d, _ in self.zero_refs]):
             with root.index.write() as txn:
                 _unlink_zero(root, txn, batch, self.cutoff, report)
+            sweep(len(batch))
         report.orphans_removed, report.orphan_bytes = unlink_orphans(
             root, self.orphans, self.cutoff
         )
-        report.tmp_removed = unlink_tmp(root, self.tmp)
+        sweep(len(self.orphans))
+        report.tmp_removed, report.tmp_bytes = unlink_tmp(root, self.tmp)
+        sweep(len(self.tmp))
         after = root.index.totals()
         report.physical_after, report.live_after = after.physical_bytes, after.live_bytes
         _fill_held(report, _held_blocks(root, self.grace), self.grace)
@@ -370,6 +397,7 @@ def plan_compact(
     files = [(d, st) for d, st in root.block_files() if st.mtime * 1000 <= cutoff]
     with root.index.read() as txn:
         orphans = [(d, st.size) for d, st in files if root.index.get_ref(d, txn) is None]
+    tmp = stale_tmp_files(root, grace)
     return CompactPlan(
         max_bytes=max_bytes,
         namespace_max_bytes=namespace_max_bytes,
@@ -381,8 +409,9 @@ def plan_compact(
         zeroed=zeroed,
         zero_refs=[(d, r) for d, r in zero if r.zero_since <= cutoff],
         orphans=orphans,
-        tmp=stale_tmp(root, grace),
+        tmp=[f.name for f in tmp],
         held={d: (r.size, r.zero_since) for d, r in zero if r.zero_since > cutoff},
+        tmp_bytes=sum(f.size for f in tmp),
     )
 
 
@@ -393,6 +422,7 @@ def compact(
     namespace_max_bytes: int | None = None,
     grace: float = DEFAULT_GRACE,
     dry_run: bool = False,
+    progress: Progress | None = None,
 ) -> CompactReport:
     """Evict above the budgets, then delete expired garbage: zero-ref blocks, orphans, temps.
 
@@ -404,7 +434,7 @@ def compact(
     plan = plan_compact(
         root, max_bytes=max_bytes, namespace_max_bytes=namespace_max_bytes, grace=grace
     )
-    return plan.report() if dry_run else plan.execute(root)
+    return plan.report() if dry_run else plan.execute(root, progress)
 
 
 # --- sweeping ------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from .entries import Entry, Stats, entries_of, resolve_id
 from .gc import DEFAULT_GRACE, CompactReport, compact
 from .lookup import delete_plan
 from .root import Root
-from .verify import VerifyReport, verify
+from .sweep import TempFiles, temp_files
+from .verify import Progress, VerifyReport, verify
 
 
 class Maintenance:
@@ -63,8 +64,10 @@ class Maintenance:
         namespace_max_bytes: int | None = None,
         grace: float = DEFAULT_GRACE,
         dry_run: bool = False,
+        progress: Progress | None = None,
     ) -> CompactReport:
-        """Evict above the byte budgets, delete expired garbage (:func:`.gc.compact`)."""
+        """Evict above the byte budgets, delete expired garbage (:func:`.gc.compact`);
+        ``progress(phase, done, total)`` follows the work."""
         if not dry_run:
             self._check_writable("compact")
         self.flush_access()
@@ -74,10 +77,12 @@ class Maintenance:
             namespace_max_bytes=namespace_max_bytes,
             grace=grace,
             dry_run=dry_run,
+            progress=progress,
         )
 
     def verify(
-        self, *, read_data: bool = False, repair: bool = False, dry_run: bool = False
+        self, *, read_data: bool = False, repair: bool = False, dry_run: bool = False,
+        progress: Progress | None = None,
     ) -> VerifyReport:
         """Check refcounts, blocks and keys (and, with ``read_data``, every block's
         bytes); ``repair`` fixes what it finds, ``dry_run`` only says how. See
@@ -85,7 +90,13 @@ class Maintenance:
         if repair:
             self._check_writable("repair")
         self.flush_access()
-        return verify(self.parts, read_data=read_data, repair=repair, dry_run=dry_run)
+        return verify(self.parts, read_data=read_data, repair=repair, dry_run=dry_run,
+                      progress=progress)
+
+    def temp_files(self) -> TempFiles:
+        """What ``tmp/`` holds: writes in progress, and files a writer that is gone left (a
+        save killed midway), which the next compact removes whatever its grace."""
+        return temp_files(self.parts)
 
     def stats(self) -> Stats:
         """Entries, blocks, logical vs physical bytes and the dedup ratio.

@@ -5,6 +5,7 @@ repair), and the keys a remote publication of a local entry carries."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -12,10 +13,12 @@ from ..blocks import hash_bytes
 from ..codecs import codec_for_record
 from ..codecs.layout import manifest_blocks
 from ..index import EntryRecord, SavePlan, now_ms
-from ..remote import Publication
 from ..schema import Layer, Manifest, encode_manifest
 from . import keys as P
 from .lookup import prefix_items, trimmable
+
+if TYPE_CHECKING:  # the remote tier is imported by the stores that push (issue 27, item 15)
+    from ..remote import Publication
 
 _ns_json = msgspec.json.Encoder()
 
@@ -94,6 +97,8 @@ def entry_plan(
 
 def publication(m: Manifest, raw: bytes, digest: bytes) -> Publication:
     """What the remote needs to publish a local entry."""
+    from ..remote import Publication
+
     keys = chain_of(m)
     return Publication(
         digest=digest,

@@ -6,7 +6,7 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._crash import crash_point
 from ..blocks import Digest, LocalBlockStore, from_hex
@@ -22,7 +22,6 @@ from ..errors import (
     RemoteError,
 )
 from ..index import Index
-from ..remote import DEFAULT_TIMEOUT, PushStats, Remote, RemoteHit
 from ..schema import (
     Manifest,
     Namespace,
@@ -43,8 +42,11 @@ from .maintenance import Maintenance
 from .restore import read_entry
 from .root import Root, RootSettings, default_root, has_root, open_root
 from .saving import CODEC_PROVIDER, PrefixGone, Priority, check_args, draft
-from .tiered import Pulled, RemoteLink
 from .views import IndexViews
+
+if TYPE_CHECKING:  # the remote tier is imported when a store has one (issue 27, item 15)
+    from ..remote import PushStats, Remote
+    from .tiered import Pulled, RemoteLink
 
 _log = logging.getLogger("kvstore")
 
@@ -105,7 +107,7 @@ class Store(FileBridge, IndexViews, Maintenance):
         gc_grace: float | None = None,
         read_only: bool | None = None,
         remote: str | None = None,
-        remote_timeout: float = DEFAULT_TIMEOUT,
+        remote_timeout: float | None = None,
         push: bool = True,
     ) -> Store:
         """Open (and, with ``create``, make) the root.
@@ -124,13 +126,21 @@ class Store(FileBridge, IndexViews, Maintenance):
         ``remote`` (default ``$KVSTORE_REMOTE``; ``""`` for none) is an
         ``s3://BUCKET/PREFIX`` that this root shares with others: lookups consult it,
         restores pull from it, and saves are queued for upload (``push=False``: only
-        :meth:`push` uploads). ``remote_timeout`` bounds each request and each lookup.
+        :meth:`push` uploads). ``remote_timeout`` (default 5 s,
+        ``kvstore.remote.DEFAULT_TIMEOUT``) bounds each request and each lookup. The
+        remote tier's modules (and boto3) are imported only for a store that has one.
         """
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         path = Path(root) if root is not None else default_root()
         url = os.environ.get("KVSTORE_REMOTE", "") if remote is None else remote
-        rem = Remote(url, timeout=remote_timeout) if url else None
+        rem = None
+        if url:
+            from ..remote import DEFAULT_TIMEOUT, Remote
+            from .tiered import RemoteLink
+
+            rem = Remote(url, timeout=DEFAULT_TIMEOUT if remote_timeout is None
+                         else remote_timeout)
         if rem is not None and create and not has_root(path) and hash is None \
                 and block_tokens is None:  # a new root takes the remote's settings
             theirs = RemoteLink.settings_for_new_root(rem)
@@ -348,6 +358,8 @@ class Store(FileBridge, IndexViews, Maintenance):
         """
         digest: bytes = match.digest
         if match.where == "remote":
+            from ..remote import RemoteHit
+
             got = self._remote_link().pull(RemoteHit(
                 match.digest, match.length, match.exact, match.trimmable, match.n_tokens))
             digest = got.digest
