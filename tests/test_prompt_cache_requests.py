@@ -272,3 +272,27 @@ def test_caches_that_cannot_be_trimmed_are_never_deferred(
     assert ppc.persist_stats().deferred == 0
     assert ppc.drain(30) and ppc.saved == 2
     ppc.close()
+
+
+def test_a_reply_is_replaced_by_its_next_turn_but_not_by_another_user(
+    store: kvstore.Store, key: Any
+) -> None:
+    """The next turn re-renders the reply (other tokens than generated): it still replaces
+    the reply's deferred snapshot, since it starts with that request's prompt; another
+    user's request, sharing only the stored system prompt, replaces nothing."""
+    system = list(range(1000, 1040))  # two blocks and 8: written at once
+    ppc = PersistentPromptCache(store, min_tokens=16)
+    ppc.insert_cache(key, system, _kv(system), cache_type="system")
+    p_a, p_b = system + [7, 8], system + [9, 10]
+    for p in (p_a, p_b):
+        ppc.fetch_nearest_cache(key, p)
+        ppc.insert_cache(key, p + [1, 2, 3], _kv(p + [1, 2, 3]))  # deferred replies
+    p_a2 = p_a + [4, 5] + [11]  # the reply as the template renders it, then the user
+    ppc.fetch_nearest_cache(key, p_a2)
+    ppc.insert_cache(key, p_a2 + [6], _kv(p_a2 + [6]))
+    st = ppc.persist_stats()
+    assert (st.deferred, st.superseded) == (2, 1)
+    assert ppc.close(30)
+    assert sorted(e.n_tokens for e in store.entries()) == [40, 45, 46]
+    by_len = {e.n_tokens: store.manifest(e.id).tokens for e in store.entries()}
+    assert by_len[45][4 * 40:4 * 42] == bytes([9, 0, 0, 0, 10, 0, 0, 0])  # b's reply stays

@@ -213,8 +213,12 @@ class PersistentPromptCache:
     ) -> None:
         """Keep `prompt_cache` for `tokens` in memory and queue it for the store."""
         self._memory.insert_cache(model_key, tokens, prompt_cache, cache_type=cache_type)
-        outcome = self._enqueue(model_key, tokens, prompt_cache, cache_type)
-        self._requests.inserted(tokens, outcome)
+        rec, reply = self._requests.owner(tokens)
+        # a reply's snapshot belongs to the conversation of every later one that starts
+        # with its prompt (the next turn re-renders the reply's own tokens)
+        stem = rec.prompt_tokens if rec is not None and reply else len(tokens)
+        outcome = self._enqueue(model_key, tokens, prompt_cache, cache_type, stem)
+        self._requests.inserted(rec, reply, outcome)
 
     # --- models ----------------------------------------------------------------
 
@@ -309,7 +313,8 @@ class PersistentPromptCache:
         return (list(cache), list(tokens[match.length :])), match.where, None
 
     def _enqueue(
-        self, model_key: Hashable, tokens: list[int], prompt_cache: list[Any], cache_type: str
+        self, model_key: Hashable, tokens: list[int], prompt_cache: list[Any], cache_type: str,
+        stem: int,
     ) -> str:
         """Hand a snapshot to the write-behind queue; what became of it (the log's ``reply``):
         ``queued``, ``deferred``, ``short`` (under `min_tokens`), ``memory_only`` (a model
@@ -322,7 +327,8 @@ class PersistentPromptCache:
         if namespace is None:
             self._count("skipped")
             return "memory_only"
-        return self._writer.submit(namespace, list(tokens[:n]), prompt_cache, cache_type)
+        return self._writer.submit(namespace, list(tokens[:n]), prompt_cache, cache_type,
+                                   stem=min(stem, n))
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:

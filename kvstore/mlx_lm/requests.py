@@ -13,12 +13,13 @@ request that never inserts (a client that went away) is finished, ``reply=none``
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["CacheObserver", "RequestRecord", "RequestTracker", "logfmt"]
+__all__ = ["CacheObserver", "RequestLog", "RequestRecord", "RequestTracker", "logfmt"]
 
 OPEN_MAX = 256  # requests waiting for their reply's insert
 OPEN_MAX_AGE = 600.0  # seconds
@@ -83,6 +84,16 @@ class CacheObserver:
         """A background save ended (a :class:`~kvstore.mlx_lm.writebehind.SaveDone`)."""
 
 
+class RequestLog(CacheObserver):
+    """Logs each finished request's line at INFO (``kvstore serve`` uses one)."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
+
+    def finished(self, rec: RequestRecord) -> None:
+        self.log.info("%s", rec.line())
+
+
 def logfmt(pairs: list[tuple[str, object]]) -> str:
     """``key=value`` pairs; a value with a space, a quote, ``=`` or nothing is quoted."""
     out = []
@@ -112,24 +123,29 @@ class RequestTracker:
             done = self._expire()
         self._report(done)
 
-    def inserted(self, tokens: list[int], outcome: str) -> None:
-        """Attribute one insert: the reply of the oldest open request whose prompt it
-        extends (that request is finished), else a segment end of the oldest open request
-        whose prompt starts with it."""
-        done: list[RequestRecord] = []
+    def owner(self, tokens: list[int]) -> tuple[RequestRecord | None, bool]:
+        """Whose insert this is: ``(request, True)`` for the reply of the oldest open request
+        whose prompt it extends; ``(request, False)`` for a segment end of the oldest open
+        request whose prompt starts with it; ``(None, False)`` for neither."""
         with self._lock:
             reply = next((r for r in self._open if len(tokens) >= len(r.prompt)
                           and tokens[: len(r.prompt)] == r.prompt), None)
             if reply is not None:
-                self._count(reply, outcome)
-                reply.reply = outcome
-                self._open.remove(reply)
-                done.append(reply)
-            else:
-                seg = next((r for r in self._open if len(tokens) < len(r.prompt)
-                            and r.prompt[: len(tokens)] == tokens), None)
-                if seg is not None:
-                    self._count(seg, outcome)
+                return reply, True
+            seg = next((r for r in self._open if len(tokens) < len(r.prompt)
+                        and r.prompt[: len(tokens)] == tokens), None)
+            return seg, False
+
+    def inserted(self, rec: RequestRecord | None, reply: bool, outcome: str) -> None:
+        """Count an insert that :meth:`owner` attributed; a reply finishes its request."""
+        done: list[RequestRecord] = []
+        with self._lock:
+            if rec is not None and any(r is rec for r in self._open):
+                self._count(rec, outcome)
+                if reply:
+                    rec.reply = outcome
+                    self._open.remove(rec)
+                    done.append(rec)
             done += self._expire()
         self._report(done)
 

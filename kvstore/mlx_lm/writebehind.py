@@ -9,11 +9,11 @@ last block at every turn (6x the conversation's own KV bytes over six turns, mea
 docs/BENCHMARKS.md). Here a trimmable snapshot is written at once only when it holds a
 whole token block that no stored or queued entry holds for the same leading tokens;
 otherwise it is *deferred*: kept in memory, and replaced by the next snapshot of the same
-conversation (one that extends it). A deferred snapshot is written when it has waited
-``defer_seconds``, at :meth:`WriteBehind.drain` and at close; ``queue_bytes`` bounds the
-queued and the deferred snapshots together, and the oldest deferred ones are dropped
-first (what their conversation had before is stored). ``defer_seconds=0`` writes every
-snapshot at once.
+conversation (one that starts with it; for a reply's snapshot, with its prompt). A deferred
+snapshot is written when it has waited ``defer_seconds``, at :meth:`WriteBehind.drain`
+and at close; ``queue_bytes`` bounds the queued and the deferred snapshots together, and
+the oldest deferred ones are dropped first (what their conversation had before is
+stored). ``defer_seconds=0`` writes every snapshot at once.
 Caches that cannot be trimmed (hybrid and sliding-window checkpoints, which serve only
 their exact length) are never deferred or replaced.
 """
@@ -50,6 +50,7 @@ class Job:
     cache_type: str  # "assistant", "user" or "system", as mlx-lm's server names them
     nbytes: int
     trimmable: bool
+    stem: int = 0  # a later snapshot sharing this many leading tokens replaces it
     since: float = 0.0  # time.monotonic() when it was deferred
 
 
@@ -112,12 +113,18 @@ class WriteBehind:
     # --- what to do with a snapshot ---------------------------------------------------
 
     def submit(self, namespace: Namespace, tokens: list[int], prompt_cache: list[Any],
-               cache_type: str) -> str:
+               cache_type: str, *, stem: int | None = None) -> str:
         """Queue or defer a snapshot of ``tokens`` (the cache holds exactly them); returns
-        ``queued``, ``deferred`` or ``closed`` (dropped: the queue is closed)."""
+        ``queued``, ``deferred`` or ``closed`` (dropped: the queue is closed).
+
+        ``stem`` (default: all of ``tokens``): a later snapshot that shares this many
+        leading tokens with this one continues its conversation and replaces it while it
+        is deferred (a reply's snapshot passes its request's prompt length: the next turn
+        re-renders the reply, so it need not match the reply's own tokens)."""
         mx.eval(cache_arrays(prompt_cache))  # materialise here; the worker reads bytes only
         job = Job(namespace, tokens, list(prompt_cache), cache_type,
-                  sum(int(c.nbytes) for c in prompt_cache), _can_trim(prompt_cache))
+                  sum(int(c.nbytes) for c in prompt_cache), _can_trim(prompt_cache),
+                  stem=len(tokens) if stem is None else min(stem, len(tokens)))
         defer = job.trimmable and self.defer_seconds > 0 and not self._new_block(job)
         with self._cond:
             if self._closed:
@@ -156,12 +163,13 @@ class WriteBehind:
         return n // T > have // T
 
     def _drop_superseded(self, job: Job) -> None:
-        """Deferred snapshots of ``job``'s own leading tokens are covered by it; under
-        ``_cond``."""
+        """Drop the deferred snapshots that ``job`` continues: those whose ``stem`` it
+        shares. (What a replaced reply snapshot held past its stem, the reply as generated
+        rather than as the next turn renders it, is less than a block beyond what the root
+        holds.) Under ``_cond``."""
         keep = []
         for d in self._deferred:
-            if d.namespace == job.namespace and len(d.tokens) <= len(job.tokens) \
-                    and job.tokens[: len(d.tokens)] == d.tokens:
+            if d.namespace == job.namespace and common_prefix(d.tokens, job.tokens) >= d.stem:
                 self._deferred_bytes -= d.nbytes
                 self.counts["superseded"] += 1
             else:

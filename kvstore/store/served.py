@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..blocks import LocalBlockStore
 from ..index import Index
 from ..schema import Namespace
 from .access import AccessLog
@@ -23,6 +24,7 @@ class Served:
     """Mixed into :class:`~kvstore.store.Store`."""
 
     index: Index
+    blocks: LocalBlockStore
     _access: AccessLog
     _bisect: bool
     _link: RemoteLink | None
@@ -63,6 +65,10 @@ class Served:
         self._check_writable("reset the request counts")
         self.flush_access()
         return reset_usage(self.index)
+
+    def quarantined_blocks(self) -> int:
+        """How many blocks ``quarantine/`` holds (moved aside by restores, ``verify --repair``)."""
+        return self.blocks.quarantined()
 
     def stored_prefix(self, tokens: Any, *, namespace: Namespace | None = None) -> int:
         """How many leading tokens of ``tokens`` a local entry can serve (0: none).
