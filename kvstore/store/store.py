@@ -347,8 +347,8 @@ class Store(FileBridge, IndexViews, Maintenance, Served):
 
         Reads only the first ``ceil(length / block_tokens)`` token blocks and the
         state blocks. A load counts as a hit of the :meth:`lookup` that found
-        ``match`` (the hit rate of ``kvstore stats``) and stamps the entry's last
-        access. ``verify`` (None: the store's ``verify_reads``) checks each
+        ``match`` (the ``store lookups`` of ``kvstore stats``) and stamps the entry's
+        last access. ``verify`` (None: the store's ``verify_reads``) checks each
         block's digest over the bytes read. A missing block raises
         :class:`BlockNotFoundError`; a corrupt one (the wrong digest, the wrong
         size, not a regular file) is quarantined, the entries that need it are
@@ -399,6 +399,10 @@ class Store(FileBridge, IndexViews, Maintenance, Served):
         :meth:`load`) and the lookup is made again, so the caller gets the longest
         prefix still stored intact; a block or entry removed meanwhile (evicted by
         another process) is looked up again too.
+
+        Counts one request of ``len(tokens)`` prompt tokens in the root's per-tier counts
+        (:meth:`note_request`): ``length`` of them from this root or the remote, and why
+        it missed when it did.
         """
         cache: list[Any] | None = None
         length = 0
