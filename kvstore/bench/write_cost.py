@@ -93,6 +93,7 @@ def write_cost_rows(root: Path, model_dir: Path, label: str, system: str,
     """Bytes written per request and against the final conversation's KV bytes, with the
     default write-behind and with every snapshot written at once."""
     got: dict[str, dict[str, float]] = {}
+    root.mkdir(parents=True, exist_ok=True)
     log(f"[model] {label}: write cost of a {len(turns)}-turn chat through kvstore serve")
     for mode, args in MODES.items():
         where = root / mode.split()[0]
