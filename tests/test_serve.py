@@ -68,6 +68,29 @@ def test_server_prompt_cache_is_ours_with_the_options_given(
     assert cache.store.verify_reads is verify
 
 
+@pytest.mark.parametrize(("flag", "want"), [([], 300.0), (["--defer-seconds", "0"], 0.0),
+                                           (["--defer-seconds=2.5"], 2.5)])
+def test_defer_seconds_reaches_every_prompt_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: list[str], want: float
+) -> None:
+    built: list[Any] = []
+    monkeypatch.setattr(mlx_lm.server, "main",
+                        lambda: built.append(mlx_lm.server.LRUPromptCache(max_size=3)))
+    assert serve_main(["--root", str(tmp_path / "r"), *flag]) == 0
+    (cache,) = built
+    assert cache.defer_seconds == want and cache._writer.defer_seconds == want
+
+
+@pytest.mark.parametrize("bad", ["-1", "nan"])
+def test_a_negative_defer_seconds_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: str
+) -> None:
+    assert serve_main(["--root", str(tmp_path / "r"), "--defer-seconds", bad]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kvstore: error: --defer-seconds must be >= 0, got {float(bad):g}"]
+    assert not (tmp_path / "r").exists()
+
+
 def test_bad_mlx_lm_option_is_a_usage_error(tmp_path: Path) -> None:
     original = mlx_lm.server.LRUPromptCache
     assert serve_main(["--root", str(tmp_path / "r"), "--port", "not-a-port"]) == 2

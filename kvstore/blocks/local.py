@@ -424,6 +424,14 @@ class LocalBlockStore(base.BlockStore):
             os.close(dfd)
         return None
 
+    def quarantined(self) -> int:
+        """How many names ``quarantine/`` holds (blocks moved aside as corrupt)."""
+        try:
+            with os.scandir(self.quarantine_dir) as it:
+                return sum(1 for _ in it)
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
+
     def stat(self, digest: bytes) -> base.BlockStat | None:
         try:
             st = os.stat(self._path(digest))

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from . import render as H
+from . import render_usage as U
 from ._util import (
     ByteSize,
     UserError,
@@ -50,13 +51,18 @@ def init(algo: str | None, block_tokens: int | None, as_json: bool) -> None:
 
 
 @click.command()
+@click.option("--reset", is_flag=True,
+              help="After showing them, start the since-reset request counts anew.")
 @json_option
 @common
-def stats(as_json: bool) -> None:
-    """Show sizes, dedup ratio, budget and hit rate.
+def stats(reset: bool, as_json: bool) -> None:
+    """Show sizes, dedup ratio, budget and the tokens the cache saved.
 
     Entries, blocks, logical vs stored bytes, the dedup ratio, the byte budget (when one
-    is recorded), unreferenced blocks awaiting compact, and the lookup hit rate.
+    is recorded), unreferenced blocks awaiting compact, and the requests served from
+    this root (kvstore serve, PersistentPromptCache, Store.restore): the share of their
+    prompt tokens reused, by the tier that gave them (memory, this root, the remote),
+    over the root's lifetime and since the last --reset.
     """
     from ..store.gc import DEFAULT_GRACE
 
@@ -65,6 +71,7 @@ def stats(as_json: bool) -> None:
         s = store.settings
         zero = store.unreferenced_blocks()
         tmp = store.temp_files()
+        usage = store.reset_usage() if reset else store.usage()
     # What a plain 'kvstore compact' (default grace) would free now, and what it keeps
     cutoff = int(time.time() * 1000) - int(DEFAULT_GRACE * 1000)
     held = [(size, since) for size, since in zero if since > cutoff]
@@ -81,6 +88,8 @@ def stats(as_json: bool) -> None:
         "tmp_abandoned_files": tmp.abandoned_files, "tmp_abandoned_bytes": tmp.abandoned_bytes,
         "budget_bytes": None,  # a root records no budget: one is given per process
         "hit_rate": st.hits / st.lookups if st.lookups else None,
+        "requests": usage.to_dict(),
+        "reset": reset,
     }
     if as_json:
         emit(data)
@@ -101,13 +110,20 @@ def stats(as_json: bool) -> None:
         rows.append(("unreferenced", _unreferenced_text(zero, held, held_until, DEFAULT_GRACE)))
     if tmp.files:
         rows.append(("temp files", _tmp_text(tmp)))
-    if st.lookups:
-        rows.append(("hit rate", f"{st.hits / st.lookups:.1%} ({H.format_count(st.hits)} of "
-                                 f"{H.plural(st.lookups, 'lookup')})"))
+    rows.append(("tokens saved", U.saved_text(usage.lifetime)))
+    if st.lookups:  # the store tier alone: a memory hit makes no store lookup a hit
+        rows.append(("store lookups", f"{H.plural(st.lookups, 'lookup')}, "
+                                      f"{H.format_count(st.hits)} loaded an entry "
+                                      f"({st.hits / st.lookups:.1%})"))
     else:
-        rows.append(("hit rate", "no lookups recorded"))
+        rows.append(("store lookups", "none recorded"))
     width = max(len(k) for k, _ in rows)
-    click.echo("\n".join(f"{k.ljust(width)}  {v}" for k, v in rows))
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    if usage.lifetime.requests:
+        lines += ["", *U.usage_lines(usage)]
+    if reset:
+        lines += ["", "the since-reset request counts start now"]
+    click.echo("\n".join(lines))
 
 
 def _tmp_text(tmp: Any) -> str:

@@ -36,6 +36,10 @@ from typing import Any
 from kvstore import KVStoreError, Store, _human, default_root
 from kvstore.mlx_lm import PersistentPromptCache
 
+from .metrics import ServeMetrics
+from .requests import RequestLog
+from .writebehind import DEFAULT_DEFER_SECONDS
+
 __all__ = ["serve_main", "parse_size"]
 
 logger = logging.getLogger("kvstore.serve")
@@ -123,6 +127,16 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not check each block's digest as a restore reads it (faster restores; "
         "a block damaged on disk is then handed to the model)",
+    )
+    g.add_argument(
+        "--defer-seconds",
+        type=float,
+        default=DEFAULT_DEFER_SECONDS,
+        metavar="S",
+        help="keep a snapshot that adds no whole token block to what the root holds in "
+        "memory for up to S seconds, replaced by its conversation's next one, instead of "
+        "rewriting the partial last block at every turn; 0 writes every snapshot at once "
+        f"(default: {DEFAULT_DEFER_SECONDS:g})",
     )
     g.add_argument(
         "--no-reuse-prefix",
@@ -335,6 +349,8 @@ def _serve(argv: list[str]) -> int:
     import mlx_lm.server as server
 
     ours, rest = _parser().parse_known_args(argv)
+    if not ours.defer_seconds >= 0:  # NaN too
+        raise ServeError(f"--defer-seconds must be >= 0, got {ours.defer_seconds:g}")
     if "-h" not in rest and "--help" not in rest:
         check_listen(rest)
         rest = _known_models(rest)
@@ -354,6 +370,8 @@ def _serve(argv: list[str]) -> int:
         verify_reads=not ours.no_verify_reads,
         remote=ours.remote,
     ) as store:
+        metrics = ServeMetrics(store, lambda: made)  # GET /metrics
+        requests = RequestLog(logger)  # one INFO line per request
 
         def factory(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:
             cache = PersistentPromptCache(
@@ -364,14 +382,17 @@ def _serve(argv: list[str]) -> int:
                 queue_bytes=ours.queue_bytes,
                 ns=ours.namespace,
                 reuse_prefix=not ours.no_reuse_prefix,
+                defer_seconds=ours.defer_seconds,
             )
+            cache.observers += [metrics, requests]
             made.append(cache)
             return cache
 
         try:
             with (
                 _swapped(server, "LRUPromptCache", factory),
-                _swapped(server, "_run_http_server", _stopping_on_error(server._run_http_server)),
+                _swapped(server, "_run_http_server", _stopping_on_error(
+                    metrics.run_http_server(server._run_http_server))),
                 _swapped(server, "scan_cache_dir",
                          _hub_scan_or_none(getattr(server, "scan_cache_dir"))),  # noqa: B009
                 _swapped(sys, "argv", ["kvstore serve", *rest]),

@@ -30,6 +30,8 @@ from ..schema import (
 )
 from . import keys as P
 from .access import AccessLog
+from .counters import StoreCounters
+from .diagnose import Diagnosis
 from .entries import Entry, EntryInfo, Stats
 from .files import FileBridge
 from .gc import DEFAULT_GRACE, enforce_budget
@@ -42,6 +44,8 @@ from .maintenance import Maintenance
 from .restore import read_entry
 from .root import Root, RootSettings, default_root, has_root, open_root
 from .saving import CODEC_PROVIDER, PrefixGone, Priority, check_args, draft
+from .served import Served
+from .usage import failure_reason
 from .views import IndexViews
 
 if TYPE_CHECKING:  # the remote tier is imported when a store has one (issue 27, item 15)
@@ -53,7 +57,7 @@ _log = logging.getLogger("kvstore")
 _RESTORE_TRIES = 4  # lookups one restore makes when what it found went bad or away
 
 
-class Store(FileBridge, IndexViews, Maintenance):
+class Store(FileBridge, IndexViews, Maintenance, Served):
     """A cache root: save caches, find the longest stored prefix, restore it."""
 
     max_bytes: int | None = None  # byte budget enforced after each save (Store.open)
@@ -82,6 +86,8 @@ class Store(FileBridge, IndexViews, Maintenance):
         self._access = AccessLog(index, read_only=read_only)
         self._bisect = False  # lookups bisect the chain (set by open once the root allows it)
         self._link: RemoteLink | None = None
+        self.counters = StoreCounters()
+        self._diagnosis = Diagnosis(index, self._keys)
 
     @property
     def remote(self) -> Remote | None:
@@ -173,6 +179,7 @@ class Store(FileBridge, IndexViews, Maintenance):
             try:
                 store._link = RemoteLink.attach(store.parts, rem, create=create and not ro,
                                                 push=push)
+                store._link.counters = store.counters
             except BaseException:
                 rem.close()
                 store.close()
@@ -294,7 +301,10 @@ class Store(FileBridge, IndexViews, Maintenance):
         if created and self._link is not None and self._link.auto_push:
             self._link.enqueue(d.digest)
         if created and self.max_bytes is not None:
-            enforce_budget(self.parts, self.max_bytes, grace=self.gc_grace)
+            report = enforce_budget(self.parts, self.max_bytes, grace=self.gc_grace)
+            if report is not None:
+                self.counters.add(evicted_entries=len(report.evicted),
+                                  freed_bytes=report.freed_bytes)
         if not created:  # a concurrent save of the same tokens won
             with self.index.read() as txn:
                 existing = self.index.find_exact(d.plan.exact_key, txn)
@@ -347,8 +357,8 @@ class Store(FileBridge, IndexViews, Maintenance):
 
         Reads only the first ``ceil(length / block_tokens)`` token blocks and the
         state blocks. A load counts as a hit of the :meth:`lookup` that found
-        ``match`` (the hit rate of ``kvstore stats``) and stamps the entry's last
-        access. ``verify`` (None: the store's ``verify_reads``) checks each
+        ``match`` (the ``store lookups`` of ``kvstore stats``) and stamps the entry's
+        last access. ``verify`` (None: the store's ``verify_reads``) checks each
         block's digest over the bytes read. A missing block raises
         :class:`BlockNotFoundError`; a corrupt one (the wrong digest, the wrong
         size, not a regular file) is quarantined, the entries that need it are
@@ -360,12 +370,21 @@ class Store(FileBridge, IndexViews, Maintenance):
         if match.where == "remote":
             from ..remote import RemoteHit
 
-            got = self._remote_link().pull(RemoteHit(
-                match.digest, match.length, match.exact, match.trimmable, match.n_tokens))
+            try:
+                got = self._remote_link().pull(RemoteHit(
+                    match.digest, match.length, match.exact, match.trimmable, match.n_tokens))
+            except RemoteError:
+                self.counters.add(remote_errors=1)
+                raise
+            self.counters.add(remote_pulls=1, remote_pulled_bytes=got.bytes)
             digest = got.digest
             if got.fresh and verify is None:  # every block was checked as it came in
                 verify = False
-        _, cache, _ = self._read(digest, match.length, verify)
+        try:
+            _, cache, _ = self._read(digest, match.length, verify)
+        except CorruptBlockError:
+            self.counters.add(corrupt_blocks=1)
+            raise
         self._access.note(digest)
         return cache
 
@@ -392,12 +411,17 @@ class Store(FileBridge, IndexViews, Maintenance):
         :meth:`load`) and the lookup is made again, so the caller gets the longest
         prefix still stored intact; a block or entry removed meanwhile (evicted by
         another process) is looked up again too.
+
+        Counts one request of ``len(tokens)`` prompt tokens in the root's per-tier counts
+        (:meth:`note_request`): ``length`` of them from this root or the remote, and why
+        it missed when it did.
         """
         cache: list[Any] | None = None
         length = 0
         tried: set[tuple[bytes, int]] = set()
         self._access.note(lookup=True)  # one lookup, however many tries it takes
         remote = True
+        where, failed = "local", None
         for _ in range(_RESTORE_TRIES):
             match = self._find(tokens, namespace, remote=remote)
             if match is None or (match.digest, match.length) in tried:
@@ -405,14 +429,21 @@ class Store(FileBridge, IndexViews, Maintenance):
             tried.add((match.digest, match.length))
             try:
                 cache, length = self.load(match, verify=verify), match.length
+                where = match.where
                 break
             except (BlockNotFoundError, CorruptBlockError, EntryNotFoundError, ManifestError,
                     RemoteError) as e:
+                failed = failed or failure_reason(e)
                 if match.where == "remote":  # a local hit or a miss instead, never an error
                     remote = False
                     if self._link is not None:
                         self._link.down(f"restore of {match.entry_id} failed: {e}")
                 continue
+        # one request: the tokens it was given, what it reused and why not more
+        miss = failed or (None if cache is not None else
+                          self.miss_reason(tokens, namespace=namespace))
+        self._access.note_request(len(tokens), length, where if cache is not None else None,
+                                  miss)
         return (cache, length) if cache is not None else (None, 0)
 
 

@@ -23,6 +23,7 @@ from ..errors import EntryNotFoundError, KVStoreError, RemoteError, RemoteUnavai
 from ..remote import PushStats, Remote, RemoteHit, RemoteSettings
 from ..schema import decode_manifest
 from . import keys as P
+from .counters import StoreCounters
 from .entries import resolve_id
 from .plans import cut_manifest, encoded, entry_plan, publication
 from .root import Root
@@ -65,6 +66,7 @@ class RemoteLink:
         self._lookups = cf.ThreadPoolExecutor(4, thread_name_prefix="kvstore-remote-lookup")
         self._down_until = 0.0
         self._closed = False
+        self.counters = StoreCounters()  # the store's own, once attached (Store.open)
 
     @staticmethod
     def settings_for_new_root(remote: Remote) -> RemoteSettings | None:
@@ -145,6 +147,8 @@ class RemoteLink:
                     if not self._failed:
                         _log.warning("kvstore: push to %s failed: %s", self.remote.url, e)
                     self._failed[d] = None
+            self.counters.add(remote_pushes=st.entries, remote_pushed_bytes=st.bytes,
+                              remote_errors=st.failed)
             with self._cv:
                 self._stats.add(st)
                 self._queued.discard(d)
@@ -203,12 +207,18 @@ class RemoteLink:
         try:
             return fut.result(timeout=self.remote.timeout)
         except (RemoteError, cf.TimeoutError) as e:
+            self.counters.add(remote_errors=1)
             self.down(e if isinstance(e, RemoteError) else f"no answer in {self.remote.timeout} s")
             return None
 
     def _find(self, tk: P.TokenKeys, floor: int) -> RemoteHit | None:
         self._ready()
         return self.remote.find(tk.chain, tk.le, tk.exact_key(), floor)
+
+    @property
+    def unavailable(self) -> bool:
+        """Whether lookups leave the remote alone now (it failed or timed out recently)."""
+        return time.monotonic() < self._down_until
 
     def down(self, why: object) -> None:
         """Leave the remote alone for a while after a failure (one warning each time)."""
