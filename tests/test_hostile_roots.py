@@ -436,6 +436,26 @@ def test_the_cli_reads_a_read_only_root_and_refuses_writes(ro_mount: Path) -> No
         assert "Traceback" not in r.stderr
 
 
+def test_a_write_refused_on_a_read_only_root_is_one_line(ro_mount: Path, tmp_path: Path) -> None:
+    """Issue 27, item 11: CLI.md promises one line for a user error; the read-only notice
+    the reading commands print is folded into it."""
+    root = ro_mount / "r"
+    toks = saved_root(root, 2)
+    with open_store(root) as s:
+        eid = s.lookup(toks[0]).entry_id  # type: ignore[union-attr]
+    f = tmp_path / "a.kv"
+    assert cli("export", eid[:8], f, "--root", root).returncode == 0
+    _remount_ro(ro_mount)
+    for args, what in ((("rm", eid[:8]), "remove entries"), (("compact",), "compact"),
+                       (("verify", "--repair"), "repair"), (("import", f), "import")):
+        r = cli(*args, "--root", root)
+        assert r.returncode == 2 and r.stdout == "", (args, r)
+        assert r.stderr.splitlines() == [
+            f"kvstore: error: {root} is read-only here (a read-only filesystem, or another "
+            f"user's root): cannot {what}"], (args, r.stderr)
+    assert cli("compact", "--dry-run", "--root", root).returncode == 0
+
+
 def test_read_only_true_changes_nothing_on_a_writable_root(tmp_path: Path) -> None:
     root = tmp_path / "r"
     toks = saved_root(root, 2)

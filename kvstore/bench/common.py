@@ -15,6 +15,8 @@ from typing import Any, Literal
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 
+from .._vio import full_fsync
+
 RatioKind = Literal["speedup", "fraction", "throughput"]
 
 # mlx-lm's cache module is untyped: typed handles for what the cases use
@@ -50,6 +52,8 @@ class Config:
     conc_reps: int = 6  # restores per process
     model_tokens: int = 4096  # the real model's TTFT prompt (the model group, with --model)
     model_reps: int = 3  # restores timed per side; the prefill is timed once (minutes on a CPU)
+    # the commands the startup group times in a fresh process (each also as `rm`, `show` ...)
+    startup_commands: tuple[str, ...] = ("stats", "ls", "show", "tree", "rm", "verify", "compact")
     note: str = ""
 
 
@@ -90,6 +94,7 @@ SMOKE = Config(
     conc_reps=1,
     model_tokens=256,
     model_reps=1,
+    startup_commands=("stats",),
     note="smoke: checks that every case runs; its figures mean nothing",
 )
 CONFIGS = {c.name: c for c in (FULL, QUICK, SMOKE)}
@@ -113,6 +118,7 @@ class Row:
     ratio_kind: RatioKind
     ratio: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    part_of: str = ""  # the row whose runs this one's figure is a part of (the limit rows)
 
     def __post_init__(self) -> None:
         if self.ratio_kind == "speedup":
@@ -234,9 +240,10 @@ def decode_step(cache: Sequence[Any]) -> None:
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Flush a file or directory as the store flushes its own (:func:`full_fsync`)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        full_fsync(fd)
     finally:
         os.close(fd)
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
@@ -31,7 +31,7 @@ from .._vio import pwritev_all
 from ..blocks import new_hasher
 from ..blocks.hashing import chain_hashes
 from ..blocks.pools import READ_WORKERS, balanced, io_pool
-from .common import Config, Row, block_files, fsync_path, interleave, median
+from .common import Row, block_files, fsync_path, median
 
 if TYPE_CHECKING:
     import numpy as np
@@ -42,12 +42,13 @@ TARGET = 0.8  # issue 16: kvstore within 0.8x of the machine's limit
 
 
 def limit_row(name: str, kv: float, limit: float, label: str, *,
-              target: float | None = TARGET, extra: dict[str, float] | None = None) -> Row:
+              target: float | None = TARGET, extra: dict[str, float] | None = None,
+              part_of: str = "") -> Row:
     """A row of group ``limit``: kvstore's seconds against the limit's; ratio = limit / kvstore."""
     ext = dict(extra or {})
     if target is not None:
         ext["target"] = target
-    return Row("limit", name, "s", kv, limit, label, "speedup", extra=ext)
+    return Row("limit", name, "s", kv, limit, label, "speedup", extra=ext, part_of=part_of)
 
 
 def _clock() -> float:
@@ -128,30 +129,24 @@ def raw_durable_write(scratch: Path, blocks: Sequence[Sequence[memoryview]],
         shutil.rmtree(d, ignore_errors=True)
 
 
-def restore_limit_rows(cfg: Config, pair: Any, label: str) -> list[Row]:
-    """Restore (unverified, verified, after eviction) vs raw preadv of the same block files."""
-    raw = RawRead(pair.root)
-
-    def kv(verify: bool) -> float:
-        t = _clock()
-        cache, length = pair.store.restore(pair.tokens, verify=verify)
-        assert cache is not None and length == pair.n
-        return _clock() - t
-
-    pair.warm()
-    warm = interleave({"kv": lambda: kv(False), "raw": raw,
-                       "kv_v": lambda: kv(True), "raw_v": lambda: raw(hash=True)}, cfg.reps)
-    cold = interleave({"kv": lambda: kv(False), "raw": raw}, cfg.reps, before=pair.drop)
-    pair.warm()
-    th = f"{raw.threads} threads"
-    return [
-        limit_row(f"limit: restore {label} page cache (verify=False)", median(warm["kv"]),
-                  median(warm["raw"]), f"preadv of its block files into preallocated arrays, {th}"),
-        limit_row(f"limit: restore {label} verify=True (page cache)", median(warm["kv_v"]),
-                  median(warm["raw_v"]), f"the same preadv + BLAKE3 of every block, {th}"),
-        limit_row(f"limit: restore {label} after eviction (verify=False)", median(cold["kv"]),
-                  median(cold["raw"]), f"the same preadv after eviction, {th}"),
-    ]
+def restore_limit_rows(names: dict[str, str], shares: dict[str, list[float]],
+                       res: dict[str, list[float]], threads: int, *,
+                       verified: bool) -> list[Row]:
+    """The limit rows of the restore rows ``names`` (``kv``: verified, ``kv_raw``: not), from
+    the same runs: ``shares`` holds each run's ``Store.restore`` seconds, ``res`` the raw
+    reads timed in the same rounds (``raw``, and ``raw_v`` with BLAKE3). Each row names the
+    restore row it is a part of, so one case is measured once."""
+    th = f"{threads} threads"
+    pairs = [("kv_raw", "raw", f"preadv of its block files into preallocated arrays, {th}")]
+    if verified:
+        pairs.append(("kv", "raw_v", f"the same preadv + BLAKE3 of every block, {th}"))
+    rows = []
+    for side, limit, label in pairs:
+        row = names[side]
+        rows.append(limit_row(
+            f"limit: {row}: Store.restore alone", median(shares[side]), median(res[limit]),
+            label, extra={"decode_s": median(res[side]) - median(shares[side])}, part_of=row))
+    return rows
 
 
 def lookup_limit_rows(store: Store, queries: Sequence[np.ndarray], label: str) -> list[Row]:

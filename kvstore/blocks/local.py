@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-from .._vio import pwritev_all
+from .._vio import full_fsync, pwritev_all
 from ..errors import (
     BlockNotFoundError,
     CorruptBlockError,
@@ -162,7 +162,7 @@ class LocalBlockStore(base.BlockStore):
                 views = [memoryview(p) for p in pieces]
                 pwritev_all(fd, views, 0)
                 if sync:
-                    os.fsync(fd)
+                    full_fsync(fd)
                 elif self.durable:
                     _start_writeback(fd)
             finally:
@@ -178,7 +178,7 @@ class LocalBlockStore(base.BlockStore):
         """fsync a temp file staged without ``sync``."""
         fd = os.open(staged.path, os.O_RDONLY)
         try:
-            os.fsync(fd)
+            full_fsync(fd)
         finally:
             os.close(fd)
 
@@ -222,7 +222,7 @@ class LocalBlockStore(base.BlockStore):
         for d in sorted({os.path.dirname(self._path(d)) for d in digests}):
             fd = os.open(d, os.O_RDONLY)
             try:
-                os.fsync(fd)
+                full_fsync(fd)
             finally:
                 os.close(fd)
 
@@ -389,6 +389,14 @@ class LocalBlockStore(base.BlockStore):
         finally:
             os.close(dfd)
         return None
+
+    def quarantined(self) -> int:
+        """How many names ``quarantine/`` holds (blocks moved aside as corrupt)."""
+        try:
+            with os.scandir(self.quarantine_dir) as it:
+                return sum(1 for _ in it)
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
 
     def stat(self, digest: bytes) -> base.BlockStat | None:
         try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from ..blocks import BlockStore, hash_bytes
@@ -126,6 +126,34 @@ class Copied:
     present: int = 0
 
 
+@dataclass
+class PushStats:
+    """What pushes did: entries published, blocks and bytes uploaded, blocks already there.
+
+    ``failed``: entries whose upload failed (kept, retried by the next push);
+    ``shed``: saves not queued because the queue was full; ``pending``: still queued
+    when a push timed out.
+    """
+
+    entries: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    present: int = 0
+    failed: int = 0
+    shed: int = 0
+    pending: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, other: PushStats) -> None:
+        for f in ("entries", "blocks", "bytes", "present", "failed", "shed", "pending"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        self.errors.extend(other.errors)
+
+    def as_dict(self) -> dict[str, object]:
+        return {f: getattr(self, f) for f in
+                ("entries", "blocks", "bytes", "present", "failed", "shed", "pending", "errors")}
+
+
 class Tier(abc.ABC):
     """A catalog and a block store that hold entries together; one of a store's tiers."""
 
@@ -181,4 +209,4 @@ class Plan(abc.ABC, Generic[R]):
     def _execute(self) -> R: ...
 
 
-__all__ = ["Catalog", "Copied", "Ensure", "Plan", "Tier", "open_manifest"]
+__all__ = ["Catalog", "Copied", "Ensure", "Plan", "PushStats", "Tier", "open_manifest"]

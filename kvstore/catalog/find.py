@@ -76,10 +76,8 @@ def find(reader: DepthReader, tk: TokenKeys, *, floor: int = 0) -> Match | None:
     if lo <= deepest:
         if not reader.bisect:
             top = deepest
-        elif reader.reaches(lo, keys[lo]):
-            top = _deepest_reached(reader, keys, lo, deepest)
         else:
-            top = lo - 1
+            top = deepest_reached(reader, keys, lo, deepest)
         stop = lo if reader.walk is None else max(lo, top - reader.walk + 1)
         for k in range(top, stop - 1, -1):
             best = reader.best_at(tk, k)
@@ -92,8 +90,13 @@ def find(reader: DepthReader, tk: TokenKeys, *, floor: int = 0) -> Match | None:
     return best if best is not None and best.length > floor else None
 
 
-def _deepest_reached(reader: DepthReader, keys: list[bytes], lo: int, hi: int) -> int:
-    """The deepest ``k`` in ``[lo, hi]`` that the reader reaches, given that ``lo`` is."""
+def deepest_reached(reader: DepthReader, keys: list[bytes], lo: int = 0,
+                    hi: int | None = None) -> int:
+    """The deepest ``k`` in ``[lo, hi]`` (``hi``: the query's deepest) that the reader
+    reaches, by bisection; ``lo - 1`` when it does not reach ``lo``."""
+    hi = len(keys) - 1 if hi is None else hi
+    if not reader.reaches(lo, keys[lo]):
+        return lo - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if reader.reaches(mid, keys[mid]):
@@ -103,4 +106,4 @@ def _deepest_reached(reader: DepthReader, keys: list[bytes], lo: int, hi: int) -
     return lo
 
 
-__all__ = ["DepthReader", "Match", "find"]
+__all__ = ["DepthReader", "Match", "deepest_reached", "find"]

@@ -26,7 +26,6 @@ from itertools import repeat
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from ..blocks import hash_bytes
 from ..blocks.hashing import chain_hashes
@@ -45,6 +44,8 @@ def as_tokens(tokens: Any) -> array.array[int]:
     Every check runs at C speed (a 32k-token query costs well under 1 ms; a list of
     Python ints about 1 ms more, for the check that none is a bool).
     """
+    import numpy as np  # here, not at import: the commands that never see tokens skip it
+
     if isinstance(tokens, array.array) and tokens.typecode == "I":
         arr = tokens
     elif isinstance(tokens, np.ndarray) and tokens.ndim == 1 and tokens.dtype.kind in "iu":
@@ -84,8 +85,10 @@ def as_tokens(tokens: Any) -> array.array[int]:
     return arr
 
 
-def _from_numpy(tokens: np.ndarray) -> array.array[int]:
+def _from_numpy(tokens: Any) -> array.array[int]:
     """A 1-d integer numpy array, checked and packed without boxing each token."""
+    import numpy as np
+
     if tokens.size and tokens.dtype.kind == "i" and int(tokens.min()) < 0:
         bad = int(tokens[np.argmax(tokens < 0)])
         raise InvalidTokensError(f"token {bad!r} is not a non-negative int below 2**32-1")
@@ -200,6 +203,8 @@ def common_tokens(a: bytes, b: bytes) -> int:
     if a[: 4 * n] == b[: 4 * n]:
         return n
     if n > 256:
+        import numpy as np  # here: a process that never compares long token strings skips it
+
         x = np.frombuffer(a, dtype=np.uint32, count=n)
         y = np.frombuffer(b, dtype=np.uint32, count=n)
         return int(np.flatnonzero(x != y)[0])

@@ -62,7 +62,8 @@ def push(timeout: float | None, as_json: bool) -> None:
 @common
 def pull(entries: tuple[str, ...], as_json: bool) -> None:
     """Download remote entries (all, or the ENTRY ids or prefixes given) into this root."""
-    with open_store(create=True, remote=remote_url(), push=False) as store:
+    with open_store(create=True, writes="pull entries", remote=remote_url(),
+                    push=False) as store:
         got = store.pull(list(entries) or None)
     if as_json:
         emit({"pulled": [{"id": p.digest.hex(), "n_tokens": p.n_tokens, "blocks": p.blocks,
@@ -194,7 +195,7 @@ def _print_verify(rep: Any) -> None:
 
 
 @remote_group.command("compact")
-@click.option("--max-bytes", type=ByteSize(), default=None, metavar="SIZE",
+@click.option("--max-bytes", type=ByteSize(budget=True), default=None, metavar="SIZE",
               help="Evict least-recently-used entries until the blocks fit (e.g. 50G).")
 @click.option("--grace", type=click.FloatRange(min=0), default=None, metavar="S",
               help="Keep unreferenced blocks younger than S seconds (default 3600).")

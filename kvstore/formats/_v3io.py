@@ -21,8 +21,9 @@ import mlx.core as mx
 
 from .._vio import ShortReadError, preadv_all
 from ..codecs.base import TensorData
-from ..codecs.layout import DTYPES, MLX_BUN_DTYPES
+from ..codecs.layout import MLX_BUN_DTYPES
 from ..codecs.mxload import TensorStream, load_tensors
+from ..schema import DTYPES
 from .bunhash import BunHasher
 from .errors import (
     AllocationBoundError,

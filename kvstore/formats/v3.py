@@ -73,6 +73,7 @@ __all__ = [
     "load_v3",
     "read_header",
     "save_v3",
+    "v5_blocks",
 ]
 
 SUPPORTED_VERSIONS = (3, 4, 5)
@@ -340,6 +341,18 @@ def _check_identity(info: HeaderInfo, namespace: Namespace | None) -> None:
             raise NamespaceMismatchError(
                 info.path, f"{key} mismatch (file {got!r}, expected {want!r})"
             )
+
+
+def v5_blocks(path: str | os.PathLike[str]) -> dict[str, int]:
+    """The block files a v5 file names, ``{sha256 hex: bytes}`` (each once), from its
+    checked header; reads no block."""
+    info = read_header(path)
+    if info.format_version != 5:
+        return {}
+    out: dict[str, int] = {}
+    for t in check_header(info).tensors:
+        out.update(block_refs(info.path, t.slot, t.where))
+    return out
 
 
 def load_v3(

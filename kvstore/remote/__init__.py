@@ -8,8 +8,8 @@ argument for its safety are in docs/FORMAT.md ("The remote tier").
 
 from __future__ import annotations
 
+from ..catalog.base import PushStats
 from .gc import DEFAULT_GRACE, RemoteCompactReport, compact
-from .layout import PushStats
 from .lease import DEFAULT_LEASE, DEFAULT_MARGIN
 from .tier import DEFAULT_TIMEOUT, RemoteEntry, RemoteStats, RemoteTier
 from .verify import RemoteVerifyReport, verify

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 SETTINGS = "kvstore.json"
@@ -99,29 +98,3 @@ def entry_of_key(key: str) -> bytes | None:
     return _hex32(name.split(".", 1)[0])
 
 
-@dataclass
-class PushStats:
-    """What pushes did: entries published, blocks and bytes uploaded, blocks already there.
-
-    ``failed``: entries whose upload failed (kept, retried by the next push);
-    ``shed``: saves not queued because the queue was full; ``pending``: still queued
-    when a push timed out.
-    """
-
-    entries: int = 0
-    blocks: int = 0
-    bytes: int = 0
-    present: int = 0
-    failed: int = 0
-    shed: int = 0
-    pending: int = 0
-    errors: list[str] = field(default_factory=list)
-
-    def add(self, other: PushStats) -> None:
-        for f in ("entries", "blocks", "bytes", "present", "failed", "shed", "pending"):
-            setattr(self, f, getattr(self, f) + getattr(other, f))
-        self.errors.extend(other.errors)
-
-    def as_dict(self) -> dict[str, object]:
-        return {f: getattr(self, f) for f in
-                ("entries", "blocks", "bytes", "present", "failed", "shed", "pending", "errors")}

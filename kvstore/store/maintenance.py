@@ -10,7 +10,8 @@ from .entries import Entry, Stats, entries_of, resolve_id
 from .local.root import Root
 from .upkeep.access import AccessLog
 from .upkeep.gc import DEFAULT_GRACE, CompactReport, plan_compact
-from .upkeep.verify import VerifyReport, verify
+from .upkeep.sweep import TempFiles, temp_files
+from .upkeep.verify import Progress, VerifyReport, verify
 
 
 class Maintenance:
@@ -37,17 +38,28 @@ class Maintenance:
         return self.root.catalog.remove(digest)
 
     def compact(self, max_bytes: int | None, namespace_max_bytes: int | None,
-                grace: float = DEFAULT_GRACE, dry_run: bool = False) -> CompactReport:
-        """Plan a compaction (:func:`.gc.plan_compact`); its report, or what executing it did."""
+                grace: float = DEFAULT_GRACE, dry_run: bool = False,
+                progress: Progress | None = None) -> CompactReport:
+        """Plan a compaction (:func:`.gc.plan_compact`); its report, or what executing it did
+        (``progress(phase, done, total)`` follows the work)."""
         self.access.flush()
         plan = plan_compact(self.root, max_bytes=max_bytes,
                             namespace_max_bytes=namespace_max_bytes, grace=grace)
+        plan.progress = progress
         return plan.report() if dry_run else plan.execute()
 
-    def verify(self, read_data: bool, repair: bool, dry_run: bool) -> VerifyReport:
-        """Check (and with ``repair`` fix) refcounts, blocks and keys (:func:`.verify.verify`)."""
+    def verify(self, read_data: bool, repair: bool, dry_run: bool,
+               progress: Progress | None = None) -> VerifyReport:
+        """Check (and with ``repair`` fix) refcounts, blocks and keys (:func:`.verify.verify`);
+        ``progress(phase, done, total)`` follows the work."""
         self.access.flush()
-        return verify(self.root, read_data=read_data, repair=repair, dry_run=dry_run)
+        return verify(self.root, read_data=read_data, repair=repair, dry_run=dry_run,
+                      progress=progress)
+
+    def temp_files(self) -> TempFiles:
+        """What ``tmp/`` holds: writes in progress, and files a writer that is gone left (a
+        save killed midway), which the next compact removes whatever its grace."""
+        return temp_files(self.root)
 
     def stats(self) -> Stats:
         """Entries, blocks, logical vs physical bytes and the dedup ratio.

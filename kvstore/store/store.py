@@ -6,7 +6,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .._crash import crash_point
 from ..blocks import LocalBlockStore, from_hex
@@ -26,20 +26,26 @@ from ..errors import (
     ReadOnlyStoreError,
 )
 from ..index import Index, IndexRead
-from ..remote import DEFAULT_TIMEOUT, PushStats, Remote
-from ..remote.errors import RemoteUnavailableError
 from ..schema import Manifest, Namespace, TensorSpec
-from .bridge import read_file, write_file
+from .counters import StoreCounters
 from .data.restore import read_entry
 from .data.saving import CODEC_PROVIDER, PrefixGone, check_args, draft
 from .entries import Entry, EntryInfo, Stats
-from .local.root import Root, default_root, has_root, open_root
+from .local.root import Root, default_root
 from .maintenance import Maintenance
+from .opening import open_store
+from .served import Served
 from .tiers import Pulled, Tiers
 from .upkeep.access import AccessLog
 from .upkeep.gc import DEFAULT_GRACE, CompactReport, plan_budget
-from .upkeep.verify import VerifyReport
+from .upkeep.sweep import TempFiles
+from .upkeep.usage import Usage, failure_reason
+from .upkeep.verify import Progress, VerifyReport
 from .views import IndexViews
+
+if TYPE_CHECKING:  # the remote tier is imported when a store has one (issue 27, item 15)
+    from ..catalog.base import PushStats
+    from ..remote import Remote
 
 _log = logging.getLogger("kvstore")
 
@@ -55,8 +61,9 @@ class Store:
     A facade over named parts: ``local`` (the root: the local tier, with its catalog,
     block files and settings), ``tiers`` (the root and the tiers below it: lookups
     across them, write-back, write-behind), ``maintenance`` (listing, deleting,
-    compaction, verification, totals) and ``views`` (what the command line reads of the
-    index). ``root`` is the root's path.
+    compaction, verification, totals), ``views`` (what the command line reads of the
+    index) and ``served`` (per-tier request counts, miss reasons). ``root`` is the root's
+    path; ``counters`` what this open store did, for ``/metrics``.
     """
 
     max_bytes: int | None = None  # byte budget enforced after each save (Store.open)
@@ -85,89 +92,31 @@ class Store:
         self._remote = remote
         self.maintenance = Maintenance(local, self._access)
         self.views = IndexViews(local)
+        self.counters = StoreCounters()
+        self.tiers.counters = self.counters
+        self.served = Served(local, self._access, self.tiers, self._keys,
+                             lambda t, ns: self._find(t, ns, lower=False))
 
     @property
     def remote(self) -> Remote | None:
         """The remote tier (``Store.open(remote=...)``), or None."""
         return self._remote
 
-    # --- opening -------------------------------------------------------------------
+    # --- opening (kvstore.store.opening) -----------------------------------------
 
-    @classmethod
-    def open(
-        cls,
-        root: str | os.PathLike[str] | None = None,
-        *,
-        namespace: Namespace | None = None,
-        hash: str | None = None,
-        block_tokens: int | None = None,
-        state_block_bytes: int | None = None,
-        durable: bool = True,
-        create: bool = True,
-        verify_reads: bool = True,
-        map_size: int | None = None,
-        max_bytes: int | None = None,
-        gc_grace: float | None = None,
-        read_only: bool | None = None,
-        remote: str | None = None,
-        remote_timeout: float = DEFAULT_TIMEOUT,
-        push: bool = True,
-    ) -> Store:
-        """Open (and, with ``create``, make) the root.
+    if TYPE_CHECKING:  # the signature of open_store, for the type checker
 
-        ``hash`` and ``block_tokens`` are fixed when a root is created; passing
-        other values for an existing root is a :class:`RootSettingsError`.
-        With ``max_bytes`` every save that takes the live bytes over it evicts
-        least-recently-used entries until they fit (see :mod:`kvstore.store.upkeep.gc`);
-        ``gc_grace`` (default 600 s) is the grace that eviction honours.
-
-        ``verify_reads`` (the default) checks every block a restore, load or
-        export reads against its digest, over the bytes read; ``False`` skips
-        the hashing for raw speed, and a block damaged on disk is then returned
-        as cache data (sizes and file types are still checked). See the README.
-
-        ``remote`` (default ``$KVSTORE_REMOTE``; ``""`` for none) is an
-        ``s3://BUCKET/PREFIX`` that this root shares with others: lookups consult it,
-        restores pull from it, and saves are queued for upload (``push=False``: only
-        :meth:`push` uploads). ``remote_timeout`` bounds each request and each lookup.
-        """
-        if max_bytes is not None and max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        path = Path(root) if root is not None else default_root()
-        url = os.environ.get("KVSTORE_REMOTE", "") if remote is None else remote
-        rem = Remote(url, timeout=remote_timeout) if url else None
-        try:
-            if rem is not None and create and not has_root(path) and hash is None \
-                    and block_tokens is None:  # a new root takes the remote's settings
-                theirs = rem.read_settings(none_if_unreachable=True)
-                if theirs is not None:
-                    hash, block_tokens = theirs.hash, theirs.block_tokens
-                    state_block_bytes = state_block_bytes or theirs.state_block_bytes
-            index, settings, ro = open_root(path, hash=hash, block_tokens=block_tokens,
-                                            state_block_bytes=state_block_bytes,
-                                            durable=durable, create=create,
-                                            map_size=map_size, read_only=read_only)
-        except BaseException:
-            if rem is not None:
-                rem.close()
-            raise
-        local = Root(path, settings, index,
-                     LocalBlockStore(path, settings.hash, durable=durable, read_only=ro))
-        local.catalog.migrate(writable=not ro)
-        store = cls(local, namespace=namespace, verify_reads=verify_reads, read_only=ro,
-                    remote=rem, push=push)
-        store.max_bytes = max_bytes
-        if gc_grace is not None:
-            store.gc_grace = gc_grace
-        if rem is not None:
-            try:
-                rem.attach(settings, create=create and not ro)
-            except RemoteUnavailableError as e:  # works locally; checked at its first use
-                store.tiers.later(rem, lambda: rem.attach(settings, create=True), e)
-            except BaseException:
-                store.close()
-                raise
-        return store
+        @classmethod
+        def open(cls, root: str | os.PathLike[str] | None = None, *,
+                 namespace: Namespace | None = None, hash: str | None = None,
+                 block_tokens: int | None = None, state_block_bytes: int | None = None,
+                 durable: bool = True, create: bool = True, verify_reads: bool = True,
+                 map_size: int | None = None, max_bytes: int | None = None,
+                 gc_grace: float | None = None, read_only: bool | None = None,
+                 remote: str | None = None, remote_timeout: float | None = None,
+                 push: bool = True) -> Store: ...
+    else:
+        open = classmethod(open_store)
 
     def flush_access(self) -> None:
         """Write pending access stamps and lookup counts to the index now (see
@@ -280,7 +229,9 @@ class Store:
         if created and self.tiers.write_behind:
             self.tiers.enqueue(r.digest)
         if created and self.max_bytes is not None:
-            plan_budget(self.local, self.max_bytes, grace=self.gc_grace).execute()
+            report = plan_budget(self.local, self.max_bytes, grace=self.gc_grace).execute()
+            self.counters.add(evicted_entries=len(report.evicted),
+                              freed_bytes=report.freed_bytes)
         if not created:  # a concurrent save of the same tokens won
             eid = (self.local.catalog.exact(r.exact_key) or r.digest).hex()
             return EntryInfo(eid, n, r.logical_bytes, d.new_bytes, created=False)
@@ -333,11 +284,20 @@ class Store:
         """
         digest: bytes = match.digest
         if match.where != self.local.name:
-            got = self.tiers.write_back(match)
+            try:
+                got = self.tiers.write_back(match)
+            except (KVStoreError, OSError):
+                self.counters.add(remote_errors=1)
+                raise
+            self.counters.add(remote_pulls=1, remote_pulled_bytes=got.bytes)
             digest = got.digest
             if got.fresh and verify is None:  # every block was checked as it came in
                 verify = False
-        _, cache, _ = self._read(digest, match.length, verify)
+        try:
+            _, cache, _ = self._read(digest, match.length, verify)
+        except DigestMismatchError:
+            self.counters.add(corrupt_blocks=1)
+            raise
         self._access.note(digest)
         return cache
 
@@ -365,26 +325,37 @@ class Store:
         prefix still stored intact; a block or entry removed meanwhile (evicted by
         another process) is looked up again too. A lower tier that fails is left alone
         and the lookup made again on this root.
+
+        Counts one request of ``len(tokens)`` prompt tokens in the root's per-tier counts
+        (:meth:`note_request`): ``length`` of them from this root or a lower tier, and why
+        it missed when it did.
         """
         cache: list[Any] | None = None
         length = 0
         tried: set[tuple[bytes, int]] = set()
         self._access.note(lookup=True)  # one lookup, however many tries it takes
         lower = True
+        where, failed = self.local.name, None
         for _ in range(_RESTORE_TRIES):
             match = self._find(tokens, namespace, lower=lower)
             if match is None or (match.digest, match.length) in tried:
                 break
             tried.add((match.digest, match.length))
             try:
-                cache, length = self.load(match, verify=verify), match.length
+                cache, length, where = self.load(match, verify=verify), match.length, match.where
                 break
             except (KVStoreError, OSError) as e:
                 if match.where == self.local.name and not isinstance(e, _GONE):
                     raise
+                failed = failed or failure_reason(e)
                 if match.where != self.local.name:  # a local hit or a miss instead
                     lower = False
                     self.tiers.down(match.where, f"restore of {match.entry_id} failed: {e}")
+        # one request: the tokens it was given, what it reused and why not more
+        miss = failed or (None if cache is not None else self.miss_reason(tokens,
+                                                                          namespace=namespace))
+        self._access.note_request(len(tokens), length, where if cache is not None else None,
+                                  miss)
         return (cache, length) if cache is not None else (None, 0)
 
     # --- files (mlx-bun v3/v4/v5, see kvstore.store.bridge) ----------------------------
@@ -399,6 +370,8 @@ class Store:
         """Store an mlx-bun v3/v4/v5 file as one entry (:func:`.bridge.read_file`: a
         malformed file raises its FileFormatError and leaves the store unchanged). The
         entry's namespace is ``namespace``, else the header's identity, else the store's."""
+        from .bridge import read_file  # the formats: imported by the calls that use them
+
         self._check_writable("import")
         f = read_file(path, verify=verify)
         return self.save(f.tokens, f.cache, namespace=namespace or f.namespace,
@@ -427,6 +400,8 @@ class Store:
         eid = self.resolve(entry_id) if isinstance(entry_id, str) else entry_id
         m = self.manifest(eid)
         tokens, cache, attachments = self.load_entry(eid, verify=verify)
+        from .bridge import write_file
+
         return write_file(m, tokens, cache, attachments, path, format=format)
 
     # --- maintenance (kvstore.store.maintenance) -------------------------------------
@@ -445,43 +420,70 @@ class Store:
         return self.maintenance.delete(self._digest(entry_id))
 
     def compact(self, *, max_bytes: int | None = None, namespace_max_bytes: int | None = None,
-                grace: float = DEFAULT_GRACE, dry_run: bool = False) -> CompactReport:
+                grace: float = DEFAULT_GRACE, dry_run: bool = False,
+                progress: Progress | None = None) -> CompactReport:
         """Evict above the byte budgets, delete expired garbage (:mod:`kvstore.store.upkeep.gc`);
-        ``dry_run``: the plan's report, nothing done."""
+        ``dry_run``: the plan's report, nothing done; ``progress(phase, done, total)``
+        follows the work."""
         if not dry_run:
             self._check_writable("compact")
-        return self.maintenance.compact(max_bytes, namespace_max_bytes, grace, dry_run)
+        return self.maintenance.compact(max_bytes, namespace_max_bytes, grace, dry_run,
+                                        progress)
 
-    def verify(self, *, read_data: bool = False, repair: bool = False, dry_run: bool = False
-               ) -> VerifyReport:
+    def verify(self, *, read_data: bool = False, repair: bool = False, dry_run: bool = False,
+               progress: Progress | None = None) -> VerifyReport:
         """Check refcounts, blocks and keys (and, with ``read_data``, every block's
         bytes); ``repair`` fixes what it finds, ``dry_run`` only says how. See
         :func:`kvstore.store.upkeep.verify.verify`."""
         if repair:
             self._check_writable("repair")
-        return self.maintenance.verify(read_data, repair, dry_run)
+        return self.maintenance.verify(read_data, repair, dry_run, progress)
+
+    def temp_files(self) -> TempFiles:
+        """What ``tmp/`` holds: writes in progress, and files a writer that is gone left (a
+        save killed midway), which the next compact removes whatever its grace."""
+        return self.maintenance.temp_files()
+
+    # --- served requests (kvstore.store.served) ------------------------------------------
+
+    def note_request(self, prompt_tokens: int, reused_tokens: int = 0, tier: str | None = None,
+                     *, miss: str | None = None) -> None:
+        """Count one served request in the root's per-tier request counts.
+
+        ``tier`` (``memory``, ``local`` or ``remote``) gave the ``reused_tokens`` leading
+        tokens of a prompt of ``prompt_tokens``; ``miss`` is why it reused nothing or
+        less than it might have (:data:`kvstore.store.upkeep.usage.MISS_REASONS`).
+        :meth:`restore` and :class:`~kvstore.mlx_lm.PersistentPromptCache` count their own
+        requests; a caller that serves prompts through :meth:`lookup` and :meth:`load`
+        reports its own here. The counts are written within a second (``kvstore stats``).
+        """
+        self.served.note_request(prompt_tokens, reused_tokens, tier, miss)
+
+    def usage(self) -> Usage:
+        """The root's request counts, over its lifetime and since the last reset."""
+        return self.served.usage()
+
+    def reset_usage(self) -> Usage:
+        """Start the root's since-reset request counts anew; returns them as they were."""
+        self._check_writable("reset the request counts")
+        return self.served.reset_usage()
+
+    def stored_prefix(self, tokens: Any, *, namespace: Namespace | None = None) -> int:
+        """How many leading tokens of ``tokens`` a local entry can serve (0: none); neither
+        counted as a lookup nor asked of a lower tier: for deciding what to save."""
+        return self.served.stored_prefix(tokens, namespace)
+
+    def miss_reason(self, tokens: Any, *, namespace: Namespace | None = None,
+                    reused: int = 0) -> str | None:
+        """Why the store gave no more than ``reused`` leading tokens of ``tokens``
+        (:meth:`kvstore.store.diagnose.Diagnosis.reason`); None when it holds no more."""
+        return self.served.miss_reason(tokens, self._ns(namespace), reused)
 
     def stats(self) -> Stats:
         """Entries, blocks, logical vs physical bytes and the dedup ratio."""
         return self.maintenance.stats()
 
     # --- views (kvstore.store.views) ---------------------------------------------------
-
-    def manifests(self, entry_ids: Sequence[str]) -> dict[str, Manifest]:
-        """The manifests of these full hex ids, in one read; an id without one is left out."""
-        return self.views.manifests(entry_ids)
-
-    def unique_bytes(self, manifests: dict[str, Manifest]) -> dict[str, int]:
-        """Per entry id, the bytes of its blocks no other entry references (refcount 1)."""
-        return self.views.unique_bytes(manifests)
-
-    def block_refs(self, digests: Sequence[bytes]) -> dict[bytes, tuple[int, int]]:
-        """``(size, refcount)`` of each of these blocks that has a record, in one read."""
-        return self.views.block_refs(digests)
-
-    def unreferenced_blocks(self) -> list[tuple[int, int]]:
-        """``(size, zero_since)`` of every block no entry references, awaiting compact."""
-        return self.views.unreferenced_blocks()
 
     def lookup_reads(self, tokens: Any, *, namespace: Namespace | None = None
                      ) -> list[IndexRead]:

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ..blocks import Digest
-from ..catalog.base import Tier
+from ..catalog.base import PushStats, Tier
 from ..catalog.find import Match, find
 from ..catalog.keys import TokenKeys
 from ..catalog.records import cut_manifest, encoded, records_of
 from ..errors import EntryNotFoundError, KVStoreError
-from ..remote.layout import PushStats
+from .counters import StoreCounters
 from .entries import resolve_id
 from .errors import TierTimeoutError
 from .local.root import Root
@@ -74,6 +74,7 @@ class Tiers:
         self._requests = cf.ThreadPoolExecutor(4, thread_name_prefix="kvstore-tier-lookup")
         self._down_until: dict[str, float] = {}
         self._closed = False
+        self.counters = StoreCounters()  # the store's own (Store.__init__ hands it over)
 
     def later(self, tier: Tier, first: Callable[[], object], why: object) -> None:
         """Run ``first`` before ``tier`` is used (it was unreachable: its settings are
@@ -113,6 +114,7 @@ class Tiers:
         try:
             return fut.result(timeout=tier.timeout)
         except (KVStoreError, OSError, cf.TimeoutError) as e:
+            self.counters.add(remote_errors=1)
             self.down(tier, e if not isinstance(e, cf.TimeoutError)
                       else f"no answer in {tier.timeout} s")
             return None
@@ -121,6 +123,12 @@ class Tiers:
         self._ready(tier)
         with tier.catalog.reader() as r:
             return find(r, tk, floor=floor)
+
+    @property
+    def unavailable(self) -> bool:
+        """Whether lookups leave a lower tier alone now (it failed or timed out recently)."""
+        now = time.monotonic()
+        return any(now < self._down_until.get(t.name, 0.0) for t in self.lower)
 
     def down(self, tier: Tier | str, why: object) -> None:
         """Leave a tier alone for a while after a failure (one warning each time)."""
@@ -220,6 +228,8 @@ class Tiers:
                     if not self._failed:
                         _log.warning("kvstore: push to %s failed: %s", self._first(), e)
                     self._failed[d] = None
+            self.counters.add(remote_pushes=st.entries, remote_pushed_bytes=st.bytes,
+                              remote_errors=st.failed)
             with self._cv:
                 self._stats.add(st)
                 self._queued.discard(d)
@@ -289,3 +299,4 @@ class Tiers:
         for t in self.lower:
             t.close()
         return st
+

@@ -23,6 +23,10 @@ from .catalog import LocalCatalog
 from .filesystem import check_filesystem
 
 _LAYOUT = ("index", "blocks", "tmp", "quarantine")
+# kvstore 0.1.0's `model fetch` put its model cache in <user cache>/kvstore/models, inside
+# the default root: a root may hold such a folder (kvstore.mlx_lm.gguf names the marker)
+_LEGACY_MODELS = "models"
+_CONVERTED = ".kvstore-converted"
 _log = logging.getLogger("kvstore")
 _settings_dec = msgspec.msgpack.Decoder(TierSettings)
 
@@ -117,6 +121,31 @@ def check_layout(path: Path) -> None:
                 )
 
 
+def legacy_models(path: Path) -> bool:
+    """Whether ``path`` is kvstore 0.1.0's model cache: only ``wheels/``, converted model
+    directories (with their marker) and the hidden temp folders of a conversion."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            return False
+        for e in path.iterdir():
+            if e.name.startswith("."):
+                continue  # a conversion's temp dir (".gguf-…", ".<model>.…")
+            if e.name == "wheels" and e.is_dir() and not e.is_symlink():
+                continue
+            if e.is_dir() and not e.is_symlink() and (e / _CONVERTED).is_file():
+                continue
+            return False
+    except OSError:
+        return False
+    return True
+
+
+def _foreign(path: Path) -> list[str]:
+    """What a directory about to become a root holds that is not a root's own."""
+    return [p.name for p in path.iterdir()
+            if p.name not in _LAYOUT and not (p.name == _LEGACY_MODELS and legacy_models(p))]
+
+
 def root_writable(path: Path) -> bool:
     """Whether this process can write the root's index (False on a read-only mount)."""
     idx = path / "index"
@@ -159,9 +188,7 @@ def open_root(
             raise NotAStoreError(f"{path} is not a kvstore root (no index/); run kvstore init")
         if path.exists() and not path.is_dir():
             raise NotAStoreError(f"{path} is not a directory")
-        if path.is_dir() and any(
-            p.name not in _LAYOUT for p in path.iterdir()
-        ):
+        if path.is_dir() and _foreign(path):
             raise NotAStoreError(f"{path} is not a kvstore root and is not empty")
     elif read_only is None and not root_writable(path):
         read_only = True

@@ -1,6 +1,7 @@
-"""Access stamps and lookup counts: advisory, so batched off the caller's path.
+"""Access stamps, lookup counts and request counts: advisory, so batched off the caller's path.
 
-They order evictions (``last_access``) and feed the hit rate of ``kvstore stats``.
+They order evictions (``last_access``) and feed ``kvstore stats`` (the lookups and hits,
+and the per-tier request counts of :mod:`kvstore.store.upkeep.usage`).
 A timer writes them ``ACCESS_FLUSH_SECONDS`` after the first one; ``close()`` and
 interpreter exit write what is left. A forked child drops its parent's pending
 counts (the parent writes them).
@@ -17,6 +18,7 @@ from collections.abc import Callable
 
 from ...errors import KVStoreError
 from ...index import Index
+from .usage import Counts, add_usage
 
 _log = logging.getLogger("kvstore")
 
@@ -34,6 +36,7 @@ class AccessLog:
         self._hits: dict[bytes, int] = {}
         self._lookups = 0
         self._found = 0
+        self._usage = Counts()  # requests not yet added to the root's counts
         self._pid = os.getpid()  # whose the pending counts are
         self._timer: threading.Timer | None = None
         self._closed = False
@@ -49,11 +52,23 @@ class AccessLog:
                 self._found += 1
             if lookup:
                 self._lookups += 1
-            if self._timer is not None or self._closed:
-                return
-            self._timer = timer = threading.Timer(ACCESS_FLUSH_SECONDS, self._timed_flush)
-            timer.daemon = True
-            timer.name = "kvstore-access-stamps"
+            self._arm()
+
+    def note_request(self, prompt_tokens: int, reused_tokens: int, tier: str | None,
+                     miss: str | None) -> None:
+        """Count one request (checked by the caller); a timer writes the counts."""
+        with self._lock:
+            self._adopt_after_fork()
+            self._usage.note(prompt_tokens, reused_tokens, tier, miss)
+            self._arm()
+
+    def _arm(self) -> None:
+        """Start the flush timer unless one runs; the caller holds ``_lock``."""
+        if self._timer is not None or self._closed:
+            return
+        timer = self._timer = threading.Timer(ACCESS_FLUSH_SECONDS, self._timed_flush)
+        timer.daemon = True
+        timer.name = "kvstore-access-stamps"
         timer.start()
 
     def flush(self) -> None:
@@ -87,17 +102,20 @@ class AccessLog:
             hits, self._hits = self._hits, {}
             lookups, found = self._lookups, self._found
             self._lookups = self._found = 0
+            usage, self._usage = self._usage, Counts()
         if self.read_only:
             return
         try:
             self.index.record_access(hits, lookups=lookups, found=found)
         except KVStoreError as e:
             _log.warning("kvstore: access stamps not recorded: %s", e)
+        add_usage(self.index, usage)
 
     def _adopt_after_fork(self) -> None:
         if self._pid != os.getpid():
             self._pid = os.getpid()
             self._hits, self._lookups, self._found, self._timer = {}, 0, 0, None
+            self._usage = Counts()
 
     def _timed_flush(self) -> None:
         with self._lock:

@@ -41,7 +41,7 @@ Verification and repair live in :mod:`kvstore.store.upkeep.verify` and
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +49,8 @@ from ..._crash import crash_point
 from ...catalog.base import Plan, open_manifest
 from ...index import EntryRecord, RefInfo, Totals, now_ms
 from ..local.root import Root
-from .sweep import batches, stale_tmp, unlink_orphans, unlink_tmp
+from .sweep import batches, stale_tmp_files, unlink_orphans, unlink_tmp
+from .verify import Progress
 
 DEFAULT_GRACE = 600.0  # seconds
 
@@ -63,7 +64,8 @@ class CompactReport:
     freed_bytes: int = 0
     orphans_removed: int = 0  # block files that had no refs record
     orphan_bytes: int = 0
-    tmp_removed: int = 0  # stale files of tmp/
+    tmp_removed: int = 0  # stale files of tmp/ (a writer that is gone left them, or too old)
+    tmp_bytes: int = 0
     physical_before: int = 0
     physical_after: int = 0
     live_after: int = 0
@@ -208,8 +210,10 @@ def _plan(
     return victims, live, zeroed
 
 
-def _evict(root: Root, victims: list[bytes], grace: float, report: CompactReport) -> None:
-    """Remove the victims in short transactions; unlink what they zero if the grace allows."""
+def _evict(root: Root, victims: list[bytes], grace: float, report: CompactReport,
+           step: Callable[[int], None] | None = None) -> None:
+    """Remove the victims in short transactions; unlink what they zero if the grace allows.
+    ``step(n)`` is told of each batch of ``n`` victims done."""
     idx = root.index
     for batch in batches(victims, 64):
         zeroed: list[bytes] = []
@@ -227,6 +231,8 @@ def _evict(root: Root, victims: list[bytes], grace: float, report: CompactReport
         if zeroed:
             with idx.write() as txn:
                 _unlink_zero(root, txn, zeroed, _cutoff_ms(grace), report)
+        if step is not None:
+            step(len(batch))
 
 
 def _unlink_zero(
@@ -272,6 +278,9 @@ class CompactPlan(Plan[CompactReport]):
     orphans: list[tuple[bytes, int]]  # block files no record names, past the grace -> size
     tmp: list[str]  # stale temp files of tmp/
     held: dict[bytes, tuple[int, int]]  # unreferenced blocks the grace keeps: (size, since)
+    tmp_bytes: int = 0  # what the stale temp files hold
+    #: told ``(phase, done, total)`` as :meth:`execute` goes ("evict", then "sweep")
+    progress: Progress | None = None
 
     def empty(self) -> bool:
         return not (self.victims or self.zero_refs or self.orphans or self.tmp)
@@ -285,6 +294,7 @@ class CompactPlan(Plan[CompactReport]):
         r.orphans_removed = len(self.orphans)
         r.orphan_bytes = sum(size for _, size in self.orphans)
         r.tmp_removed = len(self.tmp)
+        r.tmp_bytes = self.tmp_bytes
         # with grace 0 every zero-ref block goes, the evictions' too: live bytes remain
         r.physical_after = (
             self.live_after if self.grace == 0 else self.physical_before - r.freed_bytes
@@ -298,21 +308,40 @@ class CompactPlan(Plan[CompactReport]):
         return r
 
     def _execute(self) -> CompactReport:
-        """Evict the victims, then unlink the planned garbage still garbage."""
-        root = self.root
+        """Evict the victims, then unlink the planned garbage still garbage.
+
+        ``progress("evict"|"sweep", done, total)`` follows the evictions, then the
+        garbage (blocks, orphan files, temp files), in items.
+        """
+        root, progress = self.root, self.progress
         report = CompactReport(physical_before=self.physical_before, grace=self.grace)
         if self.empty():
             report.physical_after, report.live_after = self.physical_before, self.live_after
             return report
+        done = {"evict": 0, "sweep": 0}
+        totals = {"evict": len(self.victims),
+                  "sweep": len(self.zero_refs) + len(self.orphans) + len(self.tmp)}
+
+        def step(phase: str) -> Callable[[int], None]:
+            def advance(n: int) -> None:
+                done[phase] += n
+                if progress is not None:
+                    progress(phase, done[phase], totals[phase])
+            return advance
+
         if self.victims:
-            _evict(root, self.victims, self.grace, report)
+            _evict(root, self.victims, self.grace, report, step("evict"))
+        sweep = step("sweep")
         for batch in batches([d for d, _ in self.zero_refs]):
             with root.index.write() as txn:
                 _unlink_zero(root, txn, batch, self.cutoff, report)
+            sweep(len(batch))
         report.orphans_removed, report.orphan_bytes = unlink_orphans(
             root, self.orphans, self.cutoff
         )
-        report.tmp_removed = unlink_tmp(root, self.tmp)
+        sweep(len(self.orphans))
+        report.tmp_removed, report.tmp_bytes = unlink_tmp(root, self.tmp)
+        sweep(len(self.tmp))
         after = root.index.totals()
         report.physical_after, report.live_after = after.physical_bytes, after.live_bytes
         _fill_held(report, _held_blocks(root, self.grace), self.grace)
@@ -346,6 +375,7 @@ def plan_compact(
     files = [(d, st) for d, st in root.block_files() if st.mtime * 1000 <= cutoff]
     with root.index.read() as txn:
         orphans = [(d, st.size) for d, st in files if root.index.get_ref(d, txn) is None]
+    tmp = stale_tmp_files(root, grace)
     return CompactPlan(
         root=root,
         max_bytes=max_bytes,
@@ -358,8 +388,9 @@ def plan_compact(
         zeroed=zeroed,
         zero_refs=[(d, r) for d, r in zero if r.zero_since <= cutoff],
         orphans=orphans,
-        tmp=stale_tmp(root, grace),
+        tmp=[f.name for f in tmp],
         held={d: (r.size, r.zero_since) for d, r in zero if r.zero_since > cutoff},
+        tmp_bytes=sum(f.size for f in tmp),
     )
 
 
@@ -387,6 +418,7 @@ def compact(
     namespace_max_bytes: int | None = None,
     grace: float = DEFAULT_GRACE,
     dry_run: bool = False,
+    progress: Progress | None = None,
 ) -> CompactReport:
     """Evict above the budgets, then delete expired garbage: zero-ref blocks, orphans, temps.
 
@@ -398,6 +430,7 @@ def compact(
     plan = plan_compact(
         root, max_bytes=max_bytes, namespace_max_bytes=namespace_max_bytes, grace=grace
     )
+    plan.progress = progress
     return plan.report() if dry_run else plan.execute()
 
 

@@ -13,6 +13,7 @@ and the next repair deals with its entries.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,8 +152,12 @@ def _value_digest(v: bytes) -> bytes:
     return v if len(v) == 32 else P.split_value(v)[2]
 
 
+Progress = Callable[[str, int, int], None]  # (phase, done, total): a caller's progress bar
+
+
 def verify(
-    root: Root, *, read_data: bool = False, repair: bool = False, dry_run: bool = False
+    root: Root, *, read_data: bool = False, repair: bool = False, dry_run: bool = False,
+    progress: Progress | None = None,
 ) -> VerifyReport:
     """Check the index against the manifests and the block files; optionally repair.
 
@@ -161,6 +166,7 @@ def verify(
     totals from the surviving manifests, removes dangling keys, dangling zero
     records and orphan block files, all in one write transaction. With
     ``dry_run`` (only with ``repair``) the plan is made and nothing is changed.
+    ``progress("blocks", done, total)`` is called as the blocks are checked, in bytes.
     """
     if dry_run and not repair:
         raise ValueError("dry_run is a dry run of repair: pass repair=True as well")
@@ -169,10 +175,15 @@ def verify(
         s = _scan(root, txn, report)
     referenced = {b for b, n in s.counted.items() if n > 0}
     bad_blocks: dict[bytes, tuple[str, str]] = {}  # block -> (state, what is wrong)
-    for b in sorted(set(s.refs) | referenced):
-        size = s.expected.get(b, s.refs[b].size if b in s.refs else 0)
+    todo = sorted(set(s.refs) | referenced)
+    sizes = [s.expected.get(b, s.refs[b].size if b in s.refs else 0) for b in todo]
+    total, done = sum(sizes), 0
+    for b, size in zip(todo, sizes, strict=True):
         state, why, hashed = root.blocks.inspect(b, size, read_data=read_data)
         report.bytes_hashed += hashed
+        done += size
+        if progress is not None:
+            progress("blocks", done, total)
         if state == "ok":
             continue
         if b in referenced or state == "corrupt":  # garbage, but corrupt: quarantine it too
@@ -310,4 +321,4 @@ def _rebuild(
     idx.put_totals(txn, t)
 
 
-__all__ = ["VerifyReport", "verify"]
+__all__ = ["Progress", "VerifyReport", "verify"]
