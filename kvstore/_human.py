@@ -8,9 +8,14 @@ from __future__ import annotations
 import math
 import re
 
-from .errors import SizeError
+from .errors import KVStoreError
 
 __all__ = ["MIN_BARE_BUDGET", "SizeError", "parse_budget", "parse_size"]
+
+
+class SizeError(KVStoreError, ValueError):
+    """A byte count that cannot be parsed (``10G``, ``500MiB``…)."""
+
 
 # Every unit is binary, as in ``kvstore serve --max-bytes``: 1G = 1GB = 1GiB = 2**30.
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}

@@ -15,9 +15,24 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .errors import ShortReadError
+from .errors import KVStoreError
 
-__all__ = ["IOV_MAX", "full_fsync", "preadv_all", "pwritev_all"]
+__all__ = ["IOV_MAX", "ShortReadError", "full_fsync", "preadv_all", "pwritev_all"]
+
+class ShortReadError(KVStoreError, EOFError):
+    """A positioned read ended at the end of the file before filling its buffers.
+
+    ``offset`` is where the read began, ``want`` the bytes asked for, ``got``
+    the bytes read before the end of the file.
+    """
+
+    def __init__(self, fd: int, offset: int, want: int, got: int) -> None:
+        super().__init__(
+            f"fd {fd}: {got} of {want} bytes read at offset {offset}: the file ends at "
+            f"byte {offset + got}"
+        )
+        self.fd, self.offset, self.want, self.got = fd, offset, want, got
+
 
 #: Buffers handed to one system call (Linux and macOS allow 1024).
 IOV_MAX = 1024
@@ -26,7 +41,7 @@ IOV_MAX = 1024
 def preadv_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
     """Fill every buffer of ``views``, in order, from ``offset`` of ``fd``.
 
-    Raises :class:`~kvstore.errors.ShortReadError` when the file ends first
+    Raises :class:`ShortReadError` when the file ends first
     (its ``got`` counts the bytes this call read), ``OSError`` when a read fails.
     """
     pos = offset

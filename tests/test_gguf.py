@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from kvstore.errors import FileFormatError
+from kvstore.formats.errors import FileFormatError
 from kvstore.mlx_lm.gguf import ModelFetchError, cached_model, convert_gguf, fetch_model, mlx_name
 
 

@@ -239,7 +239,7 @@ def test_two_threads_creating_one_root_exactly_one_wins(
     no settings before either has written its own."""
     import threading
 
-    import kvstore.store.root as root_mod
+    import kvstore.store.local.root as root_mod
 
     real = root_mod.now_ms
 

@@ -12,7 +12,7 @@ from factories import arrays_cache, prefix_cache
 from helpers.kv import T, make_cache, open_store
 
 import kvstore
-from kvstore.store.usage import MISS_REASONS, TIERS
+from kvstore.store.upkeep.usage import MISS_REASONS, TIERS
 
 OTHER_MODEL = kvstore.Namespace(model_id="tiny-gc", config_fingerprint="cfg2",
                                 tokenizer_hash="tok")

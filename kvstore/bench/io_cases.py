@@ -15,12 +15,12 @@ import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 
 from ..blocks import LocalBlockStore, hash_bytes
-from ..blocks.local import io_pool
+from ..blocks.pools import io_pool
+from ..catalog.settings import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK
 from ..codecs import snapshot
 from ..schema import Namespace
 from ..store import Store
-from ..store.root import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK
-from ..store.writer import place
+from ..store.data.writer import place
 from .common import (
     Config,
     Row,
@@ -88,7 +88,7 @@ def _save_parts(scratch: Path, n: int, cache: list[Any]) -> tuple[Callable[[], f
         bstore = LocalBlockStore(root, "blake3", durable=False)
         try:
             t = _clock()
-            list(pool.map(bstore.write_tmp, blocks))
+            list(pool.map(bstore.stage, blocks))
             return _clock() - t
         finally:
             shutil.rmtree(root)

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from .._vio import pwritev_all
 from ..blocks import new_hasher
 from ..blocks.hashing import chain_hashes
-from ..blocks.local import _write_all, io_pool
-from ..store.reader import _THREADS as READ_THREADS
+from ..blocks.pools import READ_WORKERS, balanced, io_pool
 from .common import Row, block_files, fsync_path, median
 
 if TYPE_CHECKING:
@@ -55,17 +55,6 @@ def _clock() -> float:
     return time.perf_counter()
 
 
-def _balanced(sizes: Sequence[int], n: int) -> list[list[int]]:
-    """Indexes of ``sizes`` in ``n`` groups of about equal bytes (biggest first, to the least)."""
-    groups: list[list[int]] = [[] for _ in range(max(1, n))]
-    loads = [0] * len(groups)
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        k = loads.index(min(loads))
-        groups[k].append(i)
-        loads[k] += sizes[i]
-    return [g for g in groups if g]
-
-
 class RawRead:
     """The restore's limit: ``preadv`` of every block file into preallocated, evaluated arrays.
 
@@ -81,7 +70,7 @@ class RawRead:
         self.arrays = [mx.zeros((s,), dtype=mx.uint8) for s in self.sizes]
         mx.eval(self.arrays)
         self.views = [memoryview(a).cast("B") for a in self.arrays]  # type: ignore[arg-type]
-        self.threads = READ_THREADS
+        self.threads = READ_WORKERS
 
     def _job(self, idx: list[int], hash: bool) -> None:
         for i in idx:
@@ -98,7 +87,7 @@ class RawRead:
                 h.digest()
 
     def __call__(self, *, hash: bool = False) -> float:
-        groups = _balanced(self.sizes, self.threads)
+        groups = balanced(self.sizes, self.threads)
         t = _clock()
         futures = [io_pool().submit(self._job, g, hash) for g in groups[1:]]
         self._job(groups[0], hash)
@@ -121,14 +110,14 @@ def raw_durable_write(scratch: Path, blocks: Sequence[Sequence[memoryview]],
         for i in idx:
             fd = os.open(names[i], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                _write_all(fd, blocks[i])
+                pwritev_all(fd, list(blocks[i]), 0)
             finally:
                 os.close(fd)
 
     sizes = [sum(len(p) for p in b) for b in blocks]
     try:
         t = _clock()
-        groups = _balanced(sizes, parallel)
+        groups = balanced(sizes, parallel)
         futures = [io_pool().submit(write, g) for g in groups[1:]]
         write(groups[0])
         for f in futures:

@@ -131,7 +131,7 @@ def inspect_(file: Path, all_tokens: bool, as_json: bool) -> int:
     mlx-bun's reader checks it (a malformed file is an error, exit 2); a file
     that ends before its header or tensors do is reported as truncated (exit 1).
     """
-    from ..errors import TensorOutOfBoundsError, TruncatedFileError
+    from ..formats.errors import TensorOutOfBoundsError, TruncatedFileError
     from ..formats.v3 import check_header, read_header
 
     if file.is_dir():

@@ -64,12 +64,12 @@ def stats(reset: bool, as_json: bool) -> None:
     prompt tokens reused, by the tier that gave them (memory, this root, the remote),
     over the root's lifetime and since the last --reset.
     """
-    from ..store.gc import DEFAULT_GRACE
+    from ..store.upkeep.gc import DEFAULT_GRACE
 
     with open_store() as store:
         st = store.stats()
         s = store.settings
-        zero = store.unreferenced_blocks()
+        zero = store.views.unreferenced_blocks()
         tmp = store.temp_files()
         usage = store.reset_usage() if reset else store.usage()
     # What a plain 'kvstore compact' (default grace) would free now, and what it keeps
@@ -170,8 +170,8 @@ def rm(entries: tuple[str, ...], as_json: bool) -> None:
     """
     with open_store(writes="remove entries") as store:
         ids = resolve_all(store, entries)  # every id checked before anything is removed
-        ms = store.manifests(ids)
-        uniq = store.unique_bytes(ms)
+        ms = store.views.manifests(ids)
+        uniq = store.views.unique_bytes(ms)
         removed = [i for i in ids if store.delete(i)]
     freed = sum(uniq[i] for i in removed)
     if as_json:

@@ -86,19 +86,17 @@ def remote_group() -> None:
 @common
 def remote_init(as_json: bool) -> None:
     """Record this root's settings (hash, block size) on the remote, if it has none yet."""
-    from ..remote import Remote, RemoteSettings
+    from ..remote import Remote
 
     url = remote_url()
     with open_store(create=True) as store:
         s = store.settings
     r = Remote(url)
     try:
-        got, created = r.init(RemoteSettings(hash=s.hash, block_tokens=s.block_tokens,
-                                             state_block_bytes=s.state_block_bytes,
-                                             created_at=s.created_at))
+        got, created = r.init(s)  # the root's settings, as the remote's
     finally:
         r.close()
-    diff = got.differences(s.hash, s.block_tokens, s.state_block_bytes)
+    diff = s.differences(got)
     if as_json:
         emit({"remote": str(r.url), "created": created, "hash": got.hash,
               "block_tokens": got.block_tokens, "state_block_bytes": got.state_block_bytes,

@@ -72,13 +72,13 @@ def block_rows(b: int, n_tokens: int, block_tokens: int) -> int:
     return min(n_tokens - b * block_tokens, block_tokens)
 
 
-def token_block_size(specs: Sequence[TensorSpec], b: int, n_tokens: int, T: int) -> int:
-    rows = block_rows(b, n_tokens, T)
+def token_row_bytes(specs: Sequence[TensorSpec]) -> int:
+    """The bytes one token adds to a token block: every token tensor's share of a row."""
     total = 0
     for s in specs:
         if s.token_axis is not None:
             g = geometry(s.shape, s.dtype, s.token_axis)
-            total += g.outer * rows * g.row_bytes
+            total += g.outer * g.row_bytes
     return total
 
 
@@ -91,9 +91,10 @@ def manifest_block_sizes(
     specs: Sequence[TensorSpec], n_tokens: int, T: int, state_bytes: int, state_block: int
 ) -> tuple[list[int], list[int]]:
     """Expected sizes of an entry's token blocks and state blocks."""
-    tok = [token_block_size(specs, b, n_tokens, T) for b in range(n_token_blocks(n_tokens, T))]
-    if not any(s.token_axis is not None for s in specs):
-        tok = []
+    tok: list[int] = []
+    if any(s.token_axis is not None for s in specs):
+        row = token_row_bytes(specs)  # a block's size is its rows times this
+        tok = [block_rows(b, n_tokens, T) * row for b in range(n_token_blocks(n_tokens, T))]
     return tok, state_block_sizes(state_bytes, state_block)
 
 

@@ -22,18 +22,7 @@ from typing import Any
 
 from .._vio import pwritev_all
 from ..codecs.base import AttachmentData
-from ..errors import (
-    BadMagicError,
-    CacheMismatchError,
-    CodecProviderMismatchError,
-    HeaderFieldError,
-    HeaderHashMismatchError,
-    LayerError,
-    MalformedHeaderError,
-    NamespaceMismatchError,
-    TruncatedFileError,
-    UnsupportedVersionError,
-)
+from ..errors import CacheMismatchError
 from ..schema import Namespace
 from . import _v3json
 from ._frame import (
@@ -61,6 +50,17 @@ from ._v3io import (
 )
 from ._v3kinds import KNOWN_KINDS, LayerPlan, build_layer, plan_layer
 from .bunhash import bun_hash, bun_hash_pieces_hex
+from .errors import (
+    BadMagicError,
+    CodecProviderMismatchError,
+    FileDigestMismatchError,
+    HeaderFieldError,
+    LayerError,
+    MalformedHeaderError,
+    NamespaceMismatchError,
+    TruncatedFileError,
+    UnsupportedVersionError,
+)
 from .v5file import BlockFiles, block_refs, block_source
 
 __all__ = [
@@ -153,8 +153,9 @@ def _header_from_fd(fd: int, path: str) -> HeaderInfo:
     body = _read_exact(fd, header_len, PREFIX_LEN, path, f"{header_len}-byte header")
     got = bun_hash(body)
     if got != expect:
-        raise HeaderHashMismatchError(
-            path, f"header hash mismatch: prefix says {expect:016x}, header hashes to {got:016x}"
+        raise FileDigestMismatchError(
+            path, f"header hash mismatch: prefix says {expect:016x}, header hashes to {got:016x}",
+            f"{expect:016x}", f"{got:016x}",
         )
     try:
         header = _v3json.loads(body)
@@ -255,7 +256,7 @@ def check_header(info: HeaderInfo, *, verify: bool = False) -> CheckedHeader:
     ==========================================  ==========================================
     magic ``MLXBUNKV2\\n``                       ``_header_from_fd`` (BadMagicError)
     body of headerLen read, Bun.hash == prefix  ``_header_from_fd`` (Truncated-,
-                                                HeaderHashMismatchError), length vs file
+                                                FileDigestMismatchError), length vs file
                                                 size checked first
     JSON.parse (UTF-8 TextDecoder)              ``_v3json.loads`` (MalformedHeaderError):
                                                 NaN/Infinity, non-UTF-8, too deep refused

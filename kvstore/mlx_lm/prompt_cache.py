@@ -27,7 +27,7 @@ from typing import Any
 from mlx_lm.models import cache as _cache
 
 from kvstore import Namespace, Store
-from kvstore.store.usage import Counts, failure_reason
+from kvstore.store.upkeep.usage import Counts, failure_reason
 
 from .fingerprint import fingerprint_model, fingerprint_model_dir, namespace_for_path
 from .persist_stats import PersistStats

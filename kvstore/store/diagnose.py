@@ -1,7 +1,7 @@
 """Why a request reused less than it might have: the ``miss`` of the request log.
 
 Asked only after a lookup gave nothing (or nothing deeper than what memory gave), so a
-hit costs nothing more. The answer is one of :data:`~kvstore.store.usage.MISS_REASONS`
+hit costs nothing more. The answer is one of :data:`~kvstore.store.upkeep.usage.MISS_REASONS`
 that the index alone can tell; the ones only a load can tell (a digest that failed, an
 entry gone meanwhile) are the caller's.
 """
@@ -15,23 +15,23 @@ from typing import Any
 
 import msgspec
 
-from ..index import Index
+from ..catalog import keys as P
+from ..catalog.find import deepest_reached, find
 from ..schema import Namespace
-from . import keys as P
-from .lookup import deepest_reached, find
+from .local.catalog import LocalCatalog, LocalReader
 
 NAMESPACES_TTL = 60.0  # seconds a listing of the root's namespaces is reused
 
 _ns_dec = msgspec.json.Decoder(Namespace)
 
 
-def shared_blocks(index: Index, txn: Any, tk: P.TokenKeys, *, bisect: bool) -> int:
+def shared_blocks(reader: LocalReader, tk: P.TokenKeys) -> int:
     """How many leading full blocks of the query some entry of its namespace holds."""
     keys = tk.chain
-    if bisect:
-        return max(deepest_reached(index, txn, keys), 0)
+    if reader.bisect:
+        return max(deepest_reached(reader, keys), 0)
     for k in range(len(keys) - 1, 0, -1):  # a root without reach markers: walk down
-        if index.has_prefix(keys[k], txn) or index.has_prefix(P.reach_key(keys[k]), txn):
+        if reader.reaches(k, keys[k]):
             return k
     return 0
 
@@ -39,14 +39,15 @@ def shared_blocks(index: Index, txn: Any, tk: P.TokenKeys, *, bisect: bool) -> i
 class Diagnosis:
     """The miss reasons of one store; thread-safe (it caches the root's namespaces)."""
 
-    def __init__(self, index: Index, keys_for: Callable[[Any, Namespace], P.TokenKeys]) -> None:
-        self.index = index
+    def __init__(self, catalog: LocalCatalog,
+                 keys_for: Callable[[Any, Namespace], P.TokenKeys]) -> None:
+        self.catalog = catalog
         self.keys_for = keys_for
         self._lock = threading.Lock()
         self._namespaces: tuple[float, list[Namespace]] | None = None
 
-    def reason(self, tokens: Any, ns: Namespace, reused: int, *, bisect: bool,
-               remote_down: bool) -> str | None:
+    def reason(self, tokens: Any, ns: Namespace, reused: int, *, remote_down: bool
+               ) -> str | None:
         """Why the root gave no more than ``reused`` leading tokens of ``tokens``.
 
         ``shallow``: entries of ``ns`` hold more of the query's leading blocks than
@@ -57,8 +58,8 @@ class Diagnosis:
         ``no_entry``. None: a partial reuse that the root could not have bettered.
         """
         tk = self.keys_for(tokens, ns)
-        with self.index.read() as txn:
-            shared = shared_blocks(self.index, txn, tk, bisect=bisect) * tk.block_tokens
+        with self.catalog.reader() as r:
+            shared = shared_blocks(r, tk) * tk.block_tokens
         if shared > reused:
             return "shallow"
         if remote_down:
@@ -69,9 +70,8 @@ class Diagnosis:
             if other == ns or other.ns != ns.ns:
                 continue
             tk2 = self.keys_for(tokens, other)
-            with self.index.read() as txn:
-                if shared_blocks(self.index, txn, tk2, bisect=bisect) > 0 \
-                        or find(self.index, txn, tk2, bisect=bisect) is not None:
+            with self.catalog.reader() as r:
+                if shared_blocks(r, tk2) > 0 or find(r, tk2) is not None:
                     return "other_model"
         return "no_entry"
 
@@ -81,8 +81,9 @@ class Diagnosis:
         with self._lock:
             if self._namespaces is not None and now - self._namespaces[0] < NAMESPACES_TTL:
                 return self._namespaces[1]
-        with self.index.read() as txn:
-            names = {rec.namespace for _, rec in self.index.iter_entries(txn)}
+        index = self.catalog.index
+        with index.read() as txn:
+            names = {rec.namespace for _, rec in index.iter_entries(txn)}
         found = []
         for name in sorted(names):
             try:

@@ -34,7 +34,8 @@ least-recently-used queue per priority (assistant, user, system); take from the
 lowest class whose queue is at least as long as the next class's, else move up.
 A restore counts as an access (``Store.load`` stamps ``last_access``).
 
-Verification and repair live in :mod:`kvstore.store.verify` and :mod:`kvstore.store.repair`.
+Verification and repair live in :mod:`kvstore.store.upkeep.verify` and
+:mod:`kvstore.store.upkeep.repair`.
 """
 
 from __future__ import annotations
@@ -44,16 +45,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._crash import crash_point
-from ..index import EntryRecord, RefInfo, Totals, now_ms
-from ..schema import decode_manifest
-from .lookup import delete_plan
-from .root import Root
+from ..._crash import crash_point
+from ...catalog.base import Plan, open_manifest
+from ...index import EntryRecord, RefInfo, Totals, now_ms
+from ..local.root import Root
 from .sweep import batches, stale_tmp_files, unlink_orphans, unlink_tmp
 from .verify import Progress
 
 DEFAULT_GRACE = 600.0  # seconds
-_ROUNDS = 8  # budget passes before giving up on a store that concurrent saves keep filling
 
 
 @dataclass
@@ -141,7 +140,7 @@ def _blocks_of(root: Root, digest: bytes) -> list[bytes]:
         raw = root.index.get_manifest(digest, txn)
     if raw is None:
         return []
-    return decode_manifest(raw).block_digests()
+    return open_manifest(raw, digest).block_digests()
 
 
 def plan_evictions(
@@ -220,10 +219,10 @@ def _evict(root: Root, victims: list[bytes], grace: float, report: CompactReport
         zeroed: list[bytes] = []
         with idx.write() as txn:
             for d in batch:
-                raw = idx.get_manifest(d, txn)
-                if raw is None:
+                gone = root.catalog.remove_in(txn, d)
+                if gone is None:
                     continue  # deleted meanwhile by another process
-                zeroed += idx.remove_entry(txn, d, delete_plan(decode_manifest(raw), d))
+                zeroed += gone
                 report.evicted.append(d.hex())
             crash_point("delete_before_commit")
         # Unlink in a transaction of its own: were it the eviction's, a crash after
@@ -253,51 +252,20 @@ def _unlink_zero(
         idx.drop_ref(txn, d)
 
 
-def enforce_budget(root: Root, max_bytes: int, *, grace: float) -> CompactReport | None:
-    """Evict until live bytes are within ``max_bytes``; None when already within.
-
-    Cheap when within budget (one read of the totals); called after each save
-    of a store opened with ``max_bytes``.
-    """
-    t = root.index.totals()
-    if t.live_bytes <= max_bytes and t.physical_bytes <= max_bytes:
-        return None
-    report = CompactReport(physical_before=t.physical_bytes)
-    cutoff = _cutoff_ms(grace)
-    _sweep_zero_refs(root, cutoff, report)
-    _apply_budget(root, max_bytes, None, grace, report)
-    after = root.index.totals()
-    report.physical_after, report.live_after = after.physical_bytes, after.live_bytes
-    return report
-
-
-def _apply_budget(
-    root: Root,
-    max_bytes: int | None,
-    namespace_max_bytes: int | None,
-    grace: float,
-    report: CompactReport,
-    rounds: int = _ROUNDS,
-) -> None:
-    for _ in range(rounds):
-        victims, _ = plan_evictions(root, max_bytes, namespace_max_bytes)
-        if not victims:
-            return
-        _evict(root, victims, grace, report)
-
-
 # --- the plan --------------------------------------------------------------------------------
 
 
 @dataclass
-class CompactPlan:
-    """What one compact will do, read from the index; :meth:`execute` re-checks each step.
+class CompactPlan(Plan[CompactReport]):
+    """What one compact will do, read from the index (:func:`plan_compact`, :func:`plan_budget`).
 
-    restic's ``PlanPrune`` then ``Execute``: a dry run is the plan's :meth:`report`,
-    not a flag threaded through the steps. Other processes keep saving meanwhile, so
-    execute acts only on what is still garbage in its own write transaction.
+    restic's ``PlanPrune`` then ``Execute``: :meth:`report` is the dry run; :meth:`execute`
+    does the planned steps and nothing else, once. Other processes keep saving meanwhile,
+    so each step acts only on what is still garbage in its own write transaction; saves
+    that take the root over its budget again are the next plan's.
     """
 
+    root: Root
     max_bytes: int | None
     namespace_max_bytes: int | None
     grace: float
@@ -311,6 +279,11 @@ class CompactPlan:
     tmp: list[str]  # stale temp files of tmp/
     held: dict[bytes, tuple[int, int]]  # unreferenced blocks the grace keeps: (size, since)
     tmp_bytes: int = 0  # what the stale temp files hold
+    #: told ``(phase, done, total)`` as :meth:`execute` goes ("evict", then "sweep")
+    progress: Progress | None = None
+
+    def empty(self) -> bool:
+        return not (self.victims or self.zero_refs or self.orphans or self.tmp)
 
     def report(self) -> CompactReport:
         """What executing the plan would do (the dry run's report)."""
@@ -334,13 +307,17 @@ class CompactPlan:
         _fill_held(r, held, self.grace)
         return r
 
-    def execute(self, root: Root, progress: Progress | None = None) -> CompactReport:
-        """Evict, then unlink the expired garbage; the report says what was done.
+    def _execute(self) -> CompactReport:
+        """Evict the victims, then unlink the planned garbage still garbage.
 
         ``progress("evict"|"sweep", done, total)`` follows the evictions, then the
         garbage (blocks, orphan files, temp files), in items.
         """
+        root, progress = self.root, self.progress
         report = CompactReport(physical_before=self.physical_before, grace=self.grace)
+        if self.empty():
+            report.physical_after, report.live_after = self.physical_before, self.live_after
+            return report
         done = {"evict": 0, "sweep": 0}
         totals = {"evict": len(self.victims),
                   "sweep": len(self.zero_refs) + len(self.orphans) + len(self.tmp)}
@@ -354,10 +331,6 @@ class CompactPlan:
 
         if self.victims:
             _evict(root, self.victims, self.grace, report, step("evict"))
-            # saves committed meanwhile may be over the budget again: a few more rounds
-            _apply_budget(
-                root, self.max_bytes, self.namespace_max_bytes, self.grace, report, _ROUNDS - 1
-            )
         sweep = step("sweep")
         for batch in batches([d for d, _ in self.zero_refs]):
             with root.index.write() as txn:
@@ -375,6 +348,14 @@ class CompactPlan:
         return report
 
 
+def _check(grace: float, **budgets: int | None) -> None:
+    if grace < 0:
+        raise ValueError(f"grace must be >= 0 seconds, got {grace}")
+    for name, v in budgets.items():
+        if v is not None and v < 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+
+
 def plan_compact(
     root: Root,
     *,
@@ -382,12 +363,9 @@ def plan_compact(
     namespace_max_bytes: int | None = None,
     grace: float = DEFAULT_GRACE,
 ) -> CompactPlan:
-    """Plan a compact: the evictions the budgets need, and the garbage past the grace."""
-    if grace < 0:
-        raise ValueError(f"grace must be >= 0 seconds, got {grace}")
-    for name, v in (("max_bytes", max_bytes), ("namespace_max_bytes", namespace_max_bytes)):
-        if v is not None and v < 0:
-            raise ValueError(f"{name} must be >= 0, got {v}")
+    """Plan a compact: the evictions the budgets need, and the garbage past the grace (zero-ref
+    blocks, orphan block files, stale temp files)."""
+    _check(grace, max_bytes=max_bytes, namespace_max_bytes=namespace_max_bytes)
     root.index.reader_check()
     physical = root.index.totals().physical_bytes
     victims, live, zeroed = _plan(root, max_bytes, namespace_max_bytes)
@@ -399,6 +377,7 @@ def plan_compact(
         orphans = [(d, st.size) for d, st in files if root.index.get_ref(d, txn) is None]
     tmp = stale_tmp_files(root, grace)
     return CompactPlan(
+        root=root,
         max_bytes=max_bytes,
         namespace_max_bytes=namespace_max_bytes,
         grace=grace,
@@ -413,6 +392,23 @@ def plan_compact(
         held={d: (r.size, r.zero_since) for d, r in zero if r.zero_since > cutoff},
         tmp_bytes=sum(f.size for f in tmp),
     )
+
+
+def plan_budget(root: Root, max_bytes: int, *, grace: float) -> CompactPlan:
+    """The plan that brings a root within ``max_bytes`` after a save: the evictions, and the
+    zero-ref blocks past the grace (no orphan or temp file sweep). Cheap when the root is
+    within the budget (one read of the totals: an empty plan)."""
+    _check(grace, max_bytes=max_bytes)
+    t = root.index.totals()
+    cutoff = _cutoff_ms(grace)
+    if t.live_bytes <= max_bytes and t.physical_bytes <= max_bytes:
+        return CompactPlan(root, max_bytes, None, grace, cutoff, t.physical_bytes, [],
+                           t.live_bytes, {}, [], [], [], {})
+    victims, live, zeroed = _plan(root, max_bytes, None)
+    with root.index.read() as txn:
+        zero = [(d, r) for d, r in root.index.iter_refs(txn) if r.refcount == 0]
+    return CompactPlan(root, max_bytes, None, grace, cutoff, t.physical_bytes, victims, live,
+                       zeroed, [(d, r) for d, r in zero if r.zero_since <= cutoff], [], [], {})
 
 
 def compact(
@@ -434,20 +430,11 @@ def compact(
     plan = plan_compact(
         root, max_bytes=max_bytes, namespace_max_bytes=namespace_max_bytes, grace=grace
     )
-    return plan.report() if dry_run else plan.execute(root, progress)
+    plan.progress = progress
+    return plan.report() if dry_run else plan.execute()
 
 
 # --- sweeping ------------------------------------------------------------------------------
-
-
-def _sweep_zero_refs(root: Root, cutoff: int, report: CompactReport) -> None:
-    with root.index.read() as txn:
-        due = [
-            d for d, r in root.index.iter_refs(txn) if r.refcount == 0 and r.zero_since <= cutoff
-        ]
-    for batch in batches(due):
-        with root.index.write() as txn:
-            _unlink_zero(root, txn, batch, cutoff, report)
 
 
 def _held_blocks(root: Root, grace: float) -> dict[bytes, tuple[int, int]]:
@@ -475,7 +462,7 @@ __all__ = [
     "CompactReport",
     "EvictionOrder",
     "compact",
-    "enforce_budget",
+    "plan_budget",
     "plan_compact",
     "plan_evictions",
 ]

@@ -2,7 +2,7 @@
 
 Without ``read_data`` the blocks are checked for presence, file type and size
 only; their contents are not read (as ``restic check`` without
-``--read-data``). The repair is a :class:`~kvstore.store.repair.RepairPlan` made and
+``--read-data``). The repair is a :class:`~kvstore.store.upkeep.repair.RepairPlan` made and
 executed in one write transaction, recounting from the manifests under the
 writer lock, so it is safe while other processes save, restore and compact;
 ``dry_run`` makes the same plan in a read transaction and executes nothing.
@@ -17,15 +17,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
-from ..codecs.layout import manifest_blocks
-from ..errors import KVStoreError
-from ..index import EntryRecord, RefInfo, now_ms
-from ..schema import Manifest, decode_manifest
-from . import keys as P
+from ...catalog import keys as P
+from ...catalog.base import open_manifest
+from ...catalog.records import records_of
+from ...codecs.layout import manifest_blocks
+from ...errors import KVStoreError
+from ...index import RefInfo, now_ms
+from ..local.catalog import entry_record
+from ..local.root import Root
 from .repair import RepairPlan, plan_for_blocks
-from .root import Root
 
 
 @dataclass
@@ -100,7 +100,7 @@ def _scan(root: Root, txn: Any, report: VerifyReport) -> _Scan:
     for d, v in idx.iter_manifests(txn):
         s.manifests.add(d)
         try:
-            blocks = manifest_blocks(decode_manifest(v))
+            blocks = manifest_blocks(open_manifest(v, d))
         except (KVStoreError, ValueError):
             s.bad.add(d)
             report.bad_manifests.append(d.hex())
@@ -162,7 +162,7 @@ def verify(
     """Check the index against the manifests and the block files; optionally repair.
 
     Repair quarantines corrupt blocks, cuts back or drops the entries that need a
-    missing or corrupt block (see :mod:`kvstore.store.repair`), rebuilds refcounts and
+    missing or corrupt block (see :mod:`kvstore.store.upkeep.repair`), rebuilds refcounts and
     totals from the surviving manifests, removes dangling keys, dangling zero
     records and orphan block files, all in one write transaction. With
     ``dry_run`` (only with ``repair``) the plan is made and nothing is changed.
@@ -274,7 +274,7 @@ def _rebuild(
     idx = root.index
     manifests: dict[bytes, dict[bytes, int]] = {}
     for d, v in idx.iter_manifests(txn):
-        manifests[d] = manifest_blocks(decode_manifest(v))
+        manifests[d] = manifest_blocks(open_manifest(v, d))
     counted: dict[bytes, tuple[int, int]] = {}
     for blocks in manifests.values():
         for b, size in blocks.items():
@@ -302,8 +302,10 @@ def _rebuild(
     for d in entries.keys() - manifests.keys():
         idx.delete_entry(txn, d)
         del entries[d]
-    for d in manifests.keys() - entries.keys():
-        entries[d] = _entry_from_manifest(decode_manifest(idx.get_manifest(d, txn) or b""))
+    for d in manifests.keys() - entries.keys():  # a record lost: the manifest's own
+        raw = idx.get_manifest(d, txn) or b""
+        m = open_manifest(raw, d)
+        entries[d] = entry_record(records_of(m, raw, d, last_access=m.created_at))
         idx.put_entry(txn, d, entries[d])
     # orphan files: nothing references them; a save in flight rewrites in its commit
     for d in plan.orphans:
@@ -317,18 +319,6 @@ def _rebuild(
     t.physical_bytes = sum(r.size for r in refs.values())
     t.zero_bytes = sum(r.size for r in refs.values() if r.refcount == 0)
     idx.put_totals(txn, t)
-
-
-def _entry_from_manifest(m: Manifest) -> EntryRecord:
-    blocks = manifest_blocks(m)
-    sizes = [blocks[bytes(d)] for d in (*m.token_blocks, *m.state_blocks)]
-    return EntryRecord(
-        namespace=msgspec.json.encode(m.namespace).decode(),
-        n_tokens=m.n_tokens,
-        logical_bytes=sum(sizes),
-        created_at=m.created_at,
-        last_access=m.created_at,
-    )
 
 
 __all__ = ["Progress", "VerifyReport", "verify"]

@@ -1,7 +1,7 @@
 """Access stamps, lookup counts and request counts: advisory, so batched off the caller's path.
 
 They order evictions (``last_access``) and feed ``kvstore stats`` (the lookups and hits,
-and the per-tier request counts of :mod:`kvstore.store.usage`).
+and the per-tier request counts of :mod:`kvstore.store.upkeep.usage`).
 A timer writes them ``ACCESS_FLUSH_SECONDS`` after the first one; ``close()`` and
 interpreter exit write what is left. A forked child drops its parent's pending
 counts (the parent writes them).
@@ -16,8 +16,8 @@ import threading
 import weakref
 from collections.abc import Callable
 
-from ..errors import KVStoreError
-from ..index import Index
+from ...errors import KVStoreError
+from ...index import Index
 from .usage import Counts, add_usage
 
 _log = logging.getLogger("kvstore")

@@ -9,7 +9,7 @@ reason it reused less than it might have (:data:`MISS_REASONS`).
 
 The root keeps two sets of counts in its index (the ``usage`` meta record): over its
 lifetime and since the last reset (``kvstore stats --reset``). Like access stamps they
-are advisory and written in batches (:mod:`kvstore.store.access`): a process adds its
+are advisory and written in batches (:mod:`kvstore.store.upkeep.access`): a process adds its
 pending counts within a second, at close and at exit.
 """
 
@@ -20,8 +20,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from ..errors import KVStoreError
-from ..index import Index, now_ms
+from ...errors import KVStoreError
+from ...index import Index, now_ms
 
 __all__ = ["MISS_REASONS", "TIERS", "Counts", "Usage", "add_usage", "read_usage", "reset_usage"]
 
@@ -200,12 +200,14 @@ def reset_usage(index: Index) -> Usage:
 
 def failure_reason(e: BaseException) -> str:
     """The miss reason of a load that raised ``e``."""
-    from ..errors import BlockNotFoundError, CorruptBlockError, EntryNotFoundError, RemoteError
+    from ...errors import BlockNotFoundError, DigestMismatchError, EntryNotFoundError
+    from ...remote.errors import RemoteError  # here: only a failed load asks
+    from ..errors import TierTimeoutError
 
-    if isinstance(e, CorruptBlockError):
+    if isinstance(e, DigestMismatchError):
         return "verify_failed"
     if isinstance(e, (BlockNotFoundError, EntryNotFoundError)):
         return "gone"
-    if isinstance(e, RemoteError):
+    if isinstance(e, (TierTimeoutError, RemoteError)):
         return "remote_timeout"
     return "error"

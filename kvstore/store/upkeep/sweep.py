@@ -1,7 +1,7 @@
 """Sweeping a root's garbage: block files no record names, stale temp files.
 
 Each unlink re-checks, in the write transaction that could see a save commit,
-that what it removes is still garbage (see :mod:`kvstore.store.gc`).
+that what it removes is still garbage (see :mod:`kvstore.store.upkeep.gc`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .._crash import crash_point
-from ..blocks import open_real_dir
-from .root import Root
+from ..._crash import crash_point
+from ...blocks import open_real_dir
+from ..local.root import Root
 
 TMP_MAX_AGE = 24 * 3600.0  # a temp file this old is stale even if its pid looks alive
 BATCH = 256  # blocks or entries per write transaction: keeps the writer lock short
@@ -79,7 +79,7 @@ class TempFiles:
 def tmp_files(root: Root) -> list[TmpFile]:
     """Every regular file of ``tmp/``, with its size, age and whether it is abandoned.
 
-    A temp file lives from ``write_tmp`` to ``publish``, both in the process whose pid
+    A temp file lives from ``stage`` to ``publish``, both in the process whose pid
     its name starts with; once that process is gone (a save killed midway, by Ctrl-C
     or a crash) nothing can publish the file. Processes sharing a root must see each
     other's pids, as LMDB's own reader-slot cleanup already requires.

@@ -20,12 +20,13 @@ from typing import Any
 
 import msgspec
 
-from ..errors import KVStoreError
-from ..index import SavePlan
-from ..schema import Manifest, decode_manifest
-from .lookup import delete_plan
-from .plans import cut_manifest, encoded, entry_plan
-from .root import Root
+from ...catalog.base import open_manifest
+from ...catalog.records import cut_manifest, encoded, records_of
+from ...errors import KVStoreError
+from ...index import SavePlan
+from ...schema import Manifest
+from ..local.catalog import save_plan
+from ..local.root import Root
 
 
 class _Blocks(msgspec.Struct):
@@ -95,9 +96,7 @@ class RepairPlan:
         for c in self.cut:
             idx.add_entry(txn, c.save)
         for d in [*self.drop, *(c.entry for c in self.cut)]:
-            raw = idx.get_manifest(d, txn)
-            if raw is not None:
-                idx.remove_entry(txn, d, delete_plan(decode_manifest(raw), d))
+            root.catalog.remove_in(txn, d)
         for d in self.undecodable:
             idx.delete_records(txn, d)
         moved: list[bytes] = []
@@ -145,7 +144,7 @@ def plan_for_blocks(
     for d in sorted(users):
         raw = idx.get_manifest(d, txn)
         try:
-            m = decode_manifest(raw or b"")
+            m = open_manifest(raw or b"", d)
             cut = _cut(root, txn, d, m, hit, removed, taken)
         except (KVStoreError, ValueError):
             cut = None
@@ -176,11 +175,13 @@ def _cut(
     n = short.n_tokens
     idx = root.index
     raw, to = encoded(short)
-    save = entry_plan(short, raw, to)
-    rec = idx.get_entry(digest, txn)
-    if rec is not None:  # the cut keeps the entry's own bookkeeping
-        save.entry = msgspec.structs.replace(rec, n_tokens=n,
-                                             logical_bytes=save.entry.logical_bytes)
+    old = idx.get_entry(digest, txn)
+    if old is None:
+        rec = records_of(short, raw, to, last_access=short.created_at)
+    else:  # the cut keeps the entry's own bookkeeping
+        rec = records_of(short, raw, to, priority=old.priority, last_access=old.last_access,
+                         hits=old.hits)
+    save = save_plan(rec, lambda ds: None)  # its blocks are the entry's own, referenced
     have = idx.find_exact(save.exact_key, txn)
     if save.exact_key in taken or (
         have is not None and have not in removed and idx.get_manifest(have, txn) is not None

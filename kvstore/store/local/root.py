@@ -1,62 +1,76 @@
-"""The cache root on disk: its layout, its fixed settings, and opening it."""
+"""The cache root on disk, the local tier: its layout, its fixed settings, opening it, and
+copying an entry into it from another tier."""
 
 from __future__ import annotations
 
 import logging
 import os
 import stat
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import platformdirs
 
-from ..blocks import ALGORITHMS, BlockStat, LocalBlockStore
-from ..errors import NotAStoreError, RootSettingsError, UnsafeRootError
-from ..index import Index, now_ms
-from ._fs import check_filesystem
+from ...blocks import ALGORITHMS, BlockStat, BlockStore, LocalBlockStore
+from ...catalog.base import Copied, Tier
+from ...catalog.records import Records
+from ...catalog.settings import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK, TierSettings
+from ...errors import NotAStoreError, RootSettingsError, UnsafeRootError
+from ...index import Index, now_ms
+from .catalog import LocalCatalog
+from .filesystem import check_filesystem
 
-ROOT_FORMAT = 1
-DEFAULT_BLOCK_TOKENS = 256
-DEFAULT_STATE_BLOCK = 4 << 20
 _LAYOUT = ("index", "blocks", "tmp", "quarantine")
 # kvstore 0.1.0's `model fetch` put its model cache in <user cache>/kvstore/models, inside
 # the default root: a root may hold such a folder (kvstore.mlx_lm.gguf names the marker)
 _LEGACY_MODELS = "models"
 _CONVERTED = ".kvstore-converted"
 _log = logging.getLogger("kvstore")
+_settings_dec = msgspec.msgpack.Decoder(TierSettings)
 
 
-class RootSettings(msgspec.Struct, frozen=True, kw_only=True):
-    """Fixed when a root is created; opening it with others is an error."""
+class Root(Tier):
+    """The local tier, an open root: its path, settings, LMDB catalog and block files. What
+    gc, verify and repair work on (never the Store)."""
 
-    format: int = ROOT_FORMAT
-    hash: str
-    block_tokens: int
-    state_block_bytes: int
-    created_at: int
+    name = "local"
 
-
-_settings_dec = msgspec.msgpack.Decoder(RootSettings)
-
-
-@dataclass(frozen=True)
-class Root:
-    """An open root's parts: what gc, verify and repair work on (never the Store)."""
-
-    path: Path
-    settings: RootSettings
-    index: Index
-    blocks: LocalBlockStore
+    def __init__(self, path: Path, settings: TierSettings, index: Index,
+                 blocks: LocalBlockStore) -> None:
+        self.path = path
+        self.settings = settings
+        self.index = index
+        self.blocks: LocalBlockStore = blocks
+        self.catalog: LocalCatalog = LocalCatalog(index)
 
     def block_files(self) -> Iterator[tuple[bytes, BlockStat]]:
         """Every block file with its size and age (a file gone meanwhile is skipped)."""
-        for d in self.blocks.iter():
-            st = self.blocks.stat(d)
-            if st is not None:
-                yield d, st
+        return self.blocks.iter_stats()
+
+    def take(self, rec: Records, source: BlockStore) -> Copied:
+        """Copy an entry in from another tier: the blocks this root lacks, downloaded and
+        verified before the commit (never inside its write transaction), then the records;
+        a block a local GC took meanwhile is fetched again in the commit."""
+        need = list(rec.blocks)
+        missing = [d for d in need if not self.blocks.exists(d)]
+        got = Copied(present=len(need) - len(missing))
+
+        def fetched() -> Iterator[tuple[bytes, list[bytes]]]:  # one block in memory at a time
+            for d, data in source.get_many(missing):
+                got.blocks += 1
+                got.bytes += len(data)
+                yield d, [data]
+
+        self.blocks.put_many(fetched())
+
+        def ensure(digests: Sequence[bytes]) -> None:
+            again = [d for d in digests if not self.blocks.exists(d)]
+            self.blocks.put_many((d, [data]) for d, data in source.get_many(again))
+
+        got.created = self.catalog.commit(rec, ensure)
+        return got
 
 
 def default_root() -> Path:
@@ -153,7 +167,7 @@ def open_root(
     create: bool,
     map_size: int | None,
     read_only: bool | None = None,
-) -> tuple[Index, RootSettings, bool]:
+) -> tuple[Index, TierSettings, bool]:
     """Open (and, with ``create``, make) the root at ``path``: its index, settings and
     whether it is open read-only.
 
@@ -195,7 +209,7 @@ def open_root(
         if raw is None:
             if read_only:
                 raise NotAStoreError(f"{path} has no settings yet (a root being created?)")
-            proposed = RootSettings(
+            proposed = TierSettings(
                 hash=hash or "blake3",
                 block_tokens=block_tokens or DEFAULT_BLOCK_TOKENS,
                 state_block_bytes=state_block_bytes or DEFAULT_STATE_BLOCK,

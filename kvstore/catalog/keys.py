@@ -192,12 +192,30 @@ def reach_key(c_k: bytes) -> bytes:
     return c_k + b"r"
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def common_tokens(a: bytes, b: bytes) -> int:
+    """How many leading tokens two token strings share, 4 bytes a token in one encoding
+    (u32 little-endian, or the prefix values' big-endian ``t+1``).
+
+    Equal strings cost one compare; a short difference is found by bisection over byte
+    compares, a long one with numpy.
+    """
+    n = min(len(a), len(b)) // 4
+    if a[: 4 * n] == b[: 4 * n]:
+        return n
+    if n > 256:
+        import numpy as np  # here: a process that never compares long token strings skips it
+
+        x = np.frombuffer(a, dtype=np.uint32, count=n)
+        y = np.frombuffer(b, dtype=np.uint32, count=n)
+        return int(np.flatnonzero(x != y)[0])
+    lo, hi = 0, n  # the first lo tokens match, the first hi do not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[: 4 * mid] == b[: 4 * mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass(frozen=True)

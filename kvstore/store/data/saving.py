@@ -1,36 +1,25 @@
 """The body of a save: place the cache in blocks, write the new ones, make the manifest
-and the index plan that :meth:`Index.commit_save` commits in one transaction."""
+and the records (:func:`~kvstore.catalog.records.records_of`) the local catalog commits
+in one transaction."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-import msgspec
-
-from ..blocks import new_hasher
-from ..codecs import AttachmentData, RawCache, snapshot
-from ..errors import CacheMismatchError
-from ..index import EntryRecord, SavePlan, now_ms
-from ..schema import (
-    Attachment,
-    Layer,
-    Manifest,
-    Namespace,
-    decode_manifest,
-    encode_manifest,
-    iter_tensor_specs,
-)
-from . import keys as P
-from .lookup import find, prefix_items, trimmable
-from .root import Root
+from ...catalog import keys as P
+from ...catalog.base import Ensure
+from ...catalog.find import find
+from ...catalog.records import PRIORITIES, Records, encoded, records_of
+from ...codecs import AttachmentData, RawCache, snapshot
+from ...errors import CacheMismatchError
+from ...index import now_ms
+from ...schema import Attachment, Layer, Manifest, Namespace, iter_tensor_specs
+from ..local.root import Root
 from .writer import place, write_blocks
 
 CODEC_PROVIDER = "kvstore-mlx/1"
-Priority = Literal["assistant", "user", "system"]
-PRIORITIES: dict[str, int] = {"assistant": 0, "user": 1, "system": 2}
-_ns_json = msgspec.json.Encoder()
 
 
 class PrefixGone(Exception):
@@ -39,13 +28,15 @@ class PrefixGone(Exception):
 
 @dataclass(frozen=True)
 class Draft:
-    """A save ready to commit: its blocks are written, its manifest encoded."""
+    """A save ready to commit: its blocks are written, its records made."""
 
-    plan: SavePlan
-    digest: bytes
-    logical_bytes: int
+    records: Records
+    ensure: Ensure  # the commit's: rewrite a block a GC took meanwhile
     new_bytes: int
-    created_at: int
+
+    @property
+    def digest(self) -> bytes:
+        return self.records.digest
 
 
 def check_args(cache: Sequence[Any], metadata: dict[str, str] | None, priority: str
@@ -72,9 +63,8 @@ def draft(
     created_at: int | None,
     *,
     reuse_prefix: bool,
-    bisect: bool,
 ) -> Draft:
-    """Write the blocks of ``cache`` that are not stored yet and plan its index records.
+    """Write the blocks of ``cache`` that are not stored yet and make its records.
 
     With ``reuse_prefix`` the leading full token blocks a stored entry holds for the
     same tokens are referenced instead of hashed (their bytes must then be there at
@@ -85,7 +75,7 @@ def draft(
     snaps = [snapshot(c) for c in cache] + [_attachment_snapshot(a) for a in attachments]
     n_layers = len(cache)
     layers, blockset = place(snaps, n, T, s.state_block_bytes)
-    known = reusable_prefix(root, tk, layers[:n_layers], bisect=bisect) if reuse_prefix else []
+    known = reusable_prefix(root, tk, layers[:n_layers]) if reuse_prefix else []
     new_bytes = write_blocks(root.blocks, blockset, known)
     manifest = Manifest(
         namespace=ns,
@@ -106,55 +96,34 @@ def draft(
         ),
         metadata=meta,
     )
-    encoded = encode_manifest(manifest)
-    h = new_hasher(s.hash)
-    h.update(encoded)
-    digest = h.digest()
+    raw, digest = encoded(manifest)
     pieces = blockset.by_digest()
     reused = set(known)
 
-    def ensure(d: bytes) -> None:  # called in the commit's transaction, for each block
-        if not root.blocks.exists(d):
-            if d in reused:  # its entry was deleted and collected meanwhile
-                raise PrefixGone
-            root.blocks.put(d, pieces[d])
+    def ensure(digests: Sequence[bytes]) -> None:  # in the commit's transaction
+        for d in digests:
+            if not root.blocks.exists(d):
+                if d in reused:  # its entry was deleted and collected meanwhile
+                    raise PrefixGone
+                root.blocks.put(d, pieces[d])
 
-    logical = blockset.logical_bytes()
-    plan = SavePlan(
-        digest=digest,
-        manifest=encoded,
-        blocks=blockset.sizes(),
-        prefix_items=prefix_items(tk.chain, tk.tokens, T, trimmable(manifest.layers), digest),
-        exact_key=tk.exact_key(),
-        entry=EntryRecord(
-            namespace=_ns_json.encode(ns).decode(),
-            n_tokens=n,
-            logical_bytes=logical,
-            created_at=manifest.created_at,
-            last_access=now_ms(),
-            priority=PRIORITIES[priority],
-        ),
-        ensure_block=ensure,
-    )
-    return Draft(plan, digest, logical, new_bytes, manifest.created_at)
+    rec = records_of(manifest, raw, digest, priority=PRIORITIES[priority])
+    return Draft(rec, ensure, new_bytes)
 
 
-def reusable_prefix(
-    root: Root, tk: P.TokenKeys, layers: tuple[Layer, ...], *, bisect: bool
-) -> list[bytes]:
+def reusable_prefix(root: Root, tk: P.TokenKeys, layers: tuple[Layer, ...]) -> list[bytes]:
     """Digests of the leading full token blocks a stored entry holds for these tokens.
 
     Resolves the match and its manifest in one read transaction.
     """
     T = root.settings.block_tokens
-    with root.index.read() as txn:
-        match = find(root.index, txn, tk, bisect=bisect)
+    with root.catalog.reader() as r:
+        match = find(r, tk)
         if match is None or match.length < T:
             return []
-        raw = root.index.get_manifest(match.digest, txn)
-    if raw is None:
+        m = r.manifest(match.digest)
+    if m is None:
         return []
-    m = decode_manifest(raw)
     if _token_layout(m.layers) != _token_layout(layers):
         return []
     return list(m.token_blocks[: match.length // T])

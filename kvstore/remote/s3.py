@@ -1,4 +1,4 @@
-"""S3-compatible object storage: the client layer and :class:`S3BlockStore`.
+"""S3-compatible object storage: the client of one bucket (the remote tier's only way to it).
 
 The endpoint, the credentials and the region come from the standard AWS
 configuration, read by botocore exactly as the AWS CLI reads them
@@ -15,28 +15,28 @@ boto3 was chosen over obstore by measurement (``tools/bench_s3_client.py``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
-from ..errors import (
-    BlockNotFoundError,
+from .errors import (
     RemoteAuthError,
     RemoteError,
     RemoteNotFoundError,
     RemoteUnavailableError,
     RemoteURLError,
 )
-from .base import BlockStat, BlockStore, Buffer
-from .hashing import Digest, check_digest, new_hasher
 
 __all__ = [
     "ObjectInfo",
-    "S3BlockStore",
     "S3Client",
     "S3URL",
     "parse_s3_url",
+    "run_all",
 ]
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 DEFAULT_CONNECT_TIMEOUT = 5.0
 DEFAULT_READ_TIMEOUT = 30.0
@@ -84,6 +84,22 @@ class ObjectInfo(NamedTuple):
     key: str
     size: int
     mtime: float
+
+
+def run_all(pool: Executor, fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
+    """``fn`` over ``items`` on ``pool``'s threads, in order; every call is waited for and
+    the first error is raised."""
+    futs = [pool.submit(fn, x) for x in items]
+    out: list[_R] = []
+    err: BaseException | None = None
+    for f in futs:
+        try:
+            out.append(f.result())
+        except BaseException as e:  # noqa: BLE001 - the first error wins, all are waited
+            err = err or e
+    if err is not None:
+        raise err
+    return out
 
 
 def _status(err: Any) -> int | None:
@@ -186,11 +202,15 @@ class S3Client:
         """HEAD the bucket: RemoteNotFoundError, RemoteAuthError or RemoteUnavailableError."""
         self._call("HEAD bucket", "", self._s3.head_bucket)
 
-    def put(self, key: str, body: bytes, *, if_absent: bool = True) -> bool:
-        """PUT ``body``; with ``if_absent`` (``If-None-Match: *``) False when the key exists."""
+    def put(self, key: str, body: bytes, *, if_absent: bool = True,
+            metadata: dict[str, str] | None = None) -> bool:
+        """PUT ``body`` (with user ``metadata``, ``x-amz-meta-*``); with ``if_absent``
+        (``If-None-Match: *``) False when the key exists."""
         kw: dict[str, Any] = {"Key": key, "Body": body}
         if if_absent:
             kw["IfNoneMatch"] = "*"
+        if metadata:
+            kw["Metadata"] = metadata
         for attempt in range(DEFAULT_ATTEMPTS):
             try:
                 self._s3.put_object(Bucket=self.bucket, **kw)
@@ -210,11 +230,16 @@ class S3Client:
 
     def get(self, key: str) -> bytes:
         """GET the whole object; RemoteNotFoundError when it is missing."""
+        return self.get_with_metadata(key)[0]
+
+    def get_with_metadata(self, key: str) -> tuple[bytes, dict[str, str]]:
+        """GET the whole object and its user metadata; RemoteNotFoundError when missing."""
         r = self._call("GET", key, self._s3.get_object, Key=key)
         try:
-            return bytes(r["Body"].read())
+            body = bytes(r["Body"].read())
         except (self._exc.BotoCoreError, OSError) as e:
             raise self._error(e, key, "GET") from e
+        return body, {str(k): str(v) for k, v in (r.get("Metadata") or {}).items()}
 
     def head(self, key: str) -> ObjectInfo | None:
         """HEAD: the object's size and mtime, or None when it is missing."""
@@ -272,81 +297,3 @@ class S3Client:
 
     def close(self) -> None:
         self._s3.close()
-
-
-class S3BlockStore(BlockStore):
-    """Blocks as objects ``<prefix>blocks/ab/<hex>``, the same bytes as the local files.
-
-    ``put`` is a put-if-absent (``If-None-Match: *``) and skips a block that is
-    there. It does not freshen an existing block's age: an object store can only
-    change LastModified by rewriting the object. The remote tier does not need
-    it: a writer's manifest is uploaded, and the GC lease read, before the writer
-    checks which blocks exist (docs/FORMAT.md, "The remote tier").
-    """
-
-    def __init__(self, client: S3Client, prefix: str, algo: str) -> None:
-        new_hasher(algo)  # validates the name
-        self.client = client
-        self.prefix = prefix
-        self.algo = algo
-        self._dir = f"{prefix}blocks/"
-
-    def key(self, digest: bytes) -> str:
-        """The object key of ``digest``; the digest is validated before the key is built."""
-        hx = check_digest(digest).hex()
-        return f"{self._dir}{hx[:2]}/{hx}"
-
-    def url(self, digest: bytes) -> str:
-        return f"s3://{self.client.bucket}/{self.key(digest)}"
-
-    where = url
-
-    def put(self, digest: bytes, pieces: Sequence[Buffer]) -> bool:
-        key = self.key(digest)
-        return self.client.put(key, b"".join(pieces), if_absent=True)
-
-    def get(self, digest: bytes, *, verify: bool = True) -> bytes:
-        key = self.key(digest)
-        try:
-            data = self.client.get(key)
-        except RemoteNotFoundError as e:
-            raise BlockNotFoundError(f"{self.url(digest)}: no such block") from e
-        if verify:
-            self.check(digest, data)
-        return data
-
-    def exists(self, digest: bytes) -> bool:
-        return self.client.head(self.key(digest)) is not None
-
-    def delete(self, digest: bytes) -> bool:
-        key = self.key(digest)
-        if self.client.head(key) is None:
-            return False
-        self.client.delete(key)
-        return True
-
-    def delete_many(self, digests: Sequence[bytes]) -> None:
-        """Delete many blocks with batched requests (missing ones are no error)."""
-        self.client.delete_many([self.key(d) for d in digests])
-
-    def iter(self) -> Iterator[Digest]:
-        for d, _ in self.iter_stats():
-            yield d
-
-    def iter_stats(self) -> Iterator[tuple[Digest, BlockStat]]:
-        """Every block with its size and mtime, from LIST alone (no HEAD per block)."""
-        n = len(self._dir) + 3
-        for o in self.client.list(self._dir):
-            hx = o.key[n:]
-            if len(o.key) != n + 64 or o.key[n - 3 : n - 1] != hx[:2]:
-                continue  # not a block object: ignored, as the local store ignores strays
-            try:
-                d = Digest(bytes.fromhex(hx))
-            except ValueError:
-                continue
-            if d.hex() == hx:
-                yield d, BlockStat(o.size, o.mtime)
-
-    def stat(self, digest: bytes) -> BlockStat | None:
-        info = self.client.head(self.key(digest))
-        return None if info is None else BlockStat(info.size, info.mtime)

@@ -14,18 +14,16 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .._vio import preadv_all
-from ..blocks import BlockCheck
-from ..blocks.local import READ_WORKERS, read_pool
-from ..codecs._mxload import TensorStream, load_tensors
-from ..codecs.layout import block_rows, geometry, spec_nbytes
-from ..errors import ShortReadError
-from ..schema import TensorSpec
+from ..._vio import ShortReadError, preadv_all
+from ...blocks import BlockCheck
+from ...blocks.pools import READ_WORKERS, balanced, read_pool
+from ...codecs.layout import block_rows, geometry, spec_nbytes
+from ...codecs.mxload import TensorStream, load_tensors
+from ...schema import TensorSpec
 
 _ZEROS = bytes(1 << 20)
 _IOV_MAX = 1024
 _PARALLEL_BYTES = 1 << 20  # smaller tensors are read on the caller's thread
-_THREADS = READ_WORKERS  # reads in flight per tensor (the caller's thread is one)
 
 
 @dataclass(frozen=True)
@@ -257,13 +255,8 @@ def _run_reads(reads: list[_Read], zeros: list[memoryview]) -> None:
     total = sum(r.nbytes for r in reads)
     futures = []
     if len(reads) > 1 and total >= _PARALLEL_BYTES:
-        n = min(_THREADS, len(reads))
-        groups: list[list[_Read]] = [[] for _ in range(n)]
-        loads = [0] * n
-        for job in sorted(reads, key=lambda r: -r.nbytes):  # biggest first, to the lightest
-            k = loads.index(min(loads))
-            groups[k].append(job)
-            loads[k] += job.nbytes
+        groups = [[reads[i] for i in g]
+                  for g in balanced([r.nbytes for r in reads], READ_WORKERS)]
         pool = read_pool()
         reads = groups[0]
         for g in groups[1:]:

@@ -29,7 +29,7 @@ from typing import Any, BinaryIO, cast
 
 import mlx.core as mx
 
-from ._fork import mlx_guard
+from .forksafe import mlx_guard
 from .layout import SAFETENSORS_DTYPES, itemsize
 
 _RELEASE_TIMEOUT = 5.0  # seconds; in practice the reader is gone in microseconds

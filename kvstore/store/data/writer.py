@@ -10,27 +10,27 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TypeVar
 
 import mlx.core as mx
 import msgspec
 
-from .._crash import crash_point
-from ..blocks import Digest, LocalBlockStore, new_hasher
-from ..blocks.local import io_pool
-from ..codecs import Snapshot, TensorData
-from ..codecs._fork import mlx_guard
-from ..codecs._pieces import cut
-from ..codecs.layout import (
+from ..._crash import crash_point
+from ...blocks import BlockStore, Digest, new_hasher
+from ...blocks.base import Staged
+from ...blocks.pools import io_pool
+from ...codecs import Snapshot, TensorData
+from ...codecs.forksafe import mlx_guard
+from ...codecs.layout import (
     RESTORABLE_DTYPES,
     block_rows,
     dtype_name,
     geometry,
     n_token_blocks,
 )
-from ..errors import CacheMismatchError, UnsupportedDtypeError
-from ..schema import Layer, ListLayer, TensorSpec
+from ...codecs.pieces import cut
+from ...errors import CacheMismatchError, UnsupportedDtypeError
+from ...schema import Layer, ListLayer, TensorSpec
 
 Pieces = list[memoryview]
 _T = TypeVar("_T")
@@ -54,12 +54,6 @@ class BlockSet:
         for d, p in zip(self.state_digests, self.state_pieces, strict=True):
             out.setdefault(d, p)
         return out
-
-    def sizes(self) -> dict[bytes, int]:
-        return {d: sum(len(x) for x in p) for d, p in self.by_digest().items()}
-
-    def logical_bytes(self) -> int:
-        return sum(sum(len(x) for x in p) for p in self.token_pieces + self.state_pieces)
 
 
 def _view(td: TensorData) -> tuple[mx.array, memoryview]:
@@ -189,35 +183,35 @@ def _first_error(results: Sequence[object]) -> BaseException | None:
     return next((r for r in results if isinstance(r, BaseException)), None)
 
 
-def write_blocks(store: LocalBlockStore, bs: BlockSet, known: Sequence[bytes] = ()) -> int:
-    """Hash every block, write the missing ones, link them in place; returns new bytes.
+def write_blocks(store: BlockStore, bs: BlockSet, known: Sequence[bytes] = ()) -> int:
+    """Hash every block, write the missing ones, publish them; returns new bytes.
 
     Existing blocks are not rewritten, only freshened (so an orphan grace
-    period spares them until this save commits its references). When the root
-    is durable the new files are written first, each starting its writeback at
-    once, and then fsynced together before any is linked into place: one
-    batch of flushes the device serves in parallel, not a write-then-wait per
-    block. ``known`` are digests the caller vouches for, for the first token
-    blocks (a reused prefix): those are neither hashed nor written. When
-    anything fails (a full disk) the save's temp files are removed before the
-    error is raised; blocks already linked into place stay, as orphans that
-    compact removes after the grace (another save may be using them by then).
+    period spares them until this save commits its references). New blocks are
+    staged first (a local root: temp files, each starting its writeback at
+    once), synced together when the store is durable, then published: one batch
+    of flushes the device serves in parallel, not a write-then-wait per block.
+    ``known`` are digests the caller vouches for, for the first token blocks (a
+    reused prefix): those are neither hashed nor written. When anything fails (a
+    full disk) the staged blocks are discarded before the error is raised; blocks
+    already published stay, as orphans that compact removes after the grace
+    (another save may be using them by then).
     """
     all_pieces = bs.token_pieces[len(known) :] + bs.state_pieces
     nbytes = sum(len(p) for pieces in all_pieces for p in pieces)
 
-    def task(pieces: Pieces) -> tuple[Digest, Path | None]:
+    def task(pieces: Pieces) -> tuple[Digest, Staged | None]:
         h = new_hasher(store.algo)
         for p in pieces:
             h.update(p)
         d = Digest(h.digest())
         if store.freshen(d):
             return d, None
-        return d, store.write_tmp(pieces, sync=False)
+        return d, store.stage(pieces)
 
     outcomes = _map(task, all_pieces, nbytes)
     done = [r for r in outcomes if not isinstance(r, BaseException)]
-    pending = {tmp for _, tmp in done if tmp is not None}  # temp files not yet linked
+    pending = {id(st): st for _, st in done if st is not None}  # staged, not yet published
     try:
         error = _first_error(outcomes)
         if error is not None:
@@ -226,24 +220,23 @@ def write_blocks(store: LocalBlockStore, bs: BlockSet, known: Sequence[bytes] = 
         n_tok = len(bs.token_pieces) - len(known)
         bs.token_digests = [Digest(d) for d in known] + [d for d, _ in results[:n_tok]]
         bs.state_digests = [d for d, _ in results[n_tok:]]
-        fresh = [tmp for _, tmp in results if tmp is not None]
+        fresh = [st for _, st in results if st is not None]
         if store.durable and fresh:
-            error = _first_error(_map(store.sync_file, fresh, nbytes))
+            error = _first_error(_map(store.sync_staged, fresh, nbytes))
             if error is not None:
                 raise error
-        dirs: set[Path] = set()
+        created: list[bytes] = []
         new_bytes = 0
-        for (d, tmp), pieces in zip(results, all_pieces, strict=True):
-            if tmp is None:
+        for (d, st), pieces in zip(results, all_pieces, strict=True):
+            if st is None:
                 continue
-            pending.discard(tmp)  # publish removes it, whatever happens
-            created, parent = store.publish(tmp, d)
-            if created:
+            pending.pop(id(st))  # publish drops it, whatever happens
+            if store.publish(st, d):
                 new_bytes += sum(len(p) for p in pieces)
-                dirs.add(parent)
+                created.append(d)
                 crash_point("after_block_write")
-        store.sync_dirs(dirs)
+        store.sync_published(created)
     finally:
-        for tmp in pending:
-            tmp.unlink(missing_ok=True)
+        for st in pending.values():
+            store.discard(st)
     return new_bytes

@@ -9,14 +9,15 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from ..blocks import BlockCheck
-from ..codecs import AttachmentData, codec_for_record
-from ..codecs.layout import manifest_block_sizes, n_token_blocks
-from ..errors import CacheMismatchError, CorruptBlockError, EntryNotFoundError, KVStoreError
-from ..schema import Layer, ListLayer, Manifest, decode_manifest, iter_tensor_specs
+from ...blocks import BlockCheck
+from ...catalog.base import open_manifest
+from ...codecs import AttachmentData, codec_for_record
+from ...codecs.layout import manifest_block_sizes, n_token_blocks
+from ...errors import CacheMismatchError, CorruptBlockError, EntryNotFoundError, KVStoreError
+from ...schema import Layer, ListLayer, Manifest, iter_tensor_specs
+from ..local.root import Root
+from ..upkeep.repair import plan_for_blocks
 from .reader import Want, load_arrays, plan_runs
-from .repair import plan_for_blocks
-from .root import Root
 
 _log = logging.getLogger("kvstore")
 
@@ -35,9 +36,8 @@ def read_entry(
         except _BadBlocks as e:
             if _repair_bad(root, e.bad):
                 d = min(e.bad)
-                path, why = root.blocks.path(d), e.bad[d][0]
                 raise CorruptBlockError(
-                    str(path), f"block {d.hex()}", why, digest=d.hex()
+                    root.blocks.where(d), f"block {d.hex()}", e.bad[d][0], digest=d.hex()
                 ) from None
     return _read_once(root, digest, length, verify)
 
@@ -52,7 +52,7 @@ def _read_once(
             raw = root.index.get_manifest(digest, txn)
             if raw is None:
                 raise EntryNotFoundError(f"no entry {digest.hex()}")
-            m = decode_manifest(raw)
+            m = open_manifest(raw, digest)
             length = m.n_tokens if length is None else length
             if not 0 < length <= m.n_tokens:
                 raise CacheMismatchError(f"cannot restore {length} of {m.n_tokens} tokens")
