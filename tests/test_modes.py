@@ -154,7 +154,8 @@ def test_a_shared_group_root_is_used_by_both_members_and_no_one_else(users: User
         {"op": "save", **s1},
     ])
     assert init == {"code": 0, "out": f"Created kvstore root at {root} (blake3, 16 tokens "
-                                      f"per block, shared with group {users.group})\n"}
+                                      f"per block, shared with group {users.group})\n",
+                    "err": ""}
     assert a1["created"] and a1["new_bytes"] == 4 * 16 * 64  # 64 bytes of K and V a token
     # B (umask 022, which would take the group's write bit) restores A's entry bit-exact,
     # and its own save shares A's three common blocks: only its last one is new
@@ -186,9 +187,22 @@ def test_a_shared_group_root_is_used_by_both_members_and_no_one_else(users: User
 @root_only
 def test_files_made_by_each_member_of_a_shared_root_are_the_groups(users: Users,
                                                                  place: Path) -> None:
+    # a user outside the group cannot make a root of that group
+    (denied,) = users.c.run([{"op": "cli", "args": ["--root", str(place / "c"), "init",
+                                                    "--shared-group", users.group]}])
+    assert denied["code"] == 2 and (f"cannot give {place / 'c'} to group {users.group}: "
+                                    "Operation not permitted") in denied["err"]
+    assert not (place / "c").exists()  # nothing half made
+    # an administrator's empty directory for the group (root's, 2770): a member makes the
+    # root in it
     root = str(place / "shared")
-    users.a.run([{"op": "cli", "args": ["--root", root, "init", "--shared-group",
-                                        users.group, "--block-tokens", "16"]}])
+    os.mkdir(root)
+    os.chown(root, -1, users.gid)
+    os.chmod(root, 0o2770)
+    (init,) = users.a.run([{"op": "cli", "args": ["--root", root, "init", "--shared-group",
+                                                  users.group, "--block-tokens", "16"]}])
+    assert init["code"] == 0, init
+    assert Path(root).stat().st_uid == 0
     a1, b1 = (users.a.run([{"op": "save", "root": root, "seed": 1, "n": 40}], umask=0o077)[0],
               users.b.run([{"op": "save", "root": root, "seed": 2, "n": 40}], umask=0o077)[0])
     assert a1["created"] and b1["created"]

@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 import tempfile
-from contextlib import redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +39,10 @@ def run(op: dict[str, Any]) -> Any:
     root = op.get("root", "")
     kind = op["op"]
     if kind == "cli":
-        out = io.StringIO()
-        with redirect_stdout(out):
+        out, err = io.StringIO(), io.StringIO()
+        with redirect_stdout(out), redirect_stderr(err):
             code = cli_main(op["args"])
-        return {"code": code, "out": out.getvalue()}
+        return {"code": code, "out": out.getvalue(), "err": err.getvalue()}
     if kind == "save":
         toks = tokens_for(op["seed"], op["n"], op.get("shared", 0))
         with open_store(root) as s:

@@ -96,14 +96,17 @@ def make_root_dir(path: Path, modes: RootModes) -> None:
     root's is given the group, which only its owner (in that group) or root can do.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    make_dir(path, modes)
+    made = make_dir(path, modes)
     if modes.group is not None:
         st = os.stat(path)
         try:
             if st.st_gid != modes.group:
                 os.chown(path, -1, modes.group)
-            os.chmod(path, modes.dirs)
+            if stat.S_IMODE(st.st_mode) != modes.dirs or st.st_gid != modes.group:
+                os.chmod(path, modes.dirs)  # only its owner may (an admin's 2770 is fine)
         except PermissionError as e:
+            if made:  # leave nothing half made
+                os.rmdir(path)
             raise RootSettingsError(
                 f"cannot give {path} to group {group_name(modes.group)}: {e.strerror} "
                 "(you must own the directory and be a member of the group)"
