@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ..blocks import LocalBlockStore
 from ..schema import Namespace
+from .local.modes import modes_of
 from .local.root import Root, default_root, has_root, open_root
 from .tiers import Tiers
 
@@ -51,6 +52,7 @@ def open_store(
     remote: str | None = None,
     remote_timeout: float | None = None,
     push: bool = True,
+    shared_group: str | int | None = None,
 ) -> S:
     """Open (and, with ``create``, make) the root.
 
@@ -71,6 +73,12 @@ def open_store(
     :meth:`push` uploads). ``remote_timeout`` (default 5 s,
     ``kvstore.remote.DEFAULT_TIMEOUT``) bounds each request and each lookup. The
     remote tier's modules (and boto3) are imported only for a store that has one.
+
+    A new root is private to its owner (directories 0700, files 0600, whatever the
+    umask); ``shared_group`` (a group name or gid) creates it shared with that group
+    instead: setgid directories of that group, group-writable files, nothing for
+    others. Every later writer keeps the root's modes; see
+    :mod:`kvstore.store.local.modes`.
     """
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
@@ -92,13 +100,16 @@ def open_store(
         index, settings, ro = open_root(path, hash=hash, block_tokens=block_tokens,
                                         state_block_bytes=state_block_bytes,
                                         durable=durable, create=create,
-                                        map_size=map_size, read_only=read_only)
+                                        map_size=map_size, read_only=read_only,
+                                        shared_group=shared_group)
     except BaseException:
         if rem is not None:
             rem.close()
         raise
+    modes = modes_of(path)
     local = Root(path, settings, index,
-                 LocalBlockStore(path, settings.hash, durable=durable, read_only=ro))
+                 LocalBlockStore(path, settings.hash, durable=durable, read_only=ro,
+                                 file_mode=modes.files, dir_mode=modes.dirs))
     local.catalog.migrate(writable=not ro)
     store = cls(local, namespace=namespace, verify_reads=verify_reads, read_only=ro,
                 remote=rem, push=push)
