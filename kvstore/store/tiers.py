@@ -27,6 +27,7 @@ from ..catalog.base import PushStats, Tier
 from ..catalog.find import Match, find
 from ..catalog.keys import TokenKeys
 from ..catalog.records import cut_manifest, encoded, records_of
+from ..catalog.signing import UnsignedManifestError
 from ..errors import EntryNotFoundError, KVStoreError
 from .counters import StoreCounters
 from .entries import resolve_id
@@ -160,15 +161,20 @@ class Tiers:
         return Pulled(digest, rec.n_tokens, copied.blocks, copied.bytes, copied.present == 0)
 
     def pull(self, entry_ids: Sequence[str] | None) -> list[Pulled]:
-        """Write back whole entries of the first lower tier: every complete one, or these ids
-        (unique prefixes)."""
+        """Write back whole entries of the first lower tier: every complete one (but those a
+        reader with the signing key refuses), or these ids (unique prefixes)."""
         tier = self._first()
         self._ready(tier)
         listed = {d.hex(): d for d in tier.catalog}
         ids = list(listed) if entry_ids is None else [resolve_id(i, listed) for i in entry_ids]
         out = []
         for i in ids:
-            rec = tier.catalog.records(listed[i]) if i in listed else None
+            try:
+                rec = tier.catalog.records(listed[i]) if i in listed else None
+            except UnsignedManifestError:
+                if entry_ids is None:
+                    continue  # refused (logged and counted): never pulled
+                raise
             if rec is None:
                 raise EntryNotFoundError(f"no entry {i} on {tier}")
             out.append(self.write_back(Match(Digest(listed[i]), rec.n_tokens, True, rec.trimmable,
