@@ -85,7 +85,13 @@ class RemoteReader(DepthReader):
         return bool(self._markers(k, chain_key))
 
     def best_at(self, tk: P.TokenKeys, k: int) -> Match | None:
-        return self.catalog.judge(self._markers(k, tk.chain[k]), tk)
+        hit = self.catalog.judge(self._markers(k, tk.chain[k]), tk)
+        # entries a reader with the key refused hide nothing: judge the depth above them
+        while hit is None and k > self.first_depth and self.catalog.all_refused(
+                self._markers(k, tk.chain[k])):
+            k -= 1
+            hit = self.catalog.judge(self._markers(k, tk.chain[k]), tk)
+        return hit
 
     def exact_later(self, tk: P.TokenKeys) -> Callable[[], Match | None]:
         fut = self.catalog.pool.submit(self.catalog.exact_entry, tk.exact_key())
@@ -145,6 +151,12 @@ class RemoteCatalog(Catalog):
             if got is not None and (self.signer is None or self.usable(got[0])):
                 return got
         return None
+
+    def all_refused(self, markers: list[Marker]) -> bool:
+        """Whether every entry the markers name was refused (only a reader with the key
+        refuses)."""
+        with self._lock:
+            return bool(markers) and all(m.entry in self._refused for m in markers)
 
     def usable(self, digest: bytes) -> bool:
         """Whether the entry's manifest is there and passes :func:`open_manifest`."""
