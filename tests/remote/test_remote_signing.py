@@ -11,6 +11,9 @@ import hashlib
 import hmac
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -327,3 +330,41 @@ def test_a_keyed_push_signs_its_entry_found_unsigned(tmp_path: Path, url: str) -
         cache, n = b.restore(toks)
         assert n == len(toks) and cache is not None and matches(cache, toks, n)
         assert b.counters.values().remote_refused == 0
+
+
+def test_the_cli_with_a_key_file(tmp_path: Path, url: str) -> None:
+    """``$KVSTORE_SIGNING_KEY_FILE``: ``remote ls``, ``stats``, ``verify``, ``compact`` and
+    ``pull`` refuse the unsigned entry, say so, and delete nothing because of it."""
+    s_toks, x_toks = tokens_for(12, 2 * T), tokens_for(13, 3 * T)
+    with keyed(tmp_path / "a", url) as a:
+        good = save_and_push(a, s_toks)
+    with keyless(tmp_path / "x", url) as x:
+        bad = save_and_push(x, x_toks)
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_SIGNING")}
+    env["KVSTORE_SIGNING_KEY_FILE"] = str(key_file)
+
+    def cli(*args: str, rc: int = 0) -> Any:
+        p = subprocess.run([sys.executable, "-m", "kvstore", "--root", str(tmp_path / "c"),
+                            "--remote", url, *args, "--json"], capture_output=True,
+                           text=True, timeout=120, env=env)
+        assert p.returncode == rc, (args, p.stdout, p.stderr)
+        return json.loads(p.stdout)
+
+    before = objects(url)
+    ls = cli("remote", "ls")
+    assert [e["id"] for e in ls["entries"]] == [good] and ls["refused"] == [bad]
+    assert cli("remote", "stats")["refused"] == 1
+    ver = cli("remote", "verify", "--read-data", rc=1)
+    assert ver["refused"] == [bad] and ver["sound"] is False
+    ver = cli("remote", "verify", "--repair")
+    assert ver["refused"] == [bad] and ver["dropped"] == [] and ver["deleted_blocks"] == 0
+    comp = cli("remote", "compact", "--grace", "0", "--max-bytes", f"{2 * T * 64}B")
+    assert comp["refused"] == [bad] and comp["evicted"] == [] and comp["blocks_deleted"] == 0
+    assert objects(url) == before
+    assert [p["id"] for p in cli("pull")["pulled"]] == [good]
+    with keyed(tmp_path / "c", url) as c:
+        cache, n = c.restore(s_toks)
+        assert n == len(s_toks) and cache is not None and matches(cache, s_toks, n)
+        assert [e.id for e in c.entries()] == [good]
