@@ -86,6 +86,11 @@ class Catalog(abc.ABC):
             return None
         return raw, open_manifest(raw, digest, algo=self.check_names, where=self.where(digest))
 
+    def trusts(self, digest: bytes) -> bool:
+        """Whether this catalog's readers would use the entry it holds: for a catalog that
+        checks signatures, whether its manifest is signed with the key."""
+        return True
+
     @abc.abstractmethod
     def records(self, digest: bytes) -> Records | None:
         """The entry's records as this tier keeps them (its priority, its last access)."""

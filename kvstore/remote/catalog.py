@@ -158,6 +158,9 @@ class RemoteCatalog(Catalog):
         with self._lock:
             return bool(markers) and all(m.entry in self._refused for m in markers)
 
+    def trusts(self, digest: bytes) -> bool:
+        return self.signer is None or self.usable(digest)
+
     def usable(self, digest: bytes) -> bool:
         """Whether the entry's manifest is there and passes :func:`open_manifest`."""
         try:

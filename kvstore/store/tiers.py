@@ -256,7 +256,8 @@ class Tiers:
 
     def push(self, timeout: float | None = None, *, everything: bool = False) -> PushStats:
         """Wait until what is queued (and what failed before) is on the lower tiers; with
-        ``everything``, first queue every root entry the first lower tier lacks."""
+        ``everything``, first queue every root entry the first lower tier lacks, or holds
+        but does not trust (with a signing key: pushed unsigned; pushing it signs it)."""
         tier = self._first()
         with self._cv:
             retry, self._failed = list(self._failed), {}
@@ -266,7 +267,7 @@ class Tiers:
             self._ready(tier)
             have = set(tier.catalog)
             for d in self.root.catalog:
-                if d not in have:
+                if d not in have or not tier.catalog.trusts(d):
                     self.enqueue(d)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:

@@ -311,19 +311,18 @@ def test_a_signed_entry_replayed_into_another_store_is_refused(tmp_path: Path,
 
 
 def test_a_keyed_push_signs_its_entry_found_unsigned(tmp_path: Path, url: str) -> None:
-    """An entry pushed before the key was set: pushing it with the key puts the same bytes
-    again, signed, and machines with the key then share it."""
+    """An entry pushed before the key was set: ``kvstore push`` with the key puts the same
+    bytes again, signed, and machines with the key then share it."""
     toks = tokens_for(11, 2 * T + 1)
     with keyless(tmp_path / "a", url) as a:
         eid = save_and_push(a, toks)
     assert "kvstore-sig" not in manifest_of(url, eid)[1]
     with keyed(tmp_path / "a", url, push=False) as a:
-        rem = a.remote
-        assert rem is not None
         rec = a.local.catalog.records(bytes.fromhex(eid))
         assert rec is not None
-        got = rem.take(rec, a.blocks)
-        assert (got.blocks, got.present) == (0, 3)  # the exact marker was there: not "created"
+        got = a.push(60, everything=True)
+        assert (got.entries, got.blocks, got.present, got.failed) == (1, 0, 3, 0)
+        assert a.push(60, everything=True).entries == 0  # signed now: nothing to do
     raw, meta = manifest_of(url, eid)
     assert raw == rec.manifest and meta["kvstore-sig"] == expected_tag(url, raw)
     with keyed(tmp_path / "b", url) as b:
