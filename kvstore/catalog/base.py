@@ -22,6 +22,7 @@ from ..errors import DigestMismatchError, ReadOnlyStoreError
 from ..schema import Manifest, decode_manifest
 from .find import DepthReader
 from .records import Records
+from .signing import Signer
 
 R = TypeVar("R")
 #: Called by a commit with blocks the catalog cannot vouch for, before the entry is
@@ -31,16 +32,21 @@ Ensure = Callable[[Sequence[bytes]], None]
 
 
 def open_manifest(raw: bytes, digest: bytes, *, algo: str | None = None,
-                  where: str = "") -> Manifest:
+                  where: str = "", signer: Signer | None = None,
+                  tag: str | None = None) -> Manifest:
     """The one place a manifest read from a tier passes: its bytes checked against its name
     (``algo``: for a tier that does not vouch for them, a
-    :class:`~kvstore.errors.DigestMismatchError` naming ``where``), then decoded and
-    validated (:func:`kvstore.schema.decode_manifest`, a ManifestError)."""
+    :class:`~kvstore.errors.DigestMismatchError` naming ``where``), then, for a reader with
+    the signing key (``signer``), the ``tag`` stored beside it (an
+    :class:`~.signing.UnsignedManifestError`, before a byte of it is decoded), then decoded
+    and validated (:func:`kvstore.schema.decode_manifest`, a ManifestError)."""
+    where = where or f"manifest {digest.hex()}"
     if algo is not None:
         got = hash_bytes(algo, raw)
         if got != digest:
-            raise DigestMismatchError(where or f"manifest {digest.hex()}", digest.hex(),
-                                      got.hex())
+            raise DigestMismatchError(where, digest.hex(), got.hex())
+    if signer is not None:
+        signer.check(raw, tag, where)
     return decode_manifest(raw)
 
 
@@ -79,6 +85,11 @@ class Catalog(abc.ABC):
         if raw is None:
             return None
         return raw, open_manifest(raw, digest, algo=self.check_names, where=self.where(digest))
+
+    def trusts(self, digest: bytes) -> bool:
+        """Whether this catalog's readers would use the entry it holds: for a catalog that
+        checks signatures, whether its manifest is signed with the key."""
+        return True
 
     @abc.abstractmethod
     def records(self, digest: bytes) -> Records | None:

@@ -112,17 +112,22 @@ def remote_init(as_json: bool) -> None:
 @json_option
 @common
 def remote_ls(as_json: bool) -> None:
-    """List the remote's entries (newest first)."""
+    """List the remote's entries (newest first; with a signing key, the signed ones)."""
+    refused: list[str] = []
     with _remote() as r:
-        rows = sorted(r.entries(), key=lambda e: -e.mtime)
+        rows = sorted(r.entries(refused), key=lambda e: -e.mtime)
     if as_json:
-        emit({"remote": str(r.url), "entries": [e.__dict__ for e in rows]})
+        emit({"remote": str(r.url), "entries": [e.__dict__ for e in rows],
+              "refused": refused})
         return
     for e in rows:
         flag = "" if e.complete else "  (push not finished)"
         click.echo(f"{e.id[:12]}  {e.n_tokens:>7} tokens  {H.format_bytes(e.bytes):>9}  "
                    f"{e.model_id}/{e.namespace}{flag}")
     _say(f"{H.plural(len(rows), 'entry', 'entries')} on {r.url}")
+    if refused:
+        click.echo(f"refused {H.plural(len(refused), 'manifest')} not signed with the signing "
+                   f"key: {', '.join(h[:12] for h in refused)}", err=True)
 
 
 @remote_group.command("stats")
@@ -141,6 +146,8 @@ def remote_stats(as_json: bool) -> None:
     click.echo(f"markers    {st.markers}")
     click.echo(f"access     {st.access_objects} objects")
     click.echo(f"gc lease   {st.lease or 'free'}")
+    if st.refused is not None:
+        click.echo(f"refused    {st.refused} manifests not signed with the signing key")
 
 
 @remote_group.command("verify")
@@ -170,7 +177,9 @@ def _print_verify(rep: Any) -> None:
         _say(f"ok: the remote is sound (checked {checked})")
     else:
         click.echo(f"problems on {rep.url} (checked {checked}):")
-        for name, items in (("bad manifests", rep.bad_manifests), ("corrupt blocks", rep.corrupt),
+        for name, items in (("bad manifests", rep.bad_manifests),
+                            ("refused manifests (not signed with the signing key; kept)",
+                             rep.refused), ("corrupt blocks", rep.corrupt),
                             ("blocks of the wrong size", rep.wrong_size)):
             if items:
                 click.echo(f"  {name}: {', '.join(h[:12] for h in items)}")
@@ -215,3 +224,7 @@ def remote_compact(max_bytes: int | None, grace: float | None, dry_run: bool,
          f" evicted {H.plural(len(rep.evicted), 'entry', 'entries')} of {rep.entries}; "
          f"{H.format_bytes(rep.live_bytes)} live"
          + (f"; {rep.young} unreferenced blocks kept within the grace" if rep.young else ""))
+    if rep.refused:
+        click.echo(f"refused {H.plural(len(rep.refused), 'manifest')} not signed with the "
+                   "signing key: kept, with the blocks they name, and counted in no budget",
+                   err=True)

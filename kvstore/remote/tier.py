@@ -22,9 +22,11 @@ import msgspec
 
 from .._crash import crash_point
 from ..blocks import BlockStore
+from ..catalog import signing
 from ..catalog.base import Copied, Tier
 from ..catalog.records import Records
 from ..catalog.settings import TierSettings
+from ..catalog.signing import Signer, UnsignedManifestError
 from ..codecs.layout import manifest_blocks
 from ..errors import DigestMismatchError, ManifestError, RootSettingsError
 from ..schema import Manifest
@@ -74,6 +76,7 @@ class RemoteStats:
     markers: int
     access_objects: int
     lease: str | None  # "owner, N s left" while a compaction holds it
+    refused: int | None = None  # manifests a reader with the signing key refused (None: no key)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -84,7 +87,10 @@ class RemoteTier(Tier):
     compaction and verification are :class:`kvstore.remote.Remote`'s).
 
     ``timeout`` bounds every request (connect and read, two tries) and each lookup.
-    Endpoint and credentials come from the standard AWS configuration.
+    Endpoint and credentials come from the standard AWS configuration. ``signing_key``
+    (None: the environment's, :func:`~kvstore.catalog.signing.signing_key`; ``""``: none)
+    signs every manifest put and refuses every manifest read that is not signed with it;
+    ``on_refused`` is called once per entry refused.
     """
 
     name = "remote"
@@ -98,8 +104,11 @@ class RemoteTier(Tier):
         lease_seconds: float = DEFAULT_LEASE,
         lease_margin: float = DEFAULT_MARGIN,
         profile: str | None = None,
+        signing_key: bytes | str | None = None,
     ) -> None:
         self.url = parse_s3_url(url)
+        self._key = signing.signing_key(signing_key)
+        self.on_refused: Callable[[bytes], None] | None = None
         self.prefix = self.url.prefix
         self.timeout = timeout
         self.client = S3Client(self.url.bucket, connect_timeout=timeout, read_timeout=timeout,
@@ -172,10 +181,21 @@ class RemoteTier(Tier):
     def _adopt(self, settings: TierSettings) -> None:
         self._settings = settings
         self._blocks = S3BlockStore(self.client, self.prefix, settings.hash, pool=self._pool)
+        signer = None if self._key is None else Signer(self._key, _store_id(self.url, settings))
         cat = RemoteCatalog(self.client, self.prefix, settings.hash, self._pool,
-                            url=str(self.url))
+                            url=str(self.url), signer=signer)
         cat.on_reused = self._reused
+        cat.on_refused = self._refused
         self._catalog = cat
+
+    @property
+    def signed(self) -> bool:
+        """Whether this tier signs its manifests and reads only signed ones."""
+        return self._key is not None
+
+    def _refused(self, digest: bytes) -> None:
+        if self.on_refused is not None:
+            self.on_refused(digest)
 
     @property
     def settings(self) -> TierSettings:
@@ -321,8 +341,10 @@ class RemoteTier(Tier):
 
     # --- listing ---------------------------------------------------------------------
 
-    def entries(self) -> list[RemoteEntry]:
-        """Every manifest on the remote, with its tokens, model and size (one GET each)."""
+    def entries(self, refused: list[str] | None = None) -> list[RemoteEntry]:
+        """Every manifest on the remote, with its tokens, model and size (one GET each);
+        those a reader with the signing key refuses are left out (their ids appended to
+        ``refused``), as are manifests that do not match their names or do not decode."""
         done = self.complete_entries()
         listed = [(o, d) for o in self.client.list(self.prefix + MANIFESTS)
                   if (d := entry_of_key(o.key)) is not None]
@@ -331,6 +353,10 @@ class RemoteTier(Tier):
             o, d = item
             try:
                 _, m = self.manifest(d)
+            except UnsignedManifestError:
+                if refused is not None:
+                    refused.append(d.hex())
+                return None
             except (RemoteNotFoundError, ManifestError, DigestMismatchError):
                 return None
             size = sum(manifest_blocks(m).values())
@@ -351,11 +377,23 @@ class RemoteTier(Tier):
         self.map(count, list(counts))
         cur = self.lease.read()
         lease = None if cur is None else f"{cur.owner}, {cur.expires - time.time():.0f} s left"
+        refused: list[str] | None = None
+        if self.signed:  # reading every manifest is what tells the signed ones
+            refused = []
+            self.entries(refused)
         return RemoteStats(str(self.url), self.client.endpoint, counts[EXACT][0],
                            counts[MANIFESTS][0], counts[BLOCKS][0], counts[BLOCKS][1],
-                           counts[MARKERS][0], counts[ACCESS][0], lease)
+                           counts[MARKERS][0], counts[ACCESS][0], lease,
+                           None if refused is None else len(refused))
 
     def close(self) -> None:
         self.flush_access()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
+
+
+def _store_id(url: object, settings: TierSettings) -> str:
+    """What a signature binds a manifest to: the bucket and prefix, and the settings object
+    (``created_at`` included: a prefix emptied and initialised again is another store)."""
+    return (f"{url} hash={settings.hash} block_tokens={settings.block_tokens} "
+            f"state_block_bytes={settings.state_block_bytes} created_at={settings.created_at}")

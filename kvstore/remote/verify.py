@@ -10,6 +10,10 @@ deletes) drops each entry that is bad or needs a missing or bad block (its marke
 first, then its manifest), the markers that name no manifest, and the bad blocks.
 The remote keeps no cut-back entries: a machine that had the entry can push a
 shorter one again.
+
+With the signing key, a manifest not signed with it is ``refused``: listed (the remote is
+not sound), and neither checked nor repaired: what it says about blocks (their sizes, that
+they are missing) drives no deletion, and it and its markers are not dropped.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..blocks.base import BlockStat
+from ..catalog.signing import UnsignedManifestError
 from ..codecs.layout import manifest_blocks
 from ..errors import BlockNotFoundError, CorruptBlockError, KVStoreError
 from ..schema import Manifest
@@ -38,6 +43,7 @@ class RemoteVerifyReport:
     markers: int = 0
     blocks_read: int = 0
     bad_manifests: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)  # manifests not signed with our key
     missing: dict[str, list[str]] = field(default_factory=dict)  # visible entry -> blocks gone
     corrupt: list[str] = field(default_factory=list)
     wrong_size: list[str] = field(default_factory=list)
@@ -49,8 +55,8 @@ class RemoteVerifyReport:
 
     @property
     def sound(self) -> bool:
-        return not (self.bad_manifests or self.missing or self.corrupt or self.wrong_size
-                    or self.dangling)
+        return not (self.bad_manifests or self.refused or self.missing or self.corrupt
+                    or self.wrong_size or self.dangling)
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -91,15 +97,20 @@ def _check(remote: RemoteTier, rep: RemoteVerifyReport
     listed = [d for o in c.list(p + MANIFESTS) if (d := entry_of_key(o.key)) is not None]
     rep.blocks, rep.manifests = len(blocks), len(listed)
 
-    def load(d: bytes) -> tuple[bytes, Manifest | None, dict[bytes, int]]:
+    def load(d: bytes) -> tuple[bytes, Manifest | None, dict[bytes, int] | None]:
         try:
             _, m = remote.manifest(d)
             return d, m, manifest_blocks(m)
+        except UnsignedManifestError:
+            return d, None, None
         except (KVStoreError, ValueError):
             return d, None, {}
 
     users: dict[bytes, set[bytes]] = {}
     for d, m, sizes in remote.map(load, listed):
+        if sizes is None:
+            rep.refused.append(d.hex())
+            continue
         if m is None:
             rep.bad_manifests.append(d.hex())
             continue
@@ -136,7 +147,7 @@ def _repair(remote: RemoteTier, rep: RemoteVerifyReport, marks: dict[bytes, list
     bad_blocks = {bytes.fromhex(h) for h in (*rep.corrupt, *rep.wrong_size)}
     drop = {bytes.fromhex(h) for h in (*rep.bad_manifests, *rep.missing)}
     drop |= {d for d, bs in users.items() if bs & bad_blocks}
-    have = set(users) | {bytes.fromhex(h) for h in rep.bad_manifests}
+    have = set(users) | {bytes.fromhex(h) for h in (*rep.bad_manifests, *rep.refused)}
     marker_keys = [k for d in sorted(drop) for k in marks.get(d, ())]
     dangling = [k for d, ks in marks.items() if d not in have for k in ks]
     rep.dropped = sorted(d.hex() for d in drop)

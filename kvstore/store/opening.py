@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ..blocks import LocalBlockStore
 from ..schema import Namespace
+from .counters import StoreCounters
 from .local.modes import modes_of
 from .local.root import Root, default_root, has_root, open_root
 from .tiers import Tiers
@@ -23,6 +24,7 @@ class Opened(Protocol):
     max_bytes: int | None
     gc_grace: float
     tiers: Tiers
+    counters: StoreCounters
 
     def __init__(self, local: Root, *, namespace: Namespace | None, verify_reads: bool,
                  read_only: bool = False, remote: Remote | None = None,
@@ -53,6 +55,7 @@ def open_store(
     remote_timeout: float | None = None,
     push: bool = True,
     shared_group: str | int | None = None,
+    signing_key: bytes | str | None = None,
 ) -> S:
     """Open (and, with ``create``, make) the root.
 
@@ -79,6 +82,12 @@ def open_store(
     instead: setgid directories of that group, group-writable files, nothing for
     others. Every later writer keeps the root's modes; see
     :mod:`kvstore.store.local.modes`.
+
+    ``signing_key`` (default ``$KVSTORE_SIGNING_KEY``, or the file
+    ``$KVSTORE_SIGNING_KEY_FILE`` names; ``""`` for none; at least 16 bytes) signs every
+    manifest this store puts on the remote, and makes it refuse every remote manifest not
+    signed with it (counted in ``counters.remote_refused``; docs/FORMAT.md, "Signed
+    entries"). It is never written to the root or the bucket.
     """
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
@@ -89,7 +98,7 @@ def open_store(
         from ..remote import DEFAULT_TIMEOUT, Remote
 
         rem = Remote(url, timeout=DEFAULT_TIMEOUT if remote_timeout is None
-                     else remote_timeout)
+                     else remote_timeout, signing_key=signing_key)
     try:
         if rem is not None and create and not has_root(path) and hash is None \
                 and block_tokens is None:  # a new root takes the remote's settings
@@ -114,6 +123,9 @@ def open_store(
     store = cls(local, namespace=namespace, verify_reads=verify_reads, read_only=ro,
                 remote=rem, push=push)
     store.max_bytes = max_bytes
+    if rem is not None:
+        counters = store.counters
+        rem.on_refused = lambda _digest: counters.add(remote_refused=1)
     if gc_grace is not None:
         store.gc_grace = gc_grace
     if rem is not None:

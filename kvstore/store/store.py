@@ -114,7 +114,8 @@ class Store:
                  map_size: int | None = None, max_bytes: int | None = None,
                  gc_grace: float | None = None, read_only: bool | None = None,
                  remote: str | None = None, remote_timeout: float | None = None,
-                 push: bool = True, shared_group: str | int | None = None) -> Store: ...
+                 push: bool = True, shared_group: str | int | None = None,
+                 signing_key: bytes | str | None = None) -> Store: ...
     else:
         open = classmethod(open_store)
 

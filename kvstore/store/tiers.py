@@ -27,6 +27,7 @@ from ..catalog.base import PushStats, Tier
 from ..catalog.find import Match, find
 from ..catalog.keys import TokenKeys
 from ..catalog.records import cut_manifest, encoded, records_of
+from ..catalog.signing import UnsignedManifestError
 from ..errors import EntryNotFoundError, KVStoreError
 from .counters import StoreCounters
 from .entries import resolve_id
@@ -160,15 +161,20 @@ class Tiers:
         return Pulled(digest, rec.n_tokens, copied.blocks, copied.bytes, copied.present == 0)
 
     def pull(self, entry_ids: Sequence[str] | None) -> list[Pulled]:
-        """Write back whole entries of the first lower tier: every complete one, or these ids
-        (unique prefixes)."""
+        """Write back whole entries of the first lower tier: every complete one (but those a
+        reader with the signing key refuses), or these ids (unique prefixes)."""
         tier = self._first()
         self._ready(tier)
         listed = {d.hex(): d for d in tier.catalog}
         ids = list(listed) if entry_ids is None else [resolve_id(i, listed) for i in entry_ids]
         out = []
         for i in ids:
-            rec = tier.catalog.records(listed[i]) if i in listed else None
+            try:
+                rec = tier.catalog.records(listed[i]) if i in listed else None
+            except UnsignedManifestError:
+                if entry_ids is None:
+                    continue  # refused (logged and counted): never pulled
+                raise
             if rec is None:
                 raise EntryNotFoundError(f"no entry {i} on {tier}")
             out.append(self.write_back(Match(Digest(listed[i]), rec.n_tokens, True, rec.trimmable,
@@ -250,7 +256,8 @@ class Tiers:
 
     def push(self, timeout: float | None = None, *, everything: bool = False) -> PushStats:
         """Wait until what is queued (and what failed before) is on the lower tiers; with
-        ``everything``, first queue every root entry the first lower tier lacks."""
+        ``everything``, first queue every root entry the first lower tier lacks, or holds
+        but does not trust (with a signing key: pushed unsigned; pushing it signs it)."""
         tier = self._first()
         with self._cv:
             retry, self._failed = list(self._failed), {}
@@ -260,7 +267,7 @@ class Tiers:
             self._ready(tier)
             have = set(tier.catalog)
             for d in self.root.catalog:
-                if d not in have:
+                if d not in have or not tier.catalog.trusts(d):
                     self.enqueue(d)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
