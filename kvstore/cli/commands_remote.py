@@ -171,7 +171,8 @@ def _print_verify(rep: Any) -> None:
     else:
         click.echo(f"problems on {rep.url} (checked {checked}):")
         for name, items in (("bad manifests", rep.bad_manifests), ("corrupt blocks", rep.corrupt),
-                            ("blocks of the wrong size", rep.wrong_size)):
+                            ("manifests that misstate a block's size", list(rep.lying)),
+                            ("good blocks a manifest misstates (kept)", rep.wrong_size)):
             if items:
                 click.echo(f"  {name}: {', '.join(h[:12] for h in items)}")
         for e, bs in rep.missing.items():

@@ -22,7 +22,7 @@ import msgspec
 
 from .._crash import crash_point
 from ..blocks import BlockStore
-from ..catalog.base import Copied, Tier
+from ..catalog.base import Copied, Tier, check_size
 from ..catalog.records import Records
 from ..catalog.settings import TierSettings
 from ..codecs.layout import manifest_blocks
@@ -236,6 +236,7 @@ class RemoteTier(Tier):
 
             def upload(d: bytes) -> int:
                 data = source.get(d, verify=True)
+                check_size(rec, d, len(data), source.where(d))
                 wrote = blocks.put(d, [data])
                 crash_point("push_after_block")
                 return len(data) if wrote else -1

@@ -14,7 +14,7 @@ import msgspec
 import platformdirs
 
 from ...blocks import ALGORITHMS, BlockStat, BlockStore, LocalBlockStore
-from ...catalog.base import Copied, Tier
+from ...catalog.base import Copied, Tier, check_size
 from ...catalog.records import Records
 from ...catalog.settings import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK, TierSettings
 from ...errors import NotAStoreError, RootSettingsError, UnsafeRootError
@@ -52,23 +52,37 @@ class Root(Tier):
     def take(self, rec: Records, source: BlockStore) -> Copied:
         """Copy an entry in from another tier: the blocks this root lacks, downloaded and
         verified before the commit (never inside its write transaction), then the records;
-        a block a local GC took meanwhile is fetched again in the commit."""
+        a block a local GC took meanwhile is fetched again in the commit.
+
+        A block whose size is not the one the manifest gives it (a download, or a file
+        here, that hashes to its name) refuses the entry with a ManifestError (the block
+        is good, the manifest lies)."""
         need = list(rec.blocks)
-        missing = [d for d in need if not self.blocks.exists(d)]
+        missing = []
+        for d in need:
+            state, _, size = self.blocks.inspect(d, rec.blocks[d], read_data=False)
+            if state == "sized":
+                check_size(rec, d, size, self.blocks.where(d))
+            if state == "missing":
+                missing.append(d)
         got = Copied(present=len(need) - len(missing))
 
-        def fetched() -> Iterator[tuple[bytes, list[bytes]]]:  # one block in memory at a time
-            for d, data in source.get_many(missing):
-                got.blocks += 1
-                got.bytes += len(data)
+        def checked(ds: Sequence[bytes]) -> Iterator[tuple[bytes, list[bytes]]]:
+            for d, data in source.get_many(ds):  # one block in memory at a time
+                check_size(rec, d, len(data), source.where(d))
                 yield d, [data]
 
-        self.blocks.put_many(fetched())
+        def fetched() -> Iterator[tuple[bytes, list[bytes]]]:
+            for d, data in checked(missing):
+                got.blocks += 1
+                got.bytes += len(data[0])
+                yield d, data
 
         def ensure(digests: Sequence[bytes]) -> None:
             again = [d for d in digests if not self.blocks.exists(d)]
-            self.blocks.put_many((d, [data]) for d, data in source.get_many(again))
+            self.blocks.put_many(checked(again))
 
+        self.blocks.put_many(fetched())
         got.created = self.catalog.commit(rec, ensure)
         return got
 
