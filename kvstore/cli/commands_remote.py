@@ -64,15 +64,20 @@ def pull(entries: tuple[str, ...], as_json: bool) -> None:
     """Download remote entries (all, or the ENTRY ids or prefixes given) into this root."""
     with open_store(create=True, writes="pull entries", remote=remote_url(),
                     push=False) as store:
-        got = store.pull(list(entries) or None)
+        rep = store.pull(list(entries) or None)
+    got = rep.pulled
     if as_json:
         emit({"pulled": [{"id": p.digest.hex(), "n_tokens": p.n_tokens, "blocks": p.blocks,
-                          "bytes": p.bytes} for p in got]})
-        return
-    for p in got:
-        _say(f"{p.digest.hex()[:12]}  {p.n_tokens} tokens  {H.plural(p.blocks, 'block')} "
-             f"({H.format_bytes(p.bytes)}) downloaded")
-    _say(f"pulled {H.plural(len(got), 'entry', 'entries')}")
+                          "bytes": p.bytes} for p in got], "failed": rep.failed})
+    else:
+        for p in got:
+            _say(f"{p.digest.hex()[:12]}  {p.n_tokens} tokens  {H.plural(p.blocks, 'block')} "
+                 f"({H.format_bytes(p.bytes)}) downloaded")
+        _say(f"pulled {H.plural(len(got), 'entry', 'entries')}")
+        for i, why in rep.failed.items():
+            click.echo(f"  not pulled: {i[:12]}: {why}", err=True)
+    if rep.failed:
+        raise UserError(f"{H.plural(len(rep.failed), 'entry', 'entries')} could not be pulled")
 
 
 @click.group("remote", context_settings={"help_option_names": ["-h", "--help"]})

@@ -35,7 +35,7 @@ from .local.root import Root, default_root
 from .maintenance import Maintenance
 from .opening import open_store
 from .served import Served
-from .tiers import Pulled, Tiers
+from .tiers import PullReport, Tiers
 from .upkeep.access import AccessLog
 from .upkeep.gc import DEFAULT_GRACE, CompactReport, plan_budget
 from .upkeep.sweep import TempFiles
@@ -135,7 +135,7 @@ class Store:
         every local entry the remote lacks); returns what was uploaded."""
         return self.tiers.push(timeout, everything=everything)
 
-    def pull(self, entry_ids: Sequence[str] | None = None) -> list[Pulled]:
+    def pull(self, entry_ids: Sequence[str] | None = None) -> PullReport:
         """Download remote entries (all, or these ids or unique prefixes) into this root."""
         return self.tiers.pull(entry_ids)
 

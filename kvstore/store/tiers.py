@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..blocks import Digest
@@ -51,6 +51,14 @@ class Pulled:
     blocks: int  # copied
     bytes: int
     fresh: bool = False  # every block it needs was copied (and checked) just now
+
+
+@dataclass
+class PullReport:
+    """What a pull did: the entries written back, and those it could not copy (id -> why)."""
+
+    pulled: list[Pulled] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class Tiers:
@@ -159,20 +167,29 @@ class Tiers:
         tier.note_access(match.digest)
         return Pulled(digest, rec.n_tokens, copied.blocks, copied.bytes, copied.present == 0)
 
-    def pull(self, entry_ids: Sequence[str] | None) -> list[Pulled]:
+    def pull(self, entry_ids: Sequence[str] | None) -> PullReport:
         """Write back whole entries of the first lower tier: every complete one, or these ids
-        (unique prefixes)."""
+        (unique prefixes). An entry that cannot be copied (a lying manifest, a bad or
+        missing block) is reported and the others are pulled; it leaves no block behind
+        (:meth:`Root.take <kvstore.store.local.root.Root.take>`)."""
         tier = self._first()
         self._ready(tier)
         listed = {d.hex(): d for d in tier.catalog}
         ids = list(listed) if entry_ids is None else [resolve_id(i, listed) for i in entry_ids]
-        out = []
+        out = PullReport()
         for i in ids:
-            rec = tier.catalog.records(listed[i]) if i in listed else None
-            if rec is None:
-                raise EntryNotFoundError(f"no entry {i} on {tier}")
-            out.append(self.write_back(Match(Digest(listed[i]), rec.n_tokens, True, rec.trimmable,
-                                             rec.n_tokens, where=tier.name)))
+            try:
+                rec = tier.catalog.records(listed[i]) if i in listed else None
+                if rec is None:
+                    raise EntryNotFoundError(f"no entry {i} on {tier}")
+                out.pulled.append(self.write_back(Match(
+                    Digest(listed[i]), rec.n_tokens, True, rec.trimmable, rec.n_tokens,
+                    where=tier.name)))
+            except (KVStoreError, OSError) as e:
+                out.failed[i] = str(e)
+        if out.failed:
+            _log.warning("kvstore: %d entries of %s not pulled, first %s: %s", len(out.failed),
+                         tier, *next(iter(out.failed.items())))
         return out
 
     def _first(self) -> Tier:

@@ -17,7 +17,7 @@ from ...blocks import ALGORITHMS, BlockStat, BlockStore, LocalBlockStore
 from ...catalog.base import Copied, Tier, check_size
 from ...catalog.records import Records
 from ...catalog.settings import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK, TierSettings
-from ...errors import NotAStoreError, RootSettingsError, UnsafeRootError
+from ...errors import KVStoreError, NotAStoreError, RootSettingsError, UnsafeRootError
 from ...index import Index, now_ms
 from .catalog import LocalCatalog
 from .filesystem import check_filesystem
@@ -56,7 +56,8 @@ class Root(Tier):
 
         A block whose size is not the one the manifest gives it (a download, or a file
         here, that hashes to its name) refuses the entry with a ManifestError (the block
-        is good, the manifest lies)."""
+        is good, the manifest lies). An entry that is not committed leaves none of the
+        blocks it wrote behind: they are unlinked while no entry references them."""
         need = list(rec.blocks)
         missing = []
         for d in need:
@@ -66,10 +67,12 @@ class Root(Tier):
             if state == "missing":
                 missing.append(d)
         got = Copied(present=len(need) - len(missing))
+        wrote: list[bytes] = []
 
         def checked(ds: Sequence[bytes]) -> Iterator[tuple[bytes, list[bytes]]]:
             for d, data in source.get_many(ds):  # one block in memory at a time
                 check_size(rec, d, len(data), source.where(d))
+                wrote.append(d)
                 yield d, [data]
 
         def fetched() -> Iterator[tuple[bytes, list[bytes]]]:
@@ -82,9 +85,27 @@ class Root(Tier):
             again = [d for d in digests if not self.blocks.exists(d)]
             self.blocks.put_many(checked(again))
 
-        self.blocks.put_many(fetched())
-        got.created = self.catalog.commit(rec, ensure)
+        since = now_ms()
+        try:
+            self.blocks.put_many(fetched())
+            got.created = self.catalog.commit(rec, ensure)
+        except BaseException:
+            self._unlink_unreferenced(wrote, since)
+            raise
         return got
+
+    def _unlink_unreferenced(self, digests: Sequence[bytes], since: int) -> None:
+        """Unlink the blocks a failed copy wrote that no entry references (a save that
+        found one of them freshens it, or its commit writes it again)."""
+        try:
+            with self.index.write() as txn:
+                for d in digests:
+                    st = self.blocks.stat(d)
+                    if self.index.get_ref(d, txn) is None and st is not None and \
+                            st.mtime * 1000 >= since - 1000:
+                        self.blocks.delete(d)
+        except (KVStoreError, OSError) as e:
+            _log.warning("kvstore: blocks of an entry not copied left for compact: %s", e)
 
 
 def default_root() -> Path:
