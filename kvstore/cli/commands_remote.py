@@ -221,3 +221,10 @@ def remote_compact(max_bytes: int | None, grace: float | None, dry_run: bool,
          f" evicted {H.plural(len(rep.evicted), 'entry', 'entries')} of {rep.entries}; "
          f"{H.format_bytes(rep.live_bytes)} live"
          + (f"; {rep.young} unreferenced blocks kept within the grace" if rep.young else ""))
+    if rep.bad_manifests:
+        click.echo(f"  skipped {H.plural(len(rep.bad_manifests), 'bad manifest')} (kept; "
+                   "'kvstore remote verify --repair' drops them): "
+                   + ", ".join(h[:12] for h in rep.bad_manifests[:5]), err=True)
+    if rep.access_ignored:
+        click.echo(f"  ignored {H.plural(rep.access_ignored, 'access record')} that could not "
+                   "be parsed", err=True)

@@ -46,8 +46,20 @@ _R = TypeVar("_R")
 
 DEFAULT_TIMEOUT = 5.0  # seconds: each request's connect and read timeout, and a lookup's bound
 DEFAULT_WORKERS = 16  # requests in flight at once
+ACCESS_AHEAD = 86400.0  # seconds past this clock an access time may be (skew): later is a lie
 _settings_enc = msgspec.json.Encoder()
 _settings_dec = msgspec.json.Decoder(TierSettings)
+
+
+def _entry_hex(hx: object) -> bytes | None:
+    """The entry an access record names (64 lowercase hex characters), or None."""
+    if not isinstance(hx, str) or len(hx) != 64:
+        return None
+    try:
+        d = bytes.fromhex(hx)
+    except ValueError:
+        return None
+    return d if d.hex() == hx else None
 
 
 @dataclass(frozen=True)
@@ -300,25 +312,41 @@ class RemoteTier(Tier):
         except RemoteError as e:
             _log.warning("kvstore: access times not written to %s: %s", self.url, e)
 
-    def read_access(self) -> tuple[dict[bytes, float], list[str]]:
-        """The latest access time (epoch seconds) of each entry, and the objects read."""
+    def read_access(self) -> tuple[dict[bytes, float], list[str], int]:
+        """The latest access time (epoch seconds) of each entry, the objects read, and how
+        many records (or whole objects) could not be parsed and were ignored.
+
+        Anyone who can write the bucket writes these: a record is an entry's hex name and
+        an int of ms since the epoch, no later than a day ahead of this clock; anything
+        else (``inf``, ``1e300``, a string, a list, an object that is no map) is ignored
+        and counted, so it can neither stop a compaction nor reach the merged record."""
         keys = [o.key for o in self.client.list(self.prefix + ACCESS)]
         out: dict[bytes, float] = {}
+        ignored = 0
+        latest = int((time.time() + ACCESS_AHEAD) * 1000)
 
-        def get(k: str) -> dict[str, int]:
+        def get(k: str) -> Any:
             try:
-                return dict(msgspec.msgpack.decode(self.client.get(k)))
-            except (RemoteNotFoundError, msgspec.DecodeError, TypeError, ValueError):
-                return {}
+                return msgspec.msgpack.decode(self.client.get(k))
+            except RemoteNotFoundError:
+                return {}  # merged and deleted by another compaction meanwhile
+            except (msgspec.DecodeError, RecursionError):
+                return None
 
         for batch in self.map(get, keys):
+            if not isinstance(batch, dict):
+                ignored += 1
+                continue
             for hx, t in batch.items():
-                try:
-                    d = bytes.fromhex(hx)
-                except (TypeError, ValueError):
+                d = _entry_hex(hx)
+                if d is None or type(t) is not int or not 0 <= t <= latest:
+                    ignored += 1
                     continue
-                out[d] = max(out.get(d, 0.0), float(t) / 1000)
-        return out, keys
+                out[d] = max(out.get(d, 0.0), t / 1000)
+        if ignored:
+            _log.warning("kvstore: %d access records on %s could not be parsed: ignored",
+                         ignored, self.url)
+        return out, keys, ignored
 
     # --- listing ---------------------------------------------------------------------
 
@@ -351,7 +379,9 @@ class RemoteTier(Tier):
 
         self.map(count, list(counts))
         cur = self.lease.read()
-        lease = None if cur is None else f"{cur.owner}, {cur.expires - time.time():.0f} s left"
+        lease = None if cur is None else (
+            f"{cur.owner}, expired" if self.lease.stale(cur)
+            else f"{cur.owner}, {cur.expires - time.time():.0f} s left")
         return RemoteStats(str(self.url), self.client.endpoint, counts[EXACT][0],
                            counts[MANIFESTS][0], counts[BLOCKS][0], counts[BLOCKS][1],
                            counts[MARKERS][0], counts[ACCESS][0], lease)
