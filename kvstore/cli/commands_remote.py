@@ -118,16 +118,22 @@ def remote_init(as_json: bool) -> None:
 @common
 def remote_ls(as_json: bool) -> None:
     """List the remote's entries (newest first)."""
+    skipped: list[str] = []
     with _remote() as r:
-        rows = sorted(r.entries(), key=lambda e: -e.mtime)
+        rows = sorted(r.entries(skipped), key=lambda e: -e.mtime)
+    skipped.sort()
     if as_json:
-        emit({"remote": str(r.url), "entries": [e.__dict__ for e in rows]})
+        emit({"remote": str(r.url), "entries": [e.__dict__ for e in rows],
+              "skipped": skipped})
         return
     for e in rows:
         flag = "" if e.complete else "  (push not finished)"
         click.echo(f"{e.id[:12]}  {e.n_tokens:>7} tokens  {H.format_bytes(e.bytes):>9}  "
                    f"{e.model_id}/{e.namespace}{flag}")
     _say(f"{H.plural(len(rows), 'entry', 'entries')} on {r.url}")
+    if skipped:
+        click.echo(f"skipped {H.plural(len(skipped), 'bad manifest')} ('kvstore remote verify' "
+                   f"says why): {', '.join(h[:12] for h in skipped)}", err=True)
 
 
 @remote_group.command("stats")
@@ -222,9 +228,9 @@ def remote_compact(max_bytes: int | None, grace: float | None, dry_run: bool,
          f"{H.format_bytes(rep.live_bytes)} live"
          + (f"; {rep.young} unreferenced blocks kept within the grace" if rep.young else ""))
     if rep.bad_manifests:
-        click.echo(f"  skipped {H.plural(len(rep.bad_manifests), 'bad manifest')} (kept; "
+        click.echo(f"skipped {H.plural(len(rep.bad_manifests), 'bad manifest')} (kept; "
                    "'kvstore remote verify --repair' drops them): "
                    + ", ".join(h[:12] for h in rep.bad_manifests[:5]), err=True)
     if rep.access_ignored:
-        click.echo(f"  ignored {H.plural(rep.access_ignored, 'access record')} that could not "
+        click.echo(f"ignored {H.plural(rep.access_ignored, 'access record')} that could not "
                    "be parsed", err=True)

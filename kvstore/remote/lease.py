@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from .errors import RemoteError, RemoteLeaseError, RemoteNotFoundError
+from .errors import RemoteError, RemoteLeaseError, RemoteNotFoundError, RemoteTooLargeError
 from .layout import LEASE
 from .s3 import S3Client
 
@@ -28,6 +28,7 @@ DEFAULT_MARGIN = 30.0  # clock skew + one request in flight
 MAX_LEASE = 86400.0  # the longest lease kvstore takes: a body that claims longer is a lie
 MAX_MARGIN = 3600.0
 MAX_TEXT = 256  # characters of a lease's token and owner
+MAX_BODY = 4096  # bytes of a lease object
 
 
 class LeaseBody(msgspec.Struct, frozen=True):
@@ -80,9 +81,11 @@ class Lease:
     def read(self) -> LeaseBody | None:
         """The lease on the remote now, or None; an unreadable body counts as expired."""
         try:
-            raw = self.client.get(self.key)
+            raw = self.client.get(self.key, max_bytes=MAX_BODY)
         except RemoteNotFoundError:
             return None
+        except RemoteTooLargeError:
+            return UNREADABLE
         try:
             body = _dec.decode(raw)
         except msgspec.DecodeError:

@@ -34,6 +34,7 @@ from .errors import (
     RemoteError,
     RemoteLeaseError,
     RemoteNotFoundError,
+    RemoteTooLargeError,
     RemoteUnavailableError,
 )
 from .layout import ACCESS, BLOCKS, EXACT, MANIFESTS, MARKERS, SETTINGS, access_key, entry_of_key
@@ -46,6 +47,8 @@ _R = TypeVar("_R")
 
 DEFAULT_TIMEOUT = 5.0  # seconds: each request's connect and read timeout, and a lookup's bound
 DEFAULT_WORKERS = 16  # requests in flight at once
+MAX_SETTINGS_BYTES = 64 << 10
+MAX_ACCESS_BYTES = 64 << 20  # one access object (a record is about 80 bytes)
 ACCESS_AHEAD = 86400.0  # seconds past this clock an access time may be (skew): later is a lie
 _settings_enc = msgspec.json.Encoder()
 _settings_dec = msgspec.json.Decoder(TierSettings)
@@ -134,7 +137,10 @@ class RemoteTier(Tier):
         """The bucket's settings object, or None when the remote is not initialised (or,
         with ``none_if_unreachable``, cannot be reached)."""
         try:
-            raw = self.client.get(self.prefix + SETTINGS)
+            raw = self.client.get(self.prefix + SETTINGS, max_bytes=MAX_SETTINGS_BYTES)
+        except RemoteTooLargeError as e:
+            raise RootSettingsError(f"{self.url}{SETTINGS} is not a kvstore settings object: "
+                                    f"{e.size} bytes") from None
         except RemoteNotFoundError as e:
             if "bucket does not exist" in str(e):
                 raise
@@ -327,10 +333,10 @@ class RemoteTier(Tier):
 
         def get(k: str) -> Any:
             try:
-                return msgspec.msgpack.decode(self.client.get(k))
+                return msgspec.msgpack.decode(self.client.get(k, max_bytes=MAX_ACCESS_BYTES))
             except RemoteNotFoundError:
                 return {}  # merged and deleted by another compaction meanwhile
-            except (msgspec.DecodeError, RecursionError):
+            except (RemoteTooLargeError, msgspec.DecodeError, RecursionError):
                 return None
 
         for batch in self.map(get, keys):
@@ -350,8 +356,10 @@ class RemoteTier(Tier):
 
     # --- listing ---------------------------------------------------------------------
 
-    def entries(self) -> list[RemoteEntry]:
-        """Every manifest on the remote, with its tokens, model and size (one GET each)."""
+    def entries(self, skipped: list[str] | None = None) -> list[RemoteEntry]:
+        """Every manifest on the remote, with its tokens, model and size (one GET each);
+        those that cannot be read (bad, lying, too large: ``remote verify`` says why) are
+        left out, their ids appended to ``skipped``."""
         done = self.complete_entries()
         listed = [(o, d) for o in self.client.list(self.prefix + MANIFESTS)
                   if (d := entry_of_key(o.key)) is not None]
@@ -360,7 +368,11 @@ class RemoteTier(Tier):
             o, d = item
             try:
                 _, m = self.manifest(d)
-            except (RemoteNotFoundError, ManifestError, DigestMismatchError):
+            except RemoteNotFoundError:
+                return None
+            except (ManifestError, DigestMismatchError):
+                if skipped is not None:
+                    skipped.append(d.hex())
                 return None
             size = sum(manifest_blocks(m).values())
             return RemoteEntry(d.hex(), m.n_tokens, m.namespace.model_id, m.namespace.ns,

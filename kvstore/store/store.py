@@ -349,8 +349,9 @@ class Store:
                     raise
                 failed = failed or failure_reason(e)
                 if match.where != self.local.name:  # a local hit or a miss instead
-                    lower = False
-                    self.tiers.down(match.where, f"restore of {match.entry_id} failed: {e}")
+                    lower = False  # a bad entry is the entry's fault, not the tier's:
+                    if not isinstance(e, ManifestError | DigestMismatchError):
+                        self.tiers.down(match.where, f"restore of {match.entry_id} failed: {e}")
         # one request: the tokens it was given, what it reused and why not more
         miss = failed or (None if cache is not None else self.miss_reason(tokens,
                                                                           namespace=namespace))
