@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from helpers.hostile import halved
 from helpers.kv import T, make_cache, matches, open_store, sound_store, tokens_for
 
@@ -45,6 +46,37 @@ def test_a_restore_drops_the_lying_entry_and_keeps_the_good_blocks(tmp_path: Pat
         assert {e.id for e in s.entries()} == ids
         assert list(root.glob("quarantine/*")) == []
         assert {d for d, _ in s.local.block_files()} == blocks
+        for t in good:
+            cache, n = s.restore(t)
+            assert n == len(t) and cache is not None and matches(cache, t, n)
+        sound_store(s)
+
+
+@pytest.mark.parametrize("read_data", [False, True], ids=["sizes", "read-data"])
+def test_local_verify_repair_drops_the_lying_manifest_only(tmp_path: Path,
+                                                             read_data: bool) -> None:
+    """Before, verify called the second of two manifests that disagree on a block's size bad
+    (whichever it was) and repair dropped none of them; a lying size read first made the
+    good block 'corrupt', moved aside with every entry that needs it."""
+    root = tmp_path / "root"
+    with open_store(root) as s:
+        good = _three(s)
+        ids = {e.id for e in s.entries()}
+        blocks = {d for d, _ in s.local.block_files()}
+        m = s.manifest(s.lookup(good[0]).entry_id)  # type: ignore[union-attr]
+        lie = records_of(halved(m, tokens_for(9, m.n_tokens, shared=SYSTEM)))
+        assert s.local.catalog.commit(lie, lambda ds: None)
+        rep = local_verify.verify(s.local, read_data=read_data)
+        assert rep.bad_manifests == [lie.digest.hex()] and rep.corrupt_blocks == []
+        assert not rep.sound
+        dry = local_verify.verify(s.local, read_data=read_data, repair=True, dry_run=True)
+        assert dry.plan is not None and dry.plan.drop == [lie.digest] and not dry.plan.quarantine
+        rep = local_verify.verify(s.local, read_data=read_data, repair=True)
+        assert rep.dropped_entries == [lie.digest.hex()] and rep.quarantined == []
+        assert rep.cut_entries == []
+        assert {e.id for e in s.entries()} == ids
+        assert {d for d, _ in s.local.block_files()} == blocks
+        assert list(root.glob("quarantine/*")) == []
         for t in good:
             cache, n = s.restore(t)
             assert n == len(t) and cache is not None and matches(cache, t, n)
