@@ -7,6 +7,7 @@ and leaves none of its blocks behind.
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,34 @@ def test_a_pull_goes_on_past_a_truncated_block_and_leaves_nothing_behind(
             cache, n = s.restore(toks[i])
             assert n == len(toks[i]) and cache is not None and matches(cache, toks[i], n)
         sound_store(s)
+
+
+def test_a_block_object_larger_than_its_manifest_says_is_refused_unread(
+    tmp_path: Path, url: str
+) -> None:
+    """A good entry whose third block object was replaced by 64 MiB: a pull refuses the
+    entry from the object's length and never holds its body (before, it was read whole,
+    then found corrupt)."""
+    toks = tokens_for(7, 4 * T)
+    with open_store(tmp_path / "a", remote=url) as a:
+        eid = a.save(toks, make_cache(toks)).id
+        assert a.push(60).entries == 1
+        m = a.manifest(eid)
+        r = a.remote
+        assert r is not None
+        big = bytes(m.token_blocks[2])
+        size = r.client.head(r.blocks.key(big)).size  # type: ignore[union-attr]
+        r.client.put(r.blocks.key(big), bytes(64 << 20), if_absent=False)
+        where = r.blocks.url(big)
+    with open_store(tmp_path / "b", remote=url) as s:
+        tracemalloc.start()
+        try:
+            rep = s.pull()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert rep.pulled == [] and list(rep.failed) == [eid]
+        assert rep.failed[eid] == (f"{where}: expected at most {size} bytes, got "
+                                   f"{64 << 20} bytes (not read)")
+        assert peak < 16 << 20, f"{peak} bytes allocated"
+        assert list(s.local.block_files()) == [] and list(s.entries()) == []

@@ -70,7 +70,7 @@ class Root(Tier):
         wrote: list[bytes] = []
 
         def checked(ds: Sequence[bytes]) -> Iterator[tuple[bytes, list[bytes]]]:
-            for d, data in source.get_many(ds):  # one block in memory at a time
+            for d, data in source.get_many(ds, rec.blocks):  # one block in memory at a time
                 check_size(rec, d, len(data), source.where(d))
                 wrote.append(d)
                 yield d, [data]
