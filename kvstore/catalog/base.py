@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from ..blocks import BlockStore, hash_bytes
-from ..errors import DigestMismatchError, ReadOnlyStoreError
+from ..errors import DigestMismatchError, ManifestError, ReadOnlyStoreError
 from ..schema import Manifest, decode_manifest
 from .find import DepthReader
 from .records import Records
@@ -48,6 +48,17 @@ def open_manifest(raw: bytes, digest: bytes, *, algo: str | None = None,
     if signer is not None:
         signer.check(raw, tag, where)
     return decode_manifest(raw)
+
+
+def check_size(rec: Records, block: bytes, size: int, where: str) -> None:
+    """A block of ``size`` bytes whose bytes hash to its name is good: when the entry's
+    manifest gives it another size, the manifest lies. A :class:`ManifestError` naming
+    both refuses the entry; the block stays (docs/FORMAT.md, "Trust")."""
+    want = rec.blocks.get(block)
+    if want is not None and want != size:
+        raise ManifestError(
+            f"manifest {rec.digest.hex()} gives block {block.hex()} {want} bytes; {where} "
+            f"holds {size} that hash to its name: the entry is refused, the block kept")
 
 
 class Catalog(abc.ABC):
@@ -220,4 +231,5 @@ class Plan(abc.ABC, Generic[R]):
     def _execute(self) -> R: ...
 
 
-__all__ = ["Catalog", "Copied", "Ensure", "Plan", "PushStats", "Tier", "open_manifest"]
+__all__ = ["Catalog", "Copied", "Ensure", "Plan", "PushStats", "Tier", "check_size",
+           "open_manifest"]

@@ -34,8 +34,8 @@ from ..catalog.find import DepthReader, Match
 from ..catalog.records import PRIORITY_NAMES, Records, records_of
 from ..catalog.signing import Signer, UnsignedManifestError
 from ..errors import DigestMismatchError, ManifestError
-from ..schema import Manifest
-from .errors import RemoteNotFoundError
+from ..schema import MAX_MANIFEST_BYTES, Manifest
+from .errors import RemoteNotFoundError, RemoteTooLargeError
 from .layout import (
     EXACT,
     MANIFESTS,
@@ -209,10 +209,20 @@ class RemoteCatalog(Catalog):
         return f"{self.url}{MANIFESTS}{digest.hex()}"
 
     def manifest_bytes(self, digest: bytes) -> bytes | None:
+        """The manifest object's bytes; one larger than any manifest (MAX_MANIFEST_BYTES) is
+        a ManifestError, refused before its body is read."""
+        got = self._read(digest)
+        return None if got is None else got[0]
+
+    def _read(self, digest: bytes) -> tuple[bytes, dict[str, str]] | None:
+        key = manifest_key(self.prefix, digest)
         try:
-            return self.client.get(manifest_key(self.prefix, digest))
+            return self.client.get_with_metadata(key, max_bytes=MAX_MANIFEST_BYTES)
         except RemoteNotFoundError:
             return None
+        except RemoteTooLargeError as e:
+            raise ManifestError(f"{self.where(digest)}: an object of {e.size} bytes, not a "
+                                f"manifest (at most {MAX_MANIFEST_BYTES}): not read") from None
 
     def _get(self, digest: bytes) -> _Cached | None:
         """The manifest (checked and decoded) and the priority its object carries; cached."""
@@ -221,10 +231,10 @@ class RemoteCatalog(Catalog):
             if hit is not None:
                 self._cache.move_to_end(digest)
                 return hit
-        try:
-            raw, meta = self.client.get_with_metadata(manifest_key(self.prefix, digest))
-        except RemoteNotFoundError:
+        read = self._read(digest)
+        if read is None:
             return None
+        raw, meta = read
         try:
             m = open_manifest(raw, digest, algo=self.check_names, where=self.where(digest),
                               signer=self.signer, tag=meta.get(SIG_META))

@@ -57,6 +57,7 @@ class RemoteCompactReport:
     markers_deleted: int = 0
     manifests_deleted: int = 0
     access_merged: int = 0
+    access_ignored: int = 0  # access records (or objects) that could not be parsed
     bad_manifests: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # manifests not signed with our key
 
@@ -142,7 +143,7 @@ def _plan(remote: RemoteTier, max_bytes: int | None, grace: float,
             marks[d].append(o.key)
     blocks: dict[bytes, BlockStat] = dict(remote.blocks.iter_stats())
     listed = {d: o.mtime for o in c.list(p + MANIFESTS) if (d := entry_of_key(o.key))}
-    access, access_keys = remote.read_access()
+    access, access_keys, rep.access_ignored = remote.read_access()
 
     def load(d: bytes) -> tuple[bytes, Manifest | None, set[bytes] | None]:
         try:

@@ -23,7 +23,7 @@ import msgspec
 from .._crash import crash_point
 from ..blocks import BlockStore
 from ..catalog import signing
-from ..catalog.base import Copied, Tier
+from ..catalog.base import Copied, Tier, check_size
 from ..catalog.records import Records
 from ..catalog.settings import TierSettings
 from ..catalog.signing import Signer, UnsignedManifestError
@@ -36,6 +36,7 @@ from .errors import (
     RemoteError,
     RemoteLeaseError,
     RemoteNotFoundError,
+    RemoteTooLargeError,
     RemoteUnavailableError,
 )
 from .layout import ACCESS, BLOCKS, EXACT, MANIFESTS, MARKERS, SETTINGS, access_key, entry_of_key
@@ -48,8 +49,22 @@ _R = TypeVar("_R")
 
 DEFAULT_TIMEOUT = 5.0  # seconds: each request's connect and read timeout, and a lookup's bound
 DEFAULT_WORKERS = 16  # requests in flight at once
+MAX_SETTINGS_BYTES = 64 << 10
+MAX_ACCESS_BYTES = 64 << 20  # one access object (a record is about 80 bytes)
+ACCESS_AHEAD = 86400.0  # seconds past this clock an access time may be (skew): later is a lie
 _settings_enc = msgspec.json.Encoder()
 _settings_dec = msgspec.json.Decoder(TierSettings)
+
+
+def _entry_hex(hx: object) -> bytes | None:
+    """The entry an access record names (64 lowercase hex characters), or None."""
+    if not isinstance(hx, str) or len(hx) != 64:
+        return None
+    try:
+        d = bytes.fromhex(hx)
+    except ValueError:
+        return None
+    return d if d.hex() == hx else None
 
 
 @dataclass(frozen=True)
@@ -131,7 +146,10 @@ class RemoteTier(Tier):
         """The bucket's settings object, or None when the remote is not initialised (or,
         with ``none_if_unreachable``, cannot be reached)."""
         try:
-            raw = self.client.get(self.prefix + SETTINGS)
+            raw = self.client.get(self.prefix + SETTINGS, max_bytes=MAX_SETTINGS_BYTES)
+        except RemoteTooLargeError as e:
+            raise RootSettingsError(f"{self.url}{SETTINGS} is not a kvstore settings object: "
+                                    f"{e.size} bytes") from None
         except RemoteNotFoundError as e:
             if "bucket does not exist" in str(e):
                 raise
@@ -256,6 +274,7 @@ class RemoteTier(Tier):
 
             def upload(d: bytes) -> int:
                 data = source.get(d, verify=True)
+                check_size(rec, d, len(data), source.where(d))
                 wrote = blocks.put(d, [data])
                 crash_point("push_after_block")
                 return len(data) if wrote else -1
@@ -319,32 +338,50 @@ class RemoteTier(Tier):
         except RemoteError as e:
             _log.warning("kvstore: access times not written to %s: %s", self.url, e)
 
-    def read_access(self) -> tuple[dict[bytes, float], list[str]]:
-        """The latest access time (epoch seconds) of each entry, and the objects read."""
+    def read_access(self) -> tuple[dict[bytes, float], list[str], int]:
+        """The latest access time (epoch seconds) of each entry, the objects read, and how
+        many records (or whole objects) could not be parsed and were ignored.
+
+        Anyone who can write the bucket writes these: a record is an entry's hex name and
+        an int of ms since the epoch, no later than a day ahead of this clock; anything
+        else (``inf``, ``1e300``, a string, a list, an object that is no map) is ignored
+        and counted, so it can neither stop a compaction nor reach the merged record."""
         keys = [o.key for o in self.client.list(self.prefix + ACCESS)]
         out: dict[bytes, float] = {}
+        ignored = 0
+        latest = int((time.time() + ACCESS_AHEAD) * 1000)
 
-        def get(k: str) -> dict[str, int]:
+        def get(k: str) -> Any:
             try:
-                return dict(msgspec.msgpack.decode(self.client.get(k)))
-            except (RemoteNotFoundError, msgspec.DecodeError, TypeError, ValueError):
-                return {}
+                return msgspec.msgpack.decode(self.client.get(k, max_bytes=MAX_ACCESS_BYTES))
+            except RemoteNotFoundError:
+                return {}  # merged and deleted by another compaction meanwhile
+            except (RemoteTooLargeError, msgspec.DecodeError, RecursionError):
+                return None
 
         for batch in self.map(get, keys):
+            if not isinstance(batch, dict):
+                ignored += 1
+                continue
             for hx, t in batch.items():
-                try:
-                    d = bytes.fromhex(hx)
-                except (TypeError, ValueError):
+                d = _entry_hex(hx)
+                if d is None or type(t) is not int or not 0 <= t <= latest:
+                    ignored += 1
                     continue
-                out[d] = max(out.get(d, 0.0), float(t) / 1000)
-        return out, keys
+                out[d] = max(out.get(d, 0.0), t / 1000)
+        if ignored:
+            _log.warning("kvstore: %d access records on %s could not be parsed: ignored",
+                         ignored, self.url)
+        return out, keys, ignored
 
     # --- listing ---------------------------------------------------------------------
 
-    def entries(self, refused: list[str] | None = None) -> list[RemoteEntry]:
+    def entries(self, skipped: list[str] | None = None, *,
+                refused: list[str] | None = None) -> list[RemoteEntry]:
         """Every manifest on the remote, with its tokens, model and size (one GET each);
-        those a reader with the signing key refuses are left out (their ids appended to
-        ``refused``), as are manifests that do not match their names or do not decode."""
+        those that cannot be read (bad, lying, too large: ``remote verify`` says why) are
+        left out, their ids appended to ``skipped``; those a reader with the signing key
+        refuses are left out too, their ids appended to ``refused``."""
         done = self.complete_entries()
         listed = [(o, d) for o in self.client.list(self.prefix + MANIFESTS)
                   if (d := entry_of_key(o.key)) is not None]
@@ -357,7 +394,11 @@ class RemoteTier(Tier):
                 if refused is not None:
                     refused.append(d.hex())
                 return None
-            except (RemoteNotFoundError, ManifestError, DigestMismatchError):
+            except RemoteNotFoundError:
+                return None
+            except (ManifestError, DigestMismatchError):
+                if skipped is not None:
+                    skipped.append(d.hex())
                 return None
             size = sum(manifest_blocks(m).values())
             return RemoteEntry(d.hex(), m.n_tokens, m.namespace.model_id, m.namespace.ns,
@@ -376,11 +417,13 @@ class RemoteTier(Tier):
 
         self.map(count, list(counts))
         cur = self.lease.read()
-        lease = None if cur is None else f"{cur.owner}, {cur.expires - time.time():.0f} s left"
+        lease = None if cur is None else (
+            f"{cur.owner}, expired" if self.lease.stale(cur)
+            else f"{cur.owner}, {cur.expires - time.time():.0f} s left")
         refused: list[str] | None = None
         if self.signed:  # reading every manifest is what tells the signed ones
             refused = []
-            self.entries(refused)
+            self.entries(refused=refused)
         return RemoteStats(str(self.url), self.client.endpoint, counts[EXACT][0],
                            counts[MANIFESTS][0], counts[BLOCKS][0], counts[BLOCKS][1],
                            counts[MARKERS][0], counts[ACCESS][0], lease,

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..blocks import Digest
@@ -52,6 +52,14 @@ class Pulled:
     blocks: int  # copied
     bytes: int
     fresh: bool = False  # every block it needs was copied (and checked) just now
+
+
+@dataclass
+class PullReport:
+    """What a pull did: the entries written back, and those it could not copy (id -> why)."""
+
+    pulled: list[Pulled] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class Tiers:
@@ -160,26 +168,31 @@ class Tiers:
         tier.note_access(match.digest)
         return Pulled(digest, rec.n_tokens, copied.blocks, copied.bytes, copied.present == 0)
 
-    def pull(self, entry_ids: Sequence[str] | None) -> list[Pulled]:
+    def pull(self, entry_ids: Sequence[str] | None) -> PullReport:
         """Write back whole entries of the first lower tier: every complete one (but those a
-        reader with the signing key refuses), or these ids (unique prefixes)."""
+        reader with the signing key refuses), or these ids (unique prefixes). An entry that
+        cannot be copied (a lying manifest, a bad or missing block, a refused signature) is
+        reported and the others are pulled; it leaves no block behind
+        (:meth:`Root.take <kvstore.store.local.root.Root.take>`)."""
         tier = self._first()
         self._ready(tier)
         listed = {d.hex(): d for d in tier.catalog}
         ids = list(listed) if entry_ids is None else [resolve_id(i, listed) for i in entry_ids]
-        out = []
+        out = PullReport()
         for i in ids:
             try:
                 rec = tier.catalog.records(listed[i]) if i in listed else None
-            except UnsignedManifestError:
-                if entry_ids is None:
-                    continue  # refused (logged and counted): never pulled
-                raise
-            if rec is None:
-                raise EntryNotFoundError(f"no entry {i} on {tier}")
-            out.append(self.write_back(Match(Digest(listed[i]), rec.n_tokens, True, rec.trimmable,
-                                             rec.n_tokens, where=tier.name)))
-        return out
+                if rec is None:
+                    raise EntryNotFoundError(f"no entry {i} on {tier}")
+                out.pulled.append(self.write_back(Match(
+                    Digest(listed[i]), rec.n_tokens, True, rec.trimmable, rec.n_tokens,
+                    where=tier.name)))
+            except UnsignedManifestError as e:  # refused (logged and counted): never pulled
+                if entry_ids is not None:  # asked for by name: say why it was not
+                    out.failed[i] = str(e)
+            except (KVStoreError, OSError) as e:
+                out.failed[i] = str(e)
+        return out  # the caller says what failed (kvstore pull names each)
 
     def _first(self) -> Tier:
         if not self.lower:

@@ -13,9 +13,17 @@ from ...catalog.base import Ensure
 from ...catalog.find import find
 from ...catalog.records import PRIORITIES, Records, encoded, records_of
 from ...codecs import AttachmentData, RawCache, snapshot
-from ...errors import CacheMismatchError
+from ...errors import CacheMismatchError, ManifestError
 from ...index import now_ms
-from ...schema import Attachment, Layer, Manifest, Namespace, iter_tensor_specs
+from ...schema import (
+    MAX_TOKENS,
+    Attachment,
+    Layer,
+    Manifest,
+    Namespace,
+    iter_tensor_specs,
+    validate_manifest,
+)
 from ..local.root import Root
 from .writer import place, write_blocks
 
@@ -72,6 +80,8 @@ def draft(
     """
     s = root.settings
     n, T = len(tk), s.block_tokens
+    if n > MAX_TOKENS:  # no reader would take its manifest (kvstore.schema's bounds)
+        raise ManifestError(f"an entry of {n} tokens: at most {MAX_TOKENS} are stored")
     snaps = [snapshot(c) for c in cache] + [_attachment_snapshot(a) for a in attachments]
     n_layers = len(cache)
     layers, blockset = place(snaps, n, T, s.state_block_bytes)
@@ -96,6 +106,9 @@ def draft(
         ),
         metadata=meta,
     )
+    # what every reader will check (an import's file included): refused now, not at restore
+    validate_manifest(manifest, hash=s.hash, block_tokens=T,
+                      state_block_bytes=s.state_block_bytes)
     raw, digest = encoded(manifest)
     pieces = blockset.by_digest()
     reused = set(known)

@@ -14,10 +14,10 @@ import msgspec
 import platformdirs
 
 from ...blocks import ALGORITHMS, BlockStat, BlockStore, LocalBlockStore
-from ...catalog.base import Copied, Tier
+from ...catalog.base import Copied, Tier, check_size
 from ...catalog.records import Records
 from ...catalog.settings import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK, TierSettings
-from ...errors import NotAStoreError, RootSettingsError, UnsafeRootError
+from ...errors import KVStoreError, NotAStoreError, RootSettingsError, UnsafeRootError
 from ...index import Index, now_ms
 from .catalog import LocalCatalog
 from .filesystem import check_filesystem
@@ -63,25 +63,60 @@ class Root(Tier):
     def take(self, rec: Records, source: BlockStore) -> Copied:
         """Copy an entry in from another tier: the blocks this root lacks, downloaded and
         verified before the commit (never inside its write transaction), then the records;
-        a block a local GC took meanwhile is fetched again in the commit."""
-        need = list(rec.blocks)
-        missing = [d for d in need if not self.blocks.exists(d)]
-        got = Copied(present=len(need) - len(missing))
+        a block a local GC took meanwhile is fetched again in the commit.
 
-        def fetched() -> Iterator[tuple[bytes, list[bytes]]]:  # one block in memory at a time
-            for d, data in source.get_many(missing):
-                got.blocks += 1
-                got.bytes += len(data)
+        A block whose size is not the one the manifest gives it (a download, or a file
+        here, that hashes to its name) refuses the entry with a ManifestError (the block
+        is good, the manifest lies). An entry that is not committed leaves none of the
+        blocks it wrote behind: they are unlinked while no entry references them."""
+        need = list(rec.blocks)
+        missing = []
+        for d in need:
+            state, _, size = self.blocks.inspect(d, rec.blocks[d], read_data=False)
+            if state == "sized":
+                check_size(rec, d, size, self.blocks.where(d))
+            if state == "missing":
+                missing.append(d)
+        got = Copied(present=len(need) - len(missing))
+        wrote: list[bytes] = []
+
+        def checked(ds: Sequence[bytes]) -> Iterator[tuple[bytes, list[bytes]]]:
+            for d, data in source.get_many(ds, rec.blocks):  # one block in memory at a time
+                check_size(rec, d, len(data), source.where(d))
+                wrote.append(d)
                 yield d, [data]
 
-        self.blocks.put_many(fetched())
+        def fetched() -> Iterator[tuple[bytes, list[bytes]]]:
+            for d, data in checked(missing):
+                got.blocks += 1
+                got.bytes += len(data[0])
+                yield d, data
 
         def ensure(digests: Sequence[bytes]) -> None:
             again = [d for d in digests if not self.blocks.exists(d)]
-            self.blocks.put_many((d, [data]) for d, data in source.get_many(again))
+            self.blocks.put_many(checked(again))
 
-        got.created = self.catalog.commit(rec, ensure)
+        since = now_ms()
+        try:
+            self.blocks.put_many(fetched())
+            got.created = self.catalog.commit(rec, ensure)
+        except BaseException:
+            self._unlink_unreferenced(wrote, since)
+            raise
         return got
+
+    def _unlink_unreferenced(self, digests: Sequence[bytes], since: int) -> None:
+        """Unlink the blocks a failed copy wrote that no entry references (a save that
+        found one of them freshens it, or its commit writes it again)."""
+        try:
+            with self.index.write() as txn:
+                for d in digests:
+                    st = self.blocks.stat(d)
+                    if self.index.get_ref(d, txn) is None and st is not None and \
+                            st.mtime * 1000 >= since - 1000:
+                        self.blocks.delete(d)
+        except (KVStoreError, OSError) as e:
+            _log.warning("kvstore: blocks of an entry not copied left for compact: %s", e)
 
 
 def default_root() -> Path:

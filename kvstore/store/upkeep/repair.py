@@ -135,7 +135,7 @@ def plan_for_blocks(
             continue
         try:
             b = _blocks_dec.decode(v)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # layers nested past any cache
             continue  # verify reports it as a bad manifest
         if hit.intersection(b.token_blocks) or hit.intersection(b.state_blocks):
             users.append(d)
