@@ -194,6 +194,13 @@ class _Figures(Collector):
              v.remote_pushed_bytes),
             ("kvstore_remote_errors", "Remote lookups, pulls and pushes that failed or timed "
              "out", v.remote_errors),
+            ("kvstore_remote_deadline_misses", "Requests that did not wait for the remote "
+             "past --remote-deadline (computed, pulled in the background)",
+             v.remote_deadline_misses),
+            ("kvstore_remote_pulls_shed", "Background pulls not queued (the queue was full)",
+             v.remote_pulls_shed),
+            ("kvstore_remote_pushes_given_up", "Pushes given up after their retries",
+             v.remote_pushes_given_up),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 

@@ -51,6 +51,7 @@ def open_store(
     remote: str | None = None,
     remote_timeout: float | None = None,
     push: bool = True,
+    remote_deadline: float | None = None,
 ) -> S:
     """Open (and, with ``create``, make) the root.
 
@@ -69,11 +70,16 @@ def open_store(
     ``s3://BUCKET/PREFIX`` that this root shares with others: lookups consult it,
     restores pull from it, and saves are queued for upload (``push=False``: only
     :meth:`push` uploads). ``remote_timeout`` (default 5 s,
-    ``kvstore.remote.DEFAULT_TIMEOUT``) bounds each request and each lookup. The
+    ``kvstore.remote.DEFAULT_TIMEOUT``) bounds each request and each lookup.
+    ``remote_deadline`` (seconds; None: no deadline) bounds a lookup and the pull of what
+    it found on the remote together: a hit not pulled by then is not used, and its pull
+    goes on in the background (``Tiers.deadline``; ``kvstore serve`` sets one). The
     remote tier's modules (and boto3) are imported only for a store that has one.
     """
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    if remote_deadline is not None and not remote_deadline > 0:  # NaN too
+        raise ValueError(f"remote_deadline must be > 0, got {remote_deadline}")
     path = Path(root) if root is not None else default_root()
     url = os.environ.get("KVSTORE_REMOTE", "") if remote is None else remote
     rem = None
@@ -103,6 +109,7 @@ def open_store(
     store = cls(local, namespace=namespace, verify_reads=verify_reads, read_only=ro,
                 remote=rem, push=push)
     store.max_bytes = max_bytes
+    store.tiers.deadline = remote_deadline
     if gc_grace is not None:
         store.gc_grace = gc_grace
     if rem is not None:

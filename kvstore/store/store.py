@@ -114,7 +114,7 @@ class Store:
                  map_size: int | None = None, max_bytes: int | None = None,
                  gc_grace: float | None = None, read_only: bool | None = None,
                  remote: str | None = None, remote_timeout: float | None = None,
-                 push: bool = True) -> Store: ...
+                 push: bool = True, remote_deadline: float | None = None) -> Store: ...
     else:
         open = classmethod(open_store)
 
@@ -342,7 +342,8 @@ class Store:
                 break
             tried.add((match.digest, match.length))
             try:
-                cache, length, where = self.load(match, verify=verify), match.length, match.where
+                cache, length = self.load(match, verify=verify), match.length
+                where = match.origin or match.where
                 break
             except (KVStoreError, OSError) as e:
                 if match.where == self.local.name and not isinstance(e, _GONE):
