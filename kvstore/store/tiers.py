@@ -15,7 +15,8 @@ lookup and the pull of what it found in a lower tier together take at most that 
 seconds: what is not in the root by then is not used (the caller computes it), and the
 lookup or pull goes on in the background (:class:`~.background.Background`: one per entry
 at a time, a bounded queue, stopped at close) so that the next lookup finds it in the
-root. A push that fails is tried again after a growing pause, a bounded number of times
+root. A tier the deadline cut is not waited for during ``SLOW_FOR`` seconds (each lookup
+asks it in the background) unless one of those lookups answers in time. A push that fails is tried again after a growing pause, a bounded number of times
 within a bounded time (:class:`PushRetry`); what is given up is counted, and kept for the
 next :meth:`Tiers.push`.
 """
@@ -52,6 +53,8 @@ DOWN_FOR = 30.0  # seconds a failed tier is not asked again by lookups
 PULL_RATE = 10e6  # bytes/s a write-back is allowed at least, on top of the tier's timeout
 DEFAULT_DEADLINE = 1.5  # seconds: ``kvstore serve --remote-deadline``
 LATE_LOOKUPS = 4  # lookups a deadline left running before later ones skip the lower tiers
+SLOW_FOR = 30.0  # seconds lookups do not wait for a tier the deadline cut (asked in the
+#                  background meanwhile; lifted when one of them answers in time)
 LATE_WARN_EVERY = 60.0  # seconds between two warnings that the deadline cut a request
 
 
@@ -117,6 +120,7 @@ class Tiers:
         self.deadline: float | None = None
         self.pulls = Background(name="kvstore-pull")
         self._late = 0  # lookups a deadline left running
+        self._slow_until: dict[str, float] = {}
         self._late_warned = -LATE_WARN_EVERY
 
     def later(self, tier: Tier, first: Callable[[], object], why: object) -> None:
@@ -157,13 +161,19 @@ class Tiers:
 
     def _find_in(self, tier: Tier, tk: TokenKeys, floor: int,
                  until: float | None = None) -> Match | None:
-        if time.monotonic() < self._down_until.get(tier.name, 0.0):
+        now = time.monotonic()
+        if now < self._down_until.get(tier.name, 0.0):
             return None
         wait, cut = tier.timeout, False
         if until is not None:
-            left = until - time.monotonic()
-            if left <= 0 or self._late >= LATE_LOOKUPS:
-                self._missed(tier, "no time left" if left <= 0 else "lookups still running")
+            left = until - now
+            slow = now < self._slow_until.get(tier.name, 0.0)
+            if left <= 0 or slow or self._late >= LATE_LOOKUPS:
+                if left > 0 and slow and self._late < LATE_LOOKUPS:  # not waited for
+                    self._in_background(tier, self._requests.submit(self._find_now, tier, tk,
+                                                                    floor), now)
+                self._missed(tier, "no time left" if left <= 0 else "it was slow"
+                             if slow else "lookups still running")
                 return None
             if wait is None or left < wait:
                 wait, cut = left, True
@@ -177,19 +187,23 @@ class Tiers:
         except (KVStoreError, OSError) as e:
             self._failed_lookup(tier, e)
             return None
+        self._slow_until[tier.name] = time.monotonic() + SLOW_FOR
         self._missed(tier, "the lookup")
+        self._in_background(tier, fut, now)
+        return None
+
+    def _in_background(self, tier: Tier, fut: cf.Future[Match | None], began: float) -> None:
         with self._cv:
             self._late += 1
-        fut.add_done_callback(lambda f: self._late_lookup(tier, f))
-        return None
+        fut.add_done_callback(lambda f: self._late_lookup(tier, f, began))
 
     def _failed_lookup(self, tier: Tier, why: object) -> None:
         self.counters.add(remote_errors=1)
         self.down(tier, why)
 
-    def _late_lookup(self, tier: Tier, fut: cf.Future[Match | None]) -> None:
-        """A lookup the deadline left running answered: pull what it found, in the
-        background."""
+    def _late_lookup(self, tier: Tier, fut: cf.Future[Match | None], began: float) -> None:
+        """A lookup the deadline left running (or not waited for) answered: pull what it
+        found, in the background; the tier is waited for again if it answered in time."""
         with self._cv:
             self._late -= 1
             self._cv.notify_all()
@@ -200,6 +214,8 @@ class Tiers:
             if isinstance(e, (KVStoreError, OSError)):
                 self._failed_lookup(tier, e)
             return
+        if self.deadline is not None and time.monotonic() - began <= self.deadline:
+            self._slow_until.pop(tier.name, None)
         hit = fut.result()
         if hit is not None and not self._closed:
             self._pull_later(tier, hit)
