@@ -16,9 +16,11 @@ seconds: what is not in the root by then is not used (the caller computes it), a
 lookup or pull goes on in the background (:class:`~.background.Background`: one per entry
 at a time, a bounded queue, stopped at close) so that the next lookup finds it in the
 root. A tier the deadline cut is not waited for during ``SLOW_FOR`` seconds (each lookup
-asks it in the background) unless one of those lookups answers in time. A push that fails is tried again after a growing pause, a bounded number of times
-within a bounded time (:class:`PushRetry`); what is given up is counted, and kept for the
-next :meth:`Tiers.push`.
+asks it in the background) unless one of those lookups answers in time.
+
+A push that fails is tried again after a growing pause, a bounded number of times within
+a bounded time (:class:`PushRetry`); what is given up is counted, and kept for the next
+:meth:`Tiers.push`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from .counters import StoreCounters
 from .entries import resolve_id
 from .errors import TierTimeoutError
 from .local.root import Root
+from .retry import PushRetry, Retries
 
 _log = logging.getLogger("kvstore")
 _T = TypeVar("_T")
@@ -56,29 +59,6 @@ LATE_LOOKUPS = 4  # lookups a deadline left running before later ones skip the l
 SLOW_FOR = 30.0  # seconds lookups do not wait for a tier the deadline cut (asked in the
 #                  background meanwhile; lifted when one of them answers in time)
 LATE_WARN_EVERY = 60.0  # seconds between two warnings that the deadline cut a request
-
-
-@dataclass(frozen=True)
-class PushRetry:
-    """How a push that failed is tried again: after ``first`` seconds, doubling up to
-    ``cap``, at most ``attempts`` tries in all and none begun ``give_up_after`` seconds
-    past the first failure; then it is given up (counted, kept for the next push)."""
-
-    attempts: int = 5
-    first: float = 1.0
-    cap: float = 30.0
-    give_up_after: float = 120.0
-
-    def pause(self, failures: int) -> float:
-        """Seconds before the try that follows ``failures`` failed ones."""
-        return float(min(self.cap, self.first * 2 ** (failures - 1)))
-
-
-@dataclass
-class _Failed:
-    first: float  # monotonic time of the first failure
-    failures: int = 0
-    due: float | None = None  # when it is tried again; None: given up
 
 
 @dataclass(frozen=True)
@@ -106,7 +86,7 @@ class Tiers:
         self._cv = threading.Condition()
         self._outstanding = 0
         self._stats = PushStats()
-        self._failed: dict[bytes, _Failed] = {}  # waiting to be tried again, or given up
+        self._failed = Retries()  # pushes waiting to be tried again, or given up
         self.retry = PushRetry()
         self._queued: set[bytes] = set()  # in the queue or being copied
         self._workers: list[threading.Thread] = []
@@ -291,9 +271,11 @@ class Tiers:
 
     @property
     def unavailable(self) -> bool:
-        """Whether lookups leave a lower tier alone now (it failed or timed out recently)."""
+        """Whether lookups leave a lower tier alone now, or do not wait for it (it failed,
+        timed out or was cut by the deadline recently)."""
         now = time.monotonic()
-        return any(now < self._down_until.get(t.name, 0.0) for t in self.lower)
+        return any(now < max(self._down_until.get(t.name, 0.0),
+                             self._slow_until.get(t.name, 0.0)) for t in self.lower)
 
     def down(self, tier: Tier | str, why: object) -> None:
         """Leave a tier alone for a while after a failure (one warning each time)."""
@@ -398,7 +380,7 @@ class Tiers:
                 self._push_failed(d, e)
             else:
                 with self._cv:
-                    self._failed.pop(d, None)
+                    self._failed.done(d)
             self.counters.add(remote_pushes=st.entries, remote_pushed_bytes=st.bytes,
                               remote_errors=st.failed)
             with self._cv:
@@ -409,34 +391,28 @@ class Tiers:
 
     def _push_failed(self, d: bytes, e: Exception) -> None:
         """Schedule the next try of a failed push, or give it up (:attr:`retry`)."""
-        now, r = time.monotonic(), self.retry
         with self._cv:
             if not self._failed:
                 _log.warning("kvstore: push to %s failed (tried again up to %d times): %s",
-                             self._first(), r.attempts, e)
-            f = self._failed.setdefault(d, _Failed(now))
-            f.failures += 1
-            due = now + r.pause(f.failures)
-            if f.failures < r.attempts and due - f.first < r.give_up_after:
-                f.due = due
+                             self._first(), self.retry.attempts, e)
+            tries = self._failed.failed(d, time.monotonic(), self.retry)
+            if tries is None:
                 self._stats.retried += 1
                 return
-            f.due = None
             self._stats.given_up += 1
         self.counters.add(remote_pushes_given_up=1)
         _log.warning("kvstore: push of %s to %s given up after %d tries (kvstore push uploads "
-                     "it): %s", d.hex(), self._first(), f.failures, e)
+                     "it): %s", d.hex(), self._first(), tries, e)
 
     def _until_due(self) -> float | None:
         """Seconds until the next failed push is due to be tried again (None: none is)."""
         with self._cv:
-            due = [f.due for f in self._failed.values() if f.due is not None]
-        return None if not due else min(1.0, max(0.01, min(due) - time.monotonic()))
+            left = self._failed.next_due(time.monotonic())
+        return None if left is None else min(1.0, max(0.01, left))
 
     def _retry_due(self) -> None:
-        now = time.monotonic()
         with self._cv:
-            due = [d for d, f in self._failed.items() if f.due is not None and f.due <= now]
+            due = self._failed.due(time.monotonic())
         for d in due:
             self.enqueue(d)
 
@@ -457,7 +433,7 @@ class Tiers:
         ``everything``, first queue every root entry the first lower tier lacks."""
         tier = self._first()
         with self._cv:
-            retry, self._failed = list(self._failed), {}  # tried now, their counts afresh
+            retry = self._failed.take()  # tried now, their counts afresh
         for d in retry:
             self.enqueue(d)
         if everything:

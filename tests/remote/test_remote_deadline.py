@@ -15,7 +15,7 @@ from helpers.kv import T, make_cache, matches, open_store, tokens_for
 from helpers.slowproxy import SlowProxy, wait_until
 
 from kvstore.remote import Remote
-from kvstore.store.tiers import PushRetry
+from kvstore.store.retry import PushRetry
 
 DEADLINE = 1.0
 MARGIN = 0.5  # what a request may take past the deadline (the local part, a loaded machine)
@@ -71,6 +71,7 @@ def test_a_slow_gateway_costs_a_request_the_deadline_and_the_next_one_nothing(
             assert (cache, n) == (None, 0)  # nothing here yet: computed
             assert took < DEADLINE + MARGIN, took
             assert b.counters.values().remote_deadline_misses == 1
+            assert b.usage().lifetime.miss_reasons == {"remote_timeout": 1}
             # the lookup goes on, then the pull, in the background
             assert b.tiers.settle(120)
             assert b.stats().entries == 1

@@ -128,6 +128,7 @@ def test_serve_answers_within_its_deadline_while_the_gateway_is_slow(
             assert got == a2 and cached > 500, (got, cached)
             assert took < DEADLINE + margin, (took, margin)
     log = (tmp_path / "b.log").read_text()
-    sources = re.findall(r"kvstore request .* source=(\S+)", log)
-    assert sources == ["none", "local"], sources  # restored from its own root
+    lines = re.findall(r"kvstore request .* source=(\S+) .* miss=(\S+)", log)
+    # the remote not heard within the deadline, then restored from b's own root
+    assert lines == [("none", "remote_timeout"), ("local", "-")], lines
     assert "past the 1 s remote deadline" in log
