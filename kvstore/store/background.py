@@ -63,6 +63,11 @@ class Background:
             self._cv.notify()
             return fut
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (jobs are refused, not shed)."""
+        return self._closed
+
     def __len__(self) -> int:
         """Jobs waiting or running."""
         with self._cv:

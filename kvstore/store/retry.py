@@ -62,8 +62,12 @@ class Retries:
         return None if not due else min(due) - now
 
     def due(self, now: float) -> list[bytes]:
-        """The entries due to be tried again now."""
-        return [d for d, f in self._failed.items() if f.due is not None and f.due <= now]
+        """The entries due to be tried again now (handed over: not due again unless that
+        try fails too)."""
+        out = [d for d, f in self._failed.items() if f.due is not None and f.due <= now]
+        for d in out:
+            self._failed[d].due = None
+        return out
 
     def take(self) -> list[bytes]:
         """Every entry, given up or not, forgotten here (a push tries them now, afresh)."""

@@ -213,9 +213,8 @@ class Tiers:
         return self.pulls.wait(None if end is None else max(0.0, end - time.monotonic()))
 
     def _pull_later(self, tier: Tier, hit: Match) -> cf.Future[Pulled | None] | None:
-        fut = self.pulls.submit((tier.name, hit.digest, hit.length),
-                                lambda: self._pull_quietly(tier, hit))
-        if fut is None and not self._closed:
+        fut = self.pulls.submit((tier.name, hit.digest), lambda: self._pull_quietly(tier, hit))
+        if fut is None and not self.pulls.closed:
             self.counters.add(remote_pulls_shed=1)
         return fut
 
