@@ -87,11 +87,12 @@ def test_the_pause_doubles_up_to_its_cap() -> None:
 def test_a_push_is_given_up_after_its_attempts() -> None:
     r, p = Retries(), PushRetry(attempts=3, first=1.0, cap=10.0, give_up_after=1e9)
     d = b"\x01" * 32
-    assert r.failed(d, 100.0, p) is None
+    assert r.failed(d, 100.0, p) is None and r.scheduled() == 1
     assert r.next_due(100.0) == 1.0 and r.due(100.5) == [] and r.due(101.0) == [d]
     assert r.next_due(101.0) is None  # handed over: not due again unless it fails again
     assert r.failed(d, 101.0, p) is None and r.next_due(101.0) == 2.0
     assert r.failed(d, 103.0, p) == 3  # the third failed try: given up
+    assert r.scheduled() == 0
     assert r.next_due(103.0) is None and r.due(1e9) == [] and len(r) == 1
     assert r.take() == [d] and len(r) == 0  # kept for the next push, then forgotten
 

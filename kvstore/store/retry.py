@@ -52,6 +52,10 @@ class Retries:
         f.due = None
         return f.failures
 
+    def scheduled(self) -> int:
+        """Entries that will be tried again (not given up)."""
+        return sum(f.due is not None for f in self._failed.values())
+
     def done(self, digest: bytes) -> None:
         """Its push succeeded."""
         self._failed.pop(digest, None)

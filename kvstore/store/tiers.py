@@ -410,10 +410,9 @@ class Tiers:
         return None if left is None else min(1.0, max(0.01, left))
 
     def _retry_due(self) -> None:
-        with self._cv:
-            due = self._failed.due(time.monotonic())
-        for d in due:
-            self.enqueue(d)
+        with self._cv:  # handed over and queued at once (push() waits for either)
+            for d in self._failed.due(time.monotonic()):
+                self.enqueue(d)
 
     def _push_one(self, digest: bytes) -> PushStats:
         rec = self.root.catalog.records(digest)
@@ -428,7 +427,8 @@ class Tiers:
         return st
 
     def push(self, timeout: float | None = None, *, everything: bool = False) -> PushStats:
-        """Wait until what is queued (and what failed before) is on the lower tiers; with
+        """Wait until what is queued (and what failed before) is on the lower tiers, a
+        failed upload being tried again as :attr:`retry` says, until it is given up; with
         ``everything``, first queue every root entry the first lower tier lacks."""
         tier = self._first()
         with self._cv:
@@ -443,7 +443,7 @@ class Tiers:
                     self.enqueue(d)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._outstanding:
+            while self._outstanding or self._failed.scheduled():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break

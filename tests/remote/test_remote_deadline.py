@@ -5,10 +5,12 @@ client and it (tests/helpers/slowproxy.py); the gateway itself is never stopped.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.kv import T, make_cache, matches, open_store, tokens_for
@@ -203,3 +205,26 @@ def test_what_is_still_failing_at_close_is_said_once(
     st = b.tiers.close(5)
     assert (st.entries, st.failed, st.pending) == (0, 2, 0), st
     b.close()
+
+
+def test_an_explicit_push_waits_for_the_tries_within_its_timeout(
+        tmp_path: Path, url: str, proxy: SlowProxy) -> None:
+    toks = tokens_for(8, 6 * T)
+    with open_store(tmp_path / "b", remote=url) as b:
+        b.tiers.retry = PushRetry(attempts=50, first=0.1, cap=0.4, give_up_after=60)
+        proxy.fail = True
+        b.save(toks, make_cache(toks))
+        out: dict[str, Any] = {}
+        th = threading.Thread(target=lambda: out.update(st=b.push(60)))
+        th.start()
+        try:
+            wait_until(lambda: b.counters.values().remote_errors >= 3, 60, "three failed tries")
+            assert th.is_alive()  # push() waits: the entry will be tried again
+        finally:
+            proxy.fail = False
+            th.join(60)
+        assert not th.is_alive()
+        st = out["st"]
+        assert (st.entries, st.failed, st.given_up, st.pending) == (1, 0, 0, 0), st
+        assert st.retried >= 3, st
+    assert len(exact_keys(url)) == 1
