@@ -5,6 +5,7 @@ pushes (kvstore.store.retry). Against the gateway: tests/remote/test_remote_dead
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +112,22 @@ def test_a_push_that_lands_is_forgotten() -> None:
     assert r.failed(d, 0.0, p) is None
     r.done(d)
     assert len(r) == 0 and r.next_due(0.0) is None
+
+
+def test_the_deadline_is_a_store_option_and_a_prompt_cache_option(tmp_path: Path) -> None:
+    from kvstore import Store
+    from kvstore.mlx_lm import PersistentPromptCache
+
+    with Store.open(tmp_path / "a", remote_deadline=0.5) as s:
+        assert s.tiers.deadline == 0.5
+    with Store.open(tmp_path / "b") as s:
+        assert s.tiers.deadline is None  # a library store waits by each tier's own bounds
+        with PersistentPromptCache(s, remote_deadline=2.0):
+            assert s.tiers.deadline == 2.0
+        for bad in (0.0, -1.0, float("nan")):
+            with pytest.raises(ValueError, match="remote_deadline must be > 0"):
+                PersistentPromptCache(s, remote_deadline=bad)
+    for bad in (0.0, float("nan")):
+        with pytest.raises(ValueError, match="remote_deadline must be > 0"):
+            Store.open(tmp_path / "c", remote_deadline=bad)
+    assert not (tmp_path / "c").exists()
