@@ -91,6 +91,28 @@ def test_a_negative_defer_seconds_is_one_error_line(
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize(("flag", "want"), [([], 1.5), (["--remote-deadline", "0.25"], 0.25)])
+def test_remote_deadline_reaches_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: list[str], want: float
+) -> None:
+    built: list[Any] = []
+    monkeypatch.setattr(mlx_lm.server, "main",
+                        lambda: built.append(mlx_lm.server.LRUPromptCache(max_size=3)))
+    assert serve_main(["--root", str(tmp_path / "r"), *flag]) == 0
+    (cache,) = built
+    assert cache.store.tiers.deadline == want
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "nan"])
+def test_a_bad_remote_deadline_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: str
+) -> None:
+    assert serve_main(["--root", str(tmp_path / "r"), "--remote-deadline", bad]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kvstore: error: --remote-deadline must be > 0, got {float(bad):g}"]
+    assert not (tmp_path / "r").exists()
+
+
 def test_bad_mlx_lm_option_is_a_usage_error(tmp_path: Path) -> None:
     original = mlx_lm.server.LRUPromptCache
     assert serve_main(["--root", str(tmp_path / "r"), "--port", "not-a-port"]) == 2

@@ -394,3 +394,18 @@ def test_access_stamps_that_cannot_be_written_never_fail_a_restore(
     assert n == 40 and c.offset == 40
     store.close()
     assert "access stamps not recorded" in caplog.text
+
+
+def test_store_open_s_typed_options_are_open_store_s_own() -> None:
+    """``Store.open`` is :func:`kvstore.store.opening.open_store`; the type checker sees its
+    keyword options through ``OpenOptions``: the two must name the same options."""
+    import inspect
+    import typing
+
+    from kvstore.store.opening import OpenOptions, open_store
+
+    kw = [n for n, p in inspect.signature(open_store).parameters.items()
+          if p.kind is p.KEYWORD_ONLY]
+    hints = typing.get_type_hints(open_store)
+    assert kvstore.Store.open.__func__ is open_store  # type: ignore[attr-defined]
+    assert typing.get_type_hints(OpenOptions) == {n: hints[n] for n in kw}

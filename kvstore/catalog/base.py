@@ -154,7 +154,9 @@ class PushStats:
 
     ``failed``: entries whose upload failed (kept, retried by the next push);
     ``shed``: saves not queued because the queue was full; ``pending``: still queued
-    when a push timed out.
+    when a push timed out. While serving, a failed upload is tried again after a pause
+    (``retried``: the tries so scheduled) a bounded number of times, then given up
+    (``given_up``: entries, kept for the next push).
     """
 
     entries: int = 0
@@ -164,16 +166,20 @@ class PushStats:
     failed: int = 0
     shed: int = 0
     pending: int = 0
+    retried: int = 0
+    given_up: int = 0
     errors: list[str] = field(default_factory=list)
 
     def add(self, other: PushStats) -> None:
-        for f in ("entries", "blocks", "bytes", "present", "failed", "shed", "pending"):
+        for f in ("entries", "blocks", "bytes", "present", "failed", "shed", "pending",
+                  "retried", "given_up"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.errors.extend(other.errors)
 
     def as_dict(self) -> dict[str, object]:
         return {f: getattr(self, f) for f in
-                ("entries", "blocks", "bytes", "present", "failed", "shed", "pending", "errors")}
+                ("entries", "blocks", "bytes", "present", "failed", "shed", "pending",
+                 "retried", "given_up", "errors")}
 
 
 class Tier(abc.ABC):

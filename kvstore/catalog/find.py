@@ -29,6 +29,9 @@ class Match:
     trimmable: bool
     n_tokens: int  # the entry's own length (>= length)
     where: str = "local"  # the tier that holds it ("remote": loading it pulls it here)
+    #: The lower tier it was pulled from during the lookup (within the request's deadline,
+    #: ``Tiers.deadline``); ``where`` is then the root's.
+    origin: str | None = None
 
     @property
     def entry_id(self) -> str:

@@ -196,6 +196,13 @@ class _Figures(Collector):
              "out", v.remote_errors),
             ("kvstore_remote_refused", "Remote entries refused: not signed with the signing "
              "key (each entry once)", v.remote_refused),
+            ("kvstore_remote_deadline_misses", "Requests that did not wait for the remote "
+             "past --remote-deadline (computed, pulled in the background)",
+             v.remote_deadline_misses),
+            ("kvstore_remote_pulls_shed", "Background pulls not queued (the queue was full)",
+             v.remote_pulls_shed),
+            ("kvstore_remote_pushes_given_up", "Pushes given up after their retries",
+             v.remote_pushes_given_up),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 

@@ -109,6 +109,12 @@ class PersistentPromptCache:
     Tenants: after :meth:`set_tenant` (``kvstore serve`` calls it with each request's
     ``cache_salt``) the fetches and inserts that follow use that salt's own entries,
     in memory and in the store, until the next call; see :class:`TenantKey`.
+
+    With `remote_deadline` (seconds; None: the store's, ``Store.open(remote_deadline=...)``)
+    a fetch waits for the store's remote tier, lookup and pull together, at most that
+    long: what is not pulled by then is computed (the local match or nothing) and its pull
+    goes on in the background, so the next request with that prefix restores it locally.
+    It is the store's setting: every cache of that store gets it.
     """
 
     def __init__(
@@ -123,7 +129,12 @@ class PersistentPromptCache:
         exit_timeout: float | None = 60.0,
         reuse_prefix: bool = True,
         defer_seconds: float = DEFAULT_DEFER_SECONDS,
+        remote_deadline: float | None = None,
     ) -> None:
+        if remote_deadline is not None:
+            if not remote_deadline > 0:  # NaN too
+                raise ValueError(f"remote_deadline must be > 0, got {remote_deadline}")
+            store.tiers.deadline = remote_deadline
         self.store = store
         self.reuse_prefix = reuse_prefix
         self.min_tokens = min_tokens
@@ -349,7 +360,7 @@ class PersistentPromptCache:
         except Exception as e:
             logger.warning("kvstore: store read failed; treating it as a miss", exc_info=True)
             return None, None, failure_reason(e)
-        return (list(cache), list(tokens[match.length :])), match.where, None
+        return (list(cache), list(tokens[match.length :])), match.origin or match.where, None
 
     def _enqueue(
         self, model_key: Hashable, tokens: list[int], prompt_cache: list[Any], cache_type: str,

@@ -36,6 +36,7 @@ from typing import Any
 
 from kvstore import KVStoreError, Store, _human, default_root
 from kvstore.mlx_lm import PersistentPromptCache
+from kvstore.store.tiers import DEFAULT_DEADLINE
 
 from .metrics import ServeMetrics
 from .requests import RequestLog
@@ -96,6 +97,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="share the cache through s3://BUCKET/PREFIX (default: $KVSTORE_REMOTE): "
         "lookups consult it, hits are pulled, saves are pushed in the background",
+    )
+    g.add_argument(
+        "--remote-deadline",
+        type=float,
+        default=DEFAULT_DEADLINE,
+        metavar="SECONDS",
+        help="the longest a request waits for the remote, lookup and pull together; what "
+        "is not pulled by then is computed and pulled in the background for the next "
+        f"request (default: {DEFAULT_DEADLINE:g})",
     )
     g.add_argument(
         "--max-bytes",
@@ -353,6 +363,8 @@ def _serve(argv: list[str]) -> int:
     ours, rest = _parser().parse_known_args(argv)
     if not ours.defer_seconds >= 0:  # NaN too
         raise ServeError(f"--defer-seconds must be >= 0, got {ours.defer_seconds:g}")
+    if not ours.remote_deadline > 0:
+        raise ServeError(f"--remote-deadline must be > 0, got {ours.remote_deadline:g}")
     if "-h" not in rest and "--help" not in rest:
         check_listen(rest)
         rest = _known_models(rest)
@@ -371,6 +383,7 @@ def _serve(argv: list[str]) -> int:
         max_bytes=ours.max_bytes,
         verify_reads=not ours.no_verify_reads,
         remote=ours.remote,
+        remote_deadline=ours.remote_deadline,
     ) as store:
         metrics = ServeMetrics(store, lambda: made)  # GET /metrics
         requests = RequestLog(logger)  # one INFO line per request

@@ -23,6 +23,9 @@ class CounterValues:
     remote_pushed_bytes: int = 0
     remote_errors: int = 0  # remote lookups, pulls and pushes that failed or timed out
     remote_refused: int = 0  # remote entries refused: not signed with the signing key (each once)
+    remote_deadline_misses: int = 0  # requests the remote deadline cut (computed instead)
+    remote_pulls_shed: int = 0  # background pulls not queued (the queue was full)
+    remote_pushes_given_up: int = 0  # pushes given up after their retries (PushRetry)
 
 
 class StoreCounters:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -97,3 +97,22 @@ def resolve_id(entry_id: str, ids: Iterable[str]) -> str:
     if len(hits) > 1:
         raise EntryNotFoundError(f"{len(hits)} entries match {entry_id!r}: give more hex chars")
     return hits[0]
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """An entry of a lower tier (or its prefix) written back into the root."""
+
+    digest: bytes  # the local entry (the tier's, or its cut-back prefix)
+    n_tokens: int
+    blocks: int  # copied
+    bytes: int
+    fresh: bool = False  # every block it needs was copied (and checked) just now
+
+
+@dataclass
+class PullReport:
+    """What a pull did: the entries written back, and those it could not copy (id -> why)."""
+
+    pulled: list[Pulled] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypedDict, TypeVar
 
 from ..blocks import LocalBlockStore
 from ..schema import Namespace
@@ -36,6 +36,29 @@ class Opened(Protocol):
 S = TypeVar("S", bound=Opened)
 
 
+class OpenOptions(TypedDict, total=False):
+    """The keyword options of :func:`open_store` (``Store.open``), for the type checker
+    (tests/test_store.py checks that they are the function's own)."""
+
+    namespace: Namespace | None
+    hash: str | None
+    block_tokens: int | None
+    state_block_bytes: int | None
+    durable: bool
+    create: bool
+    verify_reads: bool
+    map_size: int | None
+    max_bytes: int | None
+    gc_grace: float | None
+    read_only: bool | None
+    remote: str | None
+    remote_timeout: float | None
+    push: bool
+    shared_group: str | int | None
+    signing_key: bytes | str | None
+    remote_deadline: float | None
+
+
 def open_store(
     cls: type[S],
     root: str | os.PathLike[str] | None = None,
@@ -56,6 +79,7 @@ def open_store(
     push: bool = True,
     shared_group: str | int | None = None,
     signing_key: bytes | str | None = None,
+    remote_deadline: float | None = None,
 ) -> S:
     """Open (and, with ``create``, make) the root.
 
@@ -74,7 +98,10 @@ def open_store(
     ``s3://BUCKET/PREFIX`` that this root shares with others: lookups consult it,
     restores pull from it, and saves are queued for upload (``push=False``: only
     :meth:`push` uploads). ``remote_timeout`` (default 5 s,
-    ``kvstore.remote.DEFAULT_TIMEOUT``) bounds each request and each lookup. The
+    ``kvstore.remote.DEFAULT_TIMEOUT``) bounds each request and each lookup.
+    ``remote_deadline`` (seconds; None: no deadline) bounds a lookup and the pull of what
+    it found on the remote together: a hit not pulled by then is not used, and its pull
+    goes on in the background (``Tiers.deadline``; ``kvstore serve`` sets one). The
     remote tier's modules (and boto3) are imported only for a store that has one.
 
     A new root is private to its owner (directories 0700, files 0600, whatever the
@@ -91,6 +118,8 @@ def open_store(
     """
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    if remote_deadline is not None and not remote_deadline > 0:  # NaN too
+        raise ValueError(f"remote_deadline must be > 0, got {remote_deadline}")
     path = Path(root) if root is not None else default_root()
     url = os.environ.get("KVSTORE_REMOTE", "") if remote is None else remote
     rem = None
@@ -126,6 +155,7 @@ def open_store(
     if rem is not None:
         counters = store.counters
         rem.on_refused = lambda _digest: counters.add(remote_refused=1)
+    store.tiers.deadline = remote_deadline
     if gc_grace is not None:
         store.gc_grace = gc_grace
     if rem is not None:
@@ -142,4 +172,4 @@ def open_store(
     return store
 
 
-__all__ = ["open_store"]
+__all__ = ["OpenOptions", "open_store"]

@@ -6,7 +6,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 from .._crash import crash_point
 from ..blocks import LocalBlockStore, from_hex
@@ -30,12 +30,12 @@ from ..schema import Manifest, Namespace, TensorSpec
 from .counters import StoreCounters
 from .data.restore import read_entry
 from .data.saving import CODEC_PROVIDER, PrefixGone, check_args, draft
-from .entries import Entry, EntryInfo, Stats
+from .entries import Entry, EntryInfo, PullReport, Stats
 from .local.root import Root, default_root
 from .maintenance import Maintenance
-from .opening import open_store
+from .opening import OpenOptions, open_store
 from .served import Served
-from .tiers import PullReport, Tiers
+from .tiers import Tiers
 from .upkeep.access import AccessLog
 from .upkeep.gc import DEFAULT_GRACE, CompactReport, plan_budget
 from .upkeep.sweep import TempFiles
@@ -107,15 +107,8 @@ class Store:
     if TYPE_CHECKING:  # the signature of open_store, for the type checker
 
         @classmethod
-        def open(cls, root: str | os.PathLike[str] | None = None, *,
-                 namespace: Namespace | None = None, hash: str | None = None,
-                 block_tokens: int | None = None, state_block_bytes: int | None = None,
-                 durable: bool = True, create: bool = True, verify_reads: bool = True,
-                 map_size: int | None = None, max_bytes: int | None = None,
-                 gc_grace: float | None = None, read_only: bool | None = None,
-                 remote: str | None = None, remote_timeout: float | None = None,
-                 push: bool = True, shared_group: str | int | None = None,
-                 signing_key: bytes | str | None = None) -> Store: ...
+        def open(cls, root: str | os.PathLike[str] | None = None,
+                 **options: Unpack[OpenOptions]) -> Store: ...
     else:
         open = classmethod(open_store)
 
@@ -343,7 +336,8 @@ class Store:
                 break
             tried.add((match.digest, match.length))
             try:
-                cache, length, where = self.load(match, verify=verify), match.length, match.where
+                cache, length = self.load(match, verify=verify), match.length
+                where = match.origin or match.where
                 break
             except (KVStoreError, OSError) as e:
                 if match.where == self.local.name and not isinstance(e, _GONE):

@@ -9,6 +9,18 @@ hit in a lower tier is **written back**: the blocks its prefix needs and its rec
 it on this machine is local. A save is **written behind**: queued, then copied into each
 lower tier by worker threads, never on the caller's thread. Every copy between tiers
 goes through :meth:`Tier.take`, with the records of :func:`records_of`.
+
+With a ``deadline`` (``Store.open(remote_deadline=...)``; ``kvstore serve`` sets one), a
+lookup and the pull of what it found in a lower tier together take at most that many
+seconds: what is not in the root by then is not used (the caller computes it), and the
+lookup or pull goes on in the background (:class:`~.background.Background`: one per entry
+at a time, a bounded queue, stopped at close) so that the next lookup finds it in the
+root. A tier the deadline cut is not waited for during ``SLOW_FOR`` seconds (each lookup
+asks it in the background) unless one of those lookups answers in time.
+
+A push that fails is tried again after a growing pause, a bounded number of times within
+a bounded time (:class:`PushRetry`); what is given up is counted, and kept for the next
+:meth:`Tiers.push`.
 """
 
 from __future__ import annotations
@@ -19,7 +31,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import TypeVar
 
 from ..blocks import Digest
@@ -29,10 +41,12 @@ from ..catalog.keys import TokenKeys
 from ..catalog.records import cut_manifest, encoded, records_of
 from ..catalog.signing import UnsignedManifestError
 from ..errors import EntryNotFoundError, KVStoreError
+from .background import Background
 from .counters import StoreCounters
-from .entries import resolve_id
+from .entries import Pulled, PullReport, resolve_id
 from .errors import TierTimeoutError
 from .local.root import Root
+from .retry import PushRetry, Retries
 
 _log = logging.getLogger("kvstore")
 _T = TypeVar("_T")
@@ -41,25 +55,11 @@ DEFAULT_QUEUE = 1024  # entries waiting to be written behind before saves are sh
 DEFAULT_CLOSE_TIMEOUT = 10.0  # seconds close() waits for queued copies
 DOWN_FOR = 30.0  # seconds a failed tier is not asked again by lookups
 PULL_RATE = 10e6  # bytes/s a write-back is allowed at least, on top of the tier's timeout
-
-
-@dataclass(frozen=True)
-class Pulled:
-    """An entry of a lower tier (or its prefix) written back into the root."""
-
-    digest: bytes  # the local entry (the tier's, or its cut-back prefix)
-    n_tokens: int
-    blocks: int  # copied
-    bytes: int
-    fresh: bool = False  # every block it needs was copied (and checked) just now
-
-
-@dataclass
-class PullReport:
-    """What a pull did: the entries written back, and those it could not copy (id -> why)."""
-
-    pulled: list[Pulled] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
+DEFAULT_DEADLINE = 1.5  # seconds: ``kvstore serve --remote-deadline``
+LATE_LOOKUPS = 4  # lookups a deadline left running before later ones skip the lower tiers
+SLOW_FOR = 30.0  # seconds lookups do not wait for a tier the deadline cut (asked in the
+#                  background meanwhile; lifted when one of them answers in time)
+LATE_WARN_EVERY = 60.0  # seconds between two warnings that the deadline cut a request
 
 
 class Tiers:
@@ -76,7 +76,8 @@ class Tiers:
         self._cv = threading.Condition()
         self._outstanding = 0
         self._stats = PushStats()
-        self._failed: dict[bytes, None] = {}
+        self._failed = Retries()  # pushes waiting to be tried again, or given up
+        self.retry = PushRetry()
         self._queued: set[bytes] = set()  # in the queue or being copied
         self._workers: list[threading.Thread] = []
         self._n_workers = workers
@@ -84,6 +85,13 @@ class Tiers:
         self._down_until: dict[str, float] = {}
         self._closed = False
         self.counters = StoreCounters()  # the store's own (Store.__init__ hands it over)
+        #: Seconds a lookup and the pull of what it found below the root may take together
+        #: (None: each tier's own bounds, and a hit is pulled by ``Store.load``).
+        self.deadline: float | None = None
+        self.pulls = Background(name="kvstore-pull")
+        self._late = 0  # lookups a deadline left running
+        self._slow_until: dict[str, float] = {}
+        self._late_warned = -LATE_WARN_EVERY
 
     def later(self, tier: Tier, first: Callable[[], object], why: object) -> None:
         """Run ``first`` before ``tier`` is used (it was unreachable: its settings are
@@ -107,26 +115,143 @@ class Tiers:
     # --- lookups and write-back ----------------------------------------------------
 
     def find(self, tk: TokenKeys, best: Match | None) -> Match | None:
-        """The best match of ``tk`` given the root's ``best``: a lower tier's when longer."""
+        """The best match of ``tk`` given the root's ``best``: a lower tier's when longer.
+
+        With a :attr:`deadline`, a lower tier's hit is pulled into the root before this
+        returns (the match is then the root's, ``origin`` names the tier), or not used
+        (``best`` is returned, the pull goes on in the background)."""
+        until = None if self.deadline is None else time.monotonic() + self.deadline
         for tier in self.lower:
             if best is not None and best.exact:
                 break
-            hit = self._find_in(tier, tk, best.length if best is not None else 0)
+            hit = self._find_in(tier, tk, best.length if best is not None else 0, until)
             if hit is not None:
-                best = hit
+                best = hit if until is None else self._pull_by(tier, tk, hit, best, until)
         return best
 
-    def _find_in(self, tier: Tier, tk: TokenKeys, floor: int) -> Match | None:
-        if time.monotonic() < self._down_until.get(tier.name, 0.0):
+    def _find_in(self, tier: Tier, tk: TokenKeys, floor: int,
+                 until: float | None = None) -> Match | None:
+        now = time.monotonic()
+        if now < self._down_until.get(tier.name, 0.0):
             return None
+        wait, cut = tier.timeout, False
+        if until is not None:
+            left = until - now
+            slow = now < self._slow_until.get(tier.name, 0.0)
+            if left <= 0 or slow or self._late >= LATE_LOOKUPS:
+                if left > 0 and slow and self._late < LATE_LOOKUPS:  # not waited for
+                    self._in_background(tier, self._requests.submit(self._find_now, tier, tk,
+                                                                    floor), now)
+                self._missed(tier, "no time left" if left <= 0 else "it was slow"
+                             if slow else "lookups still running")
+                return None
+            if wait is None or left < wait:
+                wait, cut = left, True
         fut = self._requests.submit(self._find_now, tier, tk, floor)
         try:
-            return fut.result(timeout=tier.timeout)
-        except (KVStoreError, OSError, cf.TimeoutError) as e:
-            self.counters.add(remote_errors=1)
-            self.down(tier, e if not isinstance(e, cf.TimeoutError)
-                      else f"no answer in {tier.timeout} s")
+            return fut.result(timeout=wait)
+        except cf.TimeoutError:
+            if not cut:
+                self._failed_lookup(tier, f"no answer in {tier.timeout} s")
+                return None
+        except (KVStoreError, OSError) as e:
+            self._failed_lookup(tier, e)
             return None
+        self._slow_until[tier.name] = time.monotonic() + SLOW_FOR
+        self._missed(tier, "the lookup")
+        self._in_background(tier, fut, now)
+        return None
+
+    def _in_background(self, tier: Tier, fut: cf.Future[Match | None], began: float) -> None:
+        with self._cv:
+            self._late += 1
+        fut.add_done_callback(lambda f: self._late_lookup(tier, f, began))
+
+    def _failed_lookup(self, tier: Tier, why: object) -> None:
+        self.counters.add(remote_errors=1)
+        self.down(tier, why)
+
+    def _late_lookup(self, tier: Tier, fut: cf.Future[Match | None], began: float) -> None:
+        """A lookup the deadline left running (or not waited for) answered: pull what it
+        found, in the background; the tier is waited for again if it answered in time."""
+        with self._cv:
+            self._late -= 1
+            self._cv.notify_all()
+        if fut.cancelled():
+            return
+        e = fut.exception()
+        if e is not None:
+            if isinstance(e, (KVStoreError, OSError)):
+                self._failed_lookup(tier, e)
+            return
+        if self.deadline is not None and time.monotonic() - began <= self.deadline:
+            self._slow_until.pop(tier.name, None)
+        hit = fut.result()
+        if hit is not None and not self._closed:
+            self._pull_later(tier, hit)
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until no lookup a deadline left running and no background pull is left
+        (False on timeout)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._late:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return self.pulls.wait(None if end is None else max(0.0, end - time.monotonic()))
+
+    def _pull_later(self, tier: Tier, hit: Match) -> cf.Future[Pulled | None] | None:
+        fut = self.pulls.submit((tier.name, hit.digest), lambda: self._pull_quietly(tier, hit))
+        if fut is None and not self.pulls.closed:
+            self.counters.add(remote_pulls_shed=1)
+        return fut
+
+    def _pull_quietly(self, tier: Tier, hit: Match) -> Pulled | None:
+        """Write ``hit`` back on this thread; count it, or count and log its failure."""
+        if self._closed:
+            return None
+        try:
+            got = self.write_back(hit, inline=True)
+        except (KVStoreError, OSError) as e:
+            self.counters.add(remote_errors=1)
+            self.down(tier, f"pull of {hit.entry_id} failed: {e}")
+            return None
+        self.counters.add(remote_pulls=1, remote_pulled_bytes=got.bytes)
+        return got
+
+    def _pull_by(self, tier: Tier, tk: TokenKeys, hit: Match, best: Match | None,
+                 until: float) -> Match | None:
+        """``hit`` (of ``tier``) pulled into the root by ``until`` and found there again, or
+        ``best`` (the pull goes on)."""
+        fut = self._pull_later(tier, hit)
+        if fut is None:
+            return best
+        try:
+            got = fut.result(timeout=max(0.0, until - time.monotonic()))
+        except cf.TimeoutError:
+            self._missed(tier, f"the pull of {hit.entry_id}")
+            return best
+        except cf.CancelledError:
+            return best
+        if got is None:
+            return best
+        with self.root.catalog.reader() as r:
+            here = find(r, tk)
+        if here is None or (best is not None and here.length <= best.length):
+            return best
+        return replace(here, origin=tier.name)
+
+    def _missed(self, tier: Tier, what: str) -> None:
+        """Count (and now and then log) a request the deadline cut short."""
+        self.counters.add(remote_deadline_misses=1)
+        now = time.monotonic()
+        if now - self._late_warned >= LATE_WARN_EVERY:
+            self._late_warned = now
+            _log.warning("kvstore: %s %s past the %g s remote deadline (%s): computed "
+                         "here, pulled in the background", tier.name, tier, self.deadline,
+                         what)
 
     def _find_now(self, tier: Tier, tk: TokenKeys, floor: int) -> Match | None:
         self._ready(tier)
@@ -135,9 +260,11 @@ class Tiers:
 
     @property
     def unavailable(self) -> bool:
-        """Whether lookups leave a lower tier alone now (it failed or timed out recently)."""
+        """Whether lookups leave a lower tier alone now, or do not wait for it (it failed,
+        timed out or was cut by the deadline recently)."""
         now = time.monotonic()
-        return any(now < self._down_until.get(t.name, 0.0) for t in self.lower)
+        return any(now < max(self._down_until.get(t.name, 0.0),
+                             self._slow_until.get(t.name, 0.0)) for t in self.lower)
 
     def down(self, tier: Tier | str, why: object) -> None:
         """Leave a tier alone for a while after a failure (one warning each time)."""
@@ -145,9 +272,10 @@ class Tiers:
         self._down_until[t.name] = time.monotonic() + DOWN_FOR
         _log.warning("kvstore: %s %s not used for %.0f s: %s", t.name, t, DOWN_FOR, why)
 
-    def write_back(self, match: Match) -> Pulled:
+    def write_back(self, match: Match, *, inline: bool = False) -> Pulled:
         """Copy what ``match`` needs from its tier into the root (its prefix, cut at the
-        block boundary past ``match.length``, when the entry can be cut) and commit it."""
+        block boundary past ``match.length``, when the entry can be cut) and commit it
+        (``inline``: on this thread, each request bounded by the tier's own timeouts)."""
         tier = self.tier(match.where)
         self._ready(tier)
         got, rec = tier.catalog.manifest(match.digest), tier.catalog.records(match.digest)
@@ -161,7 +289,8 @@ class Tiers:
         need = list(rec.blocks)
         missing = [d for d in need if not self.root.blocks.exists(d)]
         nbytes = sum(rec.blocks[d] for d in missing)
-        copied = self._bounded(tier, lambda: self.root.take(rec, tier.blocks), nbytes)
+        copied = (self.root.take(rec, tier.blocks) if inline
+                  else self._bounded(tier, lambda: self.root.take(rec, tier.blocks), nbytes))
         digest = rec.digest
         if not copied.created:  # the same tokens were committed here meanwhile
             digest = self.root.catalog.exact(rec.exact_key) or digest
@@ -236,17 +365,21 @@ class Tiers:
 
     def _work(self) -> None:
         while True:
-            d = self._q.get()
+            try:
+                d = self._q.get(timeout=self._until_due())
+            except queue.Empty:
+                self._retry_due()
+                continue
             if d is None:
                 return
             try:
                 st = self._push_one(d)
-            except Exception as e:  # noqa: BLE001 - counted, kept, retried by the next push
+            except Exception as e:  # noqa: BLE001 - counted, kept, tried again (PushRetry)
                 st = PushStats(failed=1, errors=[f"{d.hex()}: {e}"])
+                self._push_failed(d, e)
+            else:
                 with self._cv:
-                    if not self._failed:
-                        _log.warning("kvstore: push to %s failed: %s", self._first(), e)
-                    self._failed[d] = None
+                    self._failed.done(d)
             self.counters.add(remote_pushes=st.entries, remote_pushed_bytes=st.bytes,
                               remote_errors=st.failed)
             with self._cv:
@@ -254,6 +387,32 @@ class Tiers:
                 self._queued.discard(d)
                 self._outstanding -= 1
                 self._cv.notify_all()
+
+    def _push_failed(self, d: bytes, e: Exception) -> None:
+        """Schedule the next try of a failed push, or give it up (:attr:`retry`)."""
+        with self._cv:
+            if not self._failed:
+                _log.warning("kvstore: push to %s failed (tried again up to %d times): %s",
+                             self._first(), self.retry.attempts, e)
+            tries = self._failed.failed(d, time.monotonic(), self.retry)
+            if tries is None:
+                self._stats.retried += 1
+                return
+            self._stats.given_up += 1
+        self.counters.add(remote_pushes_given_up=1)
+        _log.warning("kvstore: push of %s to %s given up after %d tries (kvstore push uploads "
+                     "it): %s", d.hex(), self._first(), tries, e)
+
+    def _until_due(self) -> float | None:
+        """Seconds until the next failed push is due to be tried again (None: none is)."""
+        with self._cv:
+            left = self._failed.next_due(time.monotonic())
+        return None if left is None else min(1.0, max(0.01, left))
+
+    def _retry_due(self) -> None:
+        with self._cv:  # handed over and queued at once (push() waits for either)
+            for d in self._failed.due(time.monotonic()):
+                self.enqueue(d)
 
     def _push_one(self, digest: bytes) -> PushStats:
         rec = self.root.catalog.records(digest)
@@ -268,12 +427,13 @@ class Tiers:
         return st
 
     def push(self, timeout: float | None = None, *, everything: bool = False) -> PushStats:
-        """Wait until what is queued (and what failed before) is on the lower tiers; with
+        """Wait until what is queued (and what failed before) is on the lower tiers, a
+        failed upload being tried again as :attr:`retry` says, until it is given up; with
         ``everything``, first queue every root entry the first lower tier lacks, or holds
         but does not trust (with a signing key: pushed unsigned; pushing it signs it)."""
         tier = self._first()
         with self._cv:
-            retry, self._failed = list(self._failed), {}
+            retry = self._failed.take()  # tried now, their counts afresh
         for d in retry:
             self.enqueue(d)
         if everything:
@@ -284,13 +444,14 @@ class Tiers:
                     self.enqueue(d)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._outstanding:
+            while self._outstanding or self._failed.scheduled():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
                 self._cv.wait(left)
             st, self._stats = self._stats, PushStats()
             st.pending = self._outstanding
+            st.failed = len(self._failed)  # entries not on it (not tries that failed)
         for t in self.lower:
             t.flush()
         return st
@@ -301,9 +462,12 @@ class Tiers:
         if self._closed or not self.lower:
             self._closed = True
             return PushStats()
+        end = time.monotonic() + timeout
+        if self.pulls.close(timeout):
+            _log.warning("kvstore: a pull from %s still running at close", self._first())
         st = PushStats()
         try:
-            st = self.push(timeout)
+            st = self.push(max(0.0, end - time.monotonic()))
         except KVStoreError as e:
             _log.warning("kvstore: push at close failed: %s", e)
         self._closed = True
