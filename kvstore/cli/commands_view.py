@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -41,19 +42,58 @@ def ls_(sort_key: str, reverse: bool, namespace: str | None, as_json: bool) -> N
     with open_store() as store:
         items = [e for e in store.entries() if ns_matches(e.namespace, namespace)]
         items.sort(key=_SORTS[sort_key], reverse=not reverse)
-        uniq = store.views.unique_bytes(store.views.manifests([e.id for e in items]))
-    if as_json:
-        emit({"root": str(store.root),
-              "entries": [H.entry_json(e, uniq.get(e.id, 0)) for e in items]})
-        return
-    if not items:
-        click.echo("no entries" + (f" in namespace {namespace!r}" if namespace else ""))
-        return
-    headers = ("ID", "NAMESPACE", "TOKENS", "SIZE", "UNIQUE", "LAST ACCESS", "HITS", "PRIORITY")
-    rows = [(H.short_id(e.id), H.ns_label(e.namespace), H.format_count(e.n_tokens),
-             H.format_bytes(e.logical_bytes), H.format_bytes(uniq.get(e.id, 0)),
-             H.format_age(e.last_access), str(e.hits), e.priority) for e in items]
-    click.echo(H.table(headers, rows, right=(2, 3, 4, 6)))
+        # the manifests are read a batch at a time as the rows are printed: memory is the
+        # entry records', not every manifest's (100k entries: issue 29)
+        batches = ((b, store.views.unique_bytes_of([e.id for e in b]))
+                   for b in (items[i : i + _LS_BATCH] for i in range(0, len(items), _LS_BATCH)))
+        if as_json:
+            _ls_json(str(store.root), batches)
+            return
+        if not items:
+            click.echo("no entries" + (f" in namespace {namespace!r}" if namespace else ""))
+            return
+        _ls_table(items, batches)
+
+
+_LS_BATCH = 1000
+_LS_HEADERS = ("ID", "NAMESPACE", "TOKENS", "SIZE", "UNIQUE", "LAST ACCESS", "HITS", "PRIORITY")
+_LS_RIGHT = (2, 3, 4, 6)
+
+
+def _ls_json(root: str, batches: Iterator[tuple[list[Any], dict[str, int]]]) -> None:
+    """``{"root": ..., "entries": [...]}`` as :func:`emit` writes it, an entry at a time."""
+    head = json.dumps({"root": root, "entries": []}, indent=2)
+    cut = head.rindex("[]")
+    sep = None
+    for batch, uniq in batches:
+        for e in batch:
+            item = json.dumps(H.entry_json(e, uniq.get(e.id, 0)), indent=2)
+            lines = "\n".join("    " + line for line in item.splitlines())
+            click.echo((head[:cut] + "[" if sep is None else sep) + "\n" + lines, nl=False)
+            sep = ","
+    click.echo(head if sep is None else "\n  ]" + head[cut + 2 :])
+
+
+def _ls_table(items: list[Any], batches: Iterator[tuple[list[Any], dict[str, int]]]) -> None:
+    """The rows in aligned columns, printed a batch at a time: every column's width comes
+    from the entry records, but UNIQUE's (read with the batch): the widest byte count."""
+    def cells(e: Any, unique: str) -> tuple[str, ...]:
+        return (H.short_id(e.id), H.ns_label(e.namespace), H.format_count(e.n_tokens),
+                H.format_bytes(e.logical_bytes), unique, H.format_age(e.last_access),
+                str(e.hits), e.priority)
+
+    widths = [len(h) for h in _LS_HEADERS]
+    widths[4] = max(widths[4], _BYTES_WIDTH)
+    for e in items:
+        for i, c in enumerate(cells(e, "")):
+            widths[i] = max(widths[i], len(c))
+    click.echo(H.table_line(_LS_HEADERS, widths, _LS_RIGHT))
+    for batch, uniq in batches:
+        click.echo("\n".join(H.table_line(cells(e, H.format_bytes(uniq.get(e.id, 0))),
+                                           widths, _LS_RIGHT) for e in batch))
+
+
+_BYTES_WIDTH = len("1023 KiB")  # the widest format_bytes below 1024 PiB
 
 
 @click.command()
