@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from . import render as H
 from ._util import common, emit, json_option, ns_matches, open_store
 from .tree import build_forest, render_forest
+
+if TYPE_CHECKING:
+    from ..schema import Manifest
+    from ..store import Entry, Store
 
 __all__ = ["ls_", "show", "tree"]
 
@@ -60,7 +65,7 @@ _LS_HEADERS = ("ID", "NAMESPACE", "TOKENS", "SIZE", "UNIQUE", "LAST ACCESS", "HI
 _LS_RIGHT = (2, 3, 4, 6)
 
 
-def _ls_json(root: str, batches: Iterator[tuple[list[Any], dict[str, int]]]) -> None:
+def _ls_json(root: str, batches: Iterator[tuple[list[Entry], dict[str, int]]]) -> None:
     """``{"root": ..., "entries": [...]}`` as :func:`emit` writes it, an entry at a time."""
     head = json.dumps({"root": root, "entries": []}, indent=2)
     cut = head.rindex("[]")
@@ -74,10 +79,10 @@ def _ls_json(root: str, batches: Iterator[tuple[list[Any], dict[str, int]]]) -> 
     click.echo(head if sep is None else "\n  ]" + head[cut + 2 :])
 
 
-def _ls_table(items: list[Any], batches: Iterator[tuple[list[Any], dict[str, int]]]) -> None:
+def _ls_table(items: list[Entry], batches: Iterator[tuple[list[Entry], dict[str, int]]]) -> None:
     """The rows in aligned columns, printed a batch at a time: every column's width comes
     from the entry records, but UNIQUE's (read with the batch): the widest byte count."""
-    def cells(e: Any, unique: str) -> tuple[str, ...]:
+    def cells(e: Entry, unique: str) -> tuple[str, ...]:
         return (H.short_id(e.id), H.ns_label(e.namespace), H.format_count(e.n_tokens),
                 H.format_bytes(e.logical_bytes), unique, H.format_age(e.last_access),
                 str(e.hits), e.priority)
@@ -134,14 +139,27 @@ def tree(namespace: str | None, as_json: bool) -> None:
     entries, with its token range, block count and bytes.
     """
     with open_store() as store:
-        entries = [e for e in store.entries() if ns_matches(e.namespace, namespace)]
-        forest = build_forest(entries, store.views.manifests([e.id for e in entries]))
+        entries = (e for e in store.entries() if ns_matches(e.namespace, namespace))
+        forest = build_forest(_with_manifests(store, entries))
     if as_json:
         emit({"root": str(store.root), "namespaces": [t.to_json() for t in forest]})
     elif not forest:
         click.echo("no entries" + (f" in namespace {namespace!r}" if namespace else ""))
     else:
         click.echo(render_forest(forest, ascii_only=not _can_draw()))
+
+
+def _with_manifests(store: Store, entries: Iterable[Entry]) -> Iterator[tuple[Entry, Manifest]]:
+    """Each entry with its manifest, the manifests read ``_LS_BATCH`` at a time."""
+    batch: list[Entry] = []
+    for e in itertools.chain(entries, [None]):
+        if e is not None:
+            batch.append(e)
+            if len(batch) < _LS_BATCH:
+                continue
+        ms = store.views.manifests([x.id for x in batch])
+        yield from ((x, ms[x.id]) for x in batch if x.id in ms)
+        batch = []
 
 
 def _can_draw() -> bool:
