@@ -33,9 +33,9 @@ class EntryInfo:
     created: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Entry:
-    """One stored entry, as listed by :meth:`Store.entries`."""
+    """One stored entry, as listed by :meth:`Store.entries` (slots: a root lists 100k)."""
 
     id: str
     namespace: Namespace
