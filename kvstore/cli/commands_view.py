@@ -44,61 +44,65 @@ def ls_(sort_key: str, reverse: bool, namespace: str | None, as_json: bool) -> N
     Columns: short id, namespace (model/ns), tokens, logical size, unique bytes (blocks
     no other entry references), last access, hits and eviction priority.
     """
+    items: list[Entry] = []
+    uniq: dict[str, int] = {}
     with open_store() as store:
-        items = [e for e in store.entries() if ns_matches(e.namespace, namespace)]
-        items.sort(key=_SORTS[sort_key], reverse=not reverse)
-        # the manifests are read a batch at a time as the rows are printed: memory is the
-        # entry records', not every manifest's (100k entries: issue 29)
-        batches = ((b, store.views.unique_bytes_of([e.id for e in b]))
-                   for b in (items[i : i + _LS_BATCH] for i in range(0, len(items), _LS_BATCH)))
-        if as_json:
-            _ls_json(str(store.root), batches)
-            return
-        if not items:
-            click.echo("no entries" + (f" in namespace {namespace!r}" if namespace else ""))
-            return
-        _ls_table(items, batches)
+        # one pass in id order (the manifests' order in the index), the manifests read a
+        # batch at a time: what is kept of an entry is its record and its unique bytes,
+        # never its manifest (a root of 100k entries, issue 29)
+        for batch in _batched(e for e in store.entries() if ns_matches(e.namespace, namespace)):
+            uniq.update(store.views.unique_bytes_of([e.id for e in batch]))
+            items += batch
+    items.sort(key=_SORTS[sort_key], reverse=not reverse)
+    if as_json:
+        _ls_json(str(store.root), items, uniq)
+    elif not items:
+        click.echo("no entries" + (f" in namespace {namespace!r}" if namespace else ""))
+    else:
+        _ls_table(items, uniq)
 
 
-_LS_BATCH = 1000
+_BATCH = 1000  # manifests read at a time
 _LS_HEADERS = ("ID", "NAMESPACE", "TOKENS", "SIZE", "UNIQUE", "LAST ACCESS", "HITS", "PRIORITY")
 _LS_RIGHT = (2, 3, 4, 6)
 
 
-def _ls_json(root: str, batches: Iterator[tuple[list[Entry], dict[str, int]]]) -> None:
+def _batched(items: Iterable[Entry]) -> Iterator[list[Entry]]:
+    it = iter(items)
+    while batch := list(itertools.islice(it, _BATCH)):
+        yield batch
+
+
+def _ls_json(root: str, items: list[Entry], uniq: dict[str, int]) -> None:
     """``{"root": ..., "entries": [...]}`` as :func:`emit` writes it, an entry at a time."""
     head = json.dumps({"root": root, "entries": []}, indent=2)
+    if not items:
+        click.echo(head)
+        return
     cut = head.rindex("[]")
-    sep = None
-    for batch, uniq in batches:
-        for e in batch:
-            item = json.dumps(H.entry_json(e, uniq.get(e.id, 0)), indent=2)
-            lines = "\n".join("    " + line for line in item.splitlines())
-            click.echo((head[:cut] + "[" if sep is None else sep) + "\n" + lines, nl=False)
-            sep = ","
-    click.echo(head if sep is None else "\n  ]" + head[cut + 2 :])
+    sep = head[:cut] + "["
+    for e in items:
+        item = json.dumps(H.entry_json(e, uniq.get(e.id, 0)), indent=2)
+        click.echo(sep + "\n" + "\n".join("    " + line for line in item.splitlines()),
+                   nl=False)
+        sep = ","
+    click.echo("\n  ]" + head[cut + 2 :])
 
 
-def _ls_table(items: list[Entry], batches: Iterator[tuple[list[Entry], dict[str, int]]]) -> None:
-    """The rows in aligned columns, printed a batch at a time: every column's width comes
-    from the entry records, but UNIQUE's (read with the batch): the widest byte count."""
-    def cells(e: Entry, unique: str) -> tuple[str, ...]:
+def _ls_table(items: list[Entry], uniq: dict[str, int]) -> None:
+    """:func:`render.table` of the entries, printed a row at a time."""
+    def cells(e: Entry) -> tuple[str, ...]:
         return (H.short_id(e.id), H.ns_label(e.namespace), H.format_count(e.n_tokens),
-                H.format_bytes(e.logical_bytes), unique, H.format_age(e.last_access),
-                str(e.hits), e.priority)
+                H.format_bytes(e.logical_bytes), H.format_bytes(uniq.get(e.id, 0)),
+                H.format_age(e.last_access), str(e.hits), e.priority)
 
     widths = [len(h) for h in _LS_HEADERS]
-    widths[4] = max(widths[4], _BYTES_WIDTH)
     for e in items:
-        for i, c in enumerate(cells(e, "")):
+        for i, c in enumerate(cells(e)):
             widths[i] = max(widths[i], len(c))
     click.echo(H.table_line(_LS_HEADERS, widths, _LS_RIGHT))
-    for batch, uniq in batches:
-        click.echo("\n".join(H.table_line(cells(e, H.format_bytes(uniq.get(e.id, 0))),
-                                           widths, _LS_RIGHT) for e in batch))
-
-
-_BYTES_WIDTH = len("1023 KiB")  # the widest format_bytes below 1024 PiB
+    for e in items:
+        click.echo(H.table_line(cells(e), widths, _LS_RIGHT))
 
 
 @click.command()
@@ -150,16 +154,10 @@ def tree(namespace: str | None, as_json: bool) -> None:
 
 
 def _with_manifests(store: Store, entries: Iterable[Entry]) -> Iterator[tuple[Entry, Manifest]]:
-    """Each entry with its manifest, the manifests read ``_LS_BATCH`` at a time."""
-    batch: list[Entry] = []
-    for e in itertools.chain(entries, [None]):
-        if e is not None:
-            batch.append(e)
-            if len(batch) < _LS_BATCH:
-                continue
+    """Each entry with its manifest, the manifests read ``_BATCH`` at a time."""
+    for batch in _batched(entries):
         ms = store.views.manifests([x.id for x in batch])
         yield from ((x, ms[x.id]) for x in batch if x.id in ms)
-        batch = []
 
 
 def _can_draw() -> bool:

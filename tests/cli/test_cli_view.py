@@ -251,7 +251,7 @@ def test_ls_and_tree_read_in_batches_print_what_one_batch_prints(
 
     cmds = [(c, *a) for c in ("ls", "tree") for a in ((), ("--json",))]
     whole = {c: run_here(*c, "--root", shared_root.path) for c in cmds}
-    monkeypatch.setattr(commands_view, "_LS_BATCH", 2)
+    monkeypatch.setattr(commands_view, "_BATCH", 2)
     for c, r in whole.items():
         again = run_here(*c, "--root", shared_root.path)
         assert r.code == 0 and again.code == 0 and again.out == r.out, c
