@@ -10,7 +10,7 @@ from factories import prefix_cache
 
 import kvstore
 from kvstore.store import maintenance
-from kvstore.store.upkeep import gc
+from kvstore.store.upkeep import gc, sweep
 
 NS = kvstore.Namespace(model_id="tiny-many", config_fingerprint="cfg", tokenizer_hash="tok")
 OTHER = kvstore.Namespace(model_id="tiny-other", config_fingerprint="cfg", tokenizer_hash="tok")
@@ -54,7 +54,7 @@ def test_a_compact_plan_reads_the_refs_of_its_victims_blocks_alone(
         return plan_in(snap, *a)  # type: ignore[arg-type]
 
     monkeypatch.setattr(gc, "_plan_in", spy)
-    monkeypatch.setattr(gc, "BATCH", 2)
+    monkeypatch.setattr(sweep, "BATCH", 2)
     with kvstore.Store.open(tmp_path / "root", namespace=NS, block_tokens=16) as s:
         ids = []
         for i in range(12):

@@ -40,7 +40,6 @@ Verification and repair live in :mod:`kvstore.store.upkeep.verify` and
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -50,7 +49,7 @@ from ..._crash import crash_point
 from ...catalog.base import Plan, open_manifest
 from ...index import EntryRecord, RefInfo, Totals, now_ms
 from ..local.root import Root
-from .sweep import BATCH, batches, stale_tmp_files, unlink_orphans, unlink_tmp
+from .sweep import batches, orphan_files, stale_tmp_files, unlink_orphans, unlink_tmp
 from .verify import Progress
 
 DEFAULT_GRACE = 600.0  # seconds
@@ -400,7 +399,7 @@ def plan_compact(
     cutoff = _cutoff_ms(grace)
     with root.index.read() as txn:
         zero = [(d, r) for d, r in root.index.iter_refs(txn) if r.refcount == 0]
-    orphans = _orphans(root, cutoff)
+    orphans = orphan_files(root, cutoff)
     tmp = stale_tmp_files(root, grace)
     return CompactPlan(
         root=root,
@@ -418,17 +417,6 @@ def plan_compact(
         held={d: (r.size, r.zero_since) for d, r in zero if r.zero_since > cutoff},
         tmp_bytes=sum(f.size for f in tmp),
     )
-
-
-def _orphans(root: Root, cutoff: int) -> list[tuple[bytes, int]]:
-    """The block files past ``cutoff`` that no refs record names, with their sizes: the files
-    are listed a batch at a time, each batch looked up in one read (memory: the orphans')."""
-    out: list[tuple[bytes, int]] = []
-    files = ((d, st.size) for d, st in root.block_files() if st.mtime * 1000 <= cutoff)
-    while batch := list(itertools.islice(files, BATCH)):
-        with root.index.read() as txn:
-            out += [(d, size) for d, size in batch if root.index.get_ref(d, txn) is None]
-    return out
 
 
 def plan_budget(root: Root, max_bytes: int, *, grace: float) -> CompactPlan:
