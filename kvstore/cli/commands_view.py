@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from . import render as H
 from ._util import common, emit, json_option, ns_matches, open_store
 from .tree import build_forest, render_forest
+
+if TYPE_CHECKING:
+    from ..schema import Manifest
+    from ..store import Entry, Store
 
 __all__ = ["ls_", "show", "tree"]
 
@@ -38,22 +44,65 @@ def ls_(sort_key: str, reverse: bool, namespace: str | None, as_json: bool) -> N
     Columns: short id, namespace (model/ns), tokens, logical size, unique bytes (blocks
     no other entry references), last access, hits and eviction priority.
     """
+    items: list[Entry] = []
+    uniq: dict[str, int] = {}
     with open_store() as store:
-        items = [e for e in store.entries() if ns_matches(e.namespace, namespace)]
-        items.sort(key=_SORTS[sort_key], reverse=not reverse)
-        uniq = store.views.unique_bytes(store.views.manifests([e.id for e in items]))
+        # one pass in id order (the manifests' order in the index), the manifests read a
+        # batch at a time: what is kept of an entry is its record and its unique bytes,
+        # never its manifest (a root of 100k entries, issue 29)
+        for batch in _batched(e for e in store.entries() if ns_matches(e.namespace, namespace)):
+            uniq.update(store.views.unique_bytes_of([e.id for e in batch]))
+            items += batch
+    items.sort(key=_SORTS[sort_key], reverse=not reverse)
     if as_json:
-        emit({"root": str(store.root),
-              "entries": [H.entry_json(e, uniq.get(e.id, 0)) for e in items]})
-        return
-    if not items:
+        _ls_json(str(store.root), items, uniq)
+    elif not items:
         click.echo("no entries" + (f" in namespace {namespace!r}" if namespace else ""))
+    else:
+        _ls_table(items, uniq)
+
+
+_BATCH = 1000  # manifests read at a time
+_LS_HEADERS = ("ID", "NAMESPACE", "TOKENS", "SIZE", "UNIQUE", "LAST ACCESS", "HITS", "PRIORITY")
+_LS_RIGHT = (2, 3, 4, 6)
+
+
+def _batched(items: Iterable[Entry]) -> Iterator[list[Entry]]:
+    it = iter(items)
+    while batch := list(itertools.islice(it, _BATCH)):
+        yield batch
+
+
+def _ls_json(root: str, items: list[Entry], uniq: dict[str, int]) -> None:
+    """``{"root": ..., "entries": [...]}`` as :func:`emit` writes it, an entry at a time."""
+    head = json.dumps({"root": root, "entries": []}, indent=2)
+    if not items:
+        click.echo(head)
         return
-    headers = ("ID", "NAMESPACE", "TOKENS", "SIZE", "UNIQUE", "LAST ACCESS", "HITS", "PRIORITY")
-    rows = [(H.short_id(e.id), H.ns_label(e.namespace), H.format_count(e.n_tokens),
-             H.format_bytes(e.logical_bytes), H.format_bytes(uniq.get(e.id, 0)),
-             H.format_age(e.last_access), str(e.hits), e.priority) for e in items]
-    click.echo(H.table(headers, rows, right=(2, 3, 4, 6)))
+    cut = head.rindex("[]")
+    sep = head[:cut] + "["
+    for e in items:
+        item = json.dumps(H.entry_json(e, uniq.get(e.id, 0)), indent=2)
+        click.echo(sep + "\n" + "\n".join("    " + line for line in item.splitlines()),
+                   nl=False)
+        sep = ","
+    click.echo("\n  ]" + head[cut + 2 :])
+
+
+def _ls_table(items: list[Entry], uniq: dict[str, int]) -> None:
+    """:func:`render.table` of the entries, printed a row at a time."""
+    def cells(e: Entry) -> tuple[str, ...]:
+        return (H.short_id(e.id), H.ns_label(e.namespace), H.format_count(e.n_tokens),
+                H.format_bytes(e.logical_bytes), H.format_bytes(uniq.get(e.id, 0)),
+                H.format_age(e.last_access), str(e.hits), e.priority)
+
+    widths = [len(h) for h in _LS_HEADERS]
+    for e in items:
+        for i, c in enumerate(cells(e)):
+            widths[i] = max(widths[i], len(c))
+    click.echo(H.table_line(_LS_HEADERS, widths, _LS_RIGHT))
+    for e in items:
+        click.echo(H.table_line(cells(e), widths, _LS_RIGHT))
 
 
 @click.command()
@@ -94,14 +143,21 @@ def tree(namespace: str | None, as_json: bool) -> None:
     entries, with its token range, block count and bytes.
     """
     with open_store() as store:
-        entries = [e for e in store.entries() if ns_matches(e.namespace, namespace)]
-        forest = build_forest(entries, store.views.manifests([e.id for e in entries]))
+        entries = (e for e in store.entries() if ns_matches(e.namespace, namespace))
+        forest = build_forest(_with_manifests(store, entries))
     if as_json:
         emit({"root": str(store.root), "namespaces": [t.to_json() for t in forest]})
     elif not forest:
         click.echo("no entries" + (f" in namespace {namespace!r}" if namespace else ""))
     else:
         click.echo(render_forest(forest, ascii_only=not _can_draw()))
+
+
+def _with_manifests(store: Store, entries: Iterable[Entry]) -> Iterator[tuple[Entry, Manifest]]:
+    """Each entry with its manifest, the manifests read ``_BATCH`` at a time."""
+    for batch in _batched(entries):
+        ms = store.views.manifests([x.id for x in batch])
+        yield from ((x, ms[x.id]) for x in batch if x.id in ms)
 
 
 def _can_draw() -> bool:

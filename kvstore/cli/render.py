@@ -142,15 +142,14 @@ def table(
     for row in rows:
         for i, cell in enumerate(row):
             widths[i] = max(widths[i], len(cell))
-    align = set(right)
+    return "\n".join([table_line(headers, widths, right),
+                      *(table_line(r, widths, right) for r in rows)])
 
-    def line(cells: Sequence[str]) -> str:
-        out = [
-            c.rjust(widths[i]) if i in align else c.ljust(widths[i]) for i, c in enumerate(cells)
-        ]
-        return "  ".join(out).rstrip()
 
-    return "\n".join([line(headers), *(line(r) for r in rows)])
+def table_line(cells: Sequence[str], widths: Sequence[int], right: Sequence[int] = ()) -> str:
+    """One row of :func:`table` in columns of these ``widths`` (a table printed as it goes)."""
+    out = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(cells)]
+    return "  ".join(out).rstrip()
 
 
 # --- reports, namespaces, entries, manifests -------------------------------------

@@ -5,7 +5,7 @@ Pure, like :mod:`.render` (the manifests come in, lines and JSON-ready dicts go 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -88,39 +88,48 @@ def _branches(node: _Node, block: int, token: int) -> list[Branch]:
     return [_compress(k, block, token) for k in kids]
 
 
-def build_forest(entries: Sequence[Entry], ms: dict[str, Manifest]) -> list[NamespaceTree]:
-    """Group entries by namespace and merge their token-block lists into prefix trees."""
+def build_forest(items: Iterable[tuple[Entry, Manifest]]) -> list[NamespaceTree]:
+    """Group entries by namespace and merge their token-block lists into prefix trees.
+
+    ``items`` is each entry with its manifest, in id order (as :meth:`Store.entries`
+    lists them), consumed as it comes: what is kept is one node per distinct token
+    block, not the manifests (a root of 100k entries, issue 29).
+    """
     from ..codecs.layout import manifest_block_sizes
     from ..schema import iter_tensor_specs
 
-    groups: dict[Namespace, list[Entry]] = {}
-    for e in sorted(entries, key=lambda e: (ns_label(e.namespace), e.id)):
-        if e.id in ms:
-            groups.setdefault(e.namespace, []).append(e)
-    forest: list[NamespaceTree] = []
-    for ns, group in groups.items():
-        top = _Node()
-        referenced = stored = 0
-        for e in group:
-            m = ms[e.id]
-            specs = iter_tensor_specs(m.layers) + [t for a in m.attachments for t in a.tensors]
-            sizes, _ = manifest_block_sizes(specs, m.n_tokens, m.block_tokens, m.state_bytes,
-                                            m.state_block_bytes)
-            node = top
-            for b, d in enumerate(m.token_blocks):
-                child = node.children.get(d)
-                if child is None:
-                    rows = min(m.n_tokens - b * m.block_tokens, m.block_tokens)
-                    child = node.children[d] = _Node(rows, sizes[b] if b < len(sizes) else 0)
-                    stored += child.size
-                referenced += child.size
-                child.entries.append(e.id)
-                node = child
-            node.ends.append(e.id)
-        forest.append(NamespaceTree(ns, len(group), referenced, stored,
-                                    {e.id: e.n_tokens for e in group}, list(top.ends),
-                                    _branches(top, 0, 0)))
-    return forest
+    trees: dict[Namespace, _Tree] = {}
+    for e, m in items:
+        t = trees.get(e.namespace)
+        if t is None:
+            t = trees[e.namespace] = _Tree()
+        specs = iter_tensor_specs(m.layers) + [t for a in m.attachments for t in a.tensors]
+        sizes, _ = manifest_block_sizes(specs, m.n_tokens, m.block_tokens, m.state_bytes,
+                                        m.state_block_bytes)
+        t.n_tokens[e.id] = e.n_tokens
+        node = t.top
+        for b, d in enumerate(m.token_blocks):
+            child = node.children.get(d)
+            if child is None:
+                rows = min(m.n_tokens - b * m.block_tokens, m.block_tokens)
+                child = node.children[d] = _Node(rows, sizes[b] if b < len(sizes) else 0)
+                t.stored += child.size
+            t.referenced += child.size
+            child.entries.append(e.id)
+            node = child
+        node.ends.append(e.id)
+    return [NamespaceTree(ns, len(t.n_tokens), t.referenced, t.stored, t.n_tokens,
+                          list(t.top.ends), _branches(t.top, 0, 0))
+            for ns, t in sorted(trees.items(), key=lambda kv: ns_label(kv[0]))]
+
+
+class _Tree:
+    __slots__ = ("n_tokens", "referenced", "stored", "top")
+
+    def __init__(self) -> None:
+        self.top = _Node()
+        self.referenced = self.stored = 0
+        self.n_tokens: dict[str, int] = {}
 
 
 def _branch_text(b: Branch, n_tokens: dict[str, int]) -> str:

@@ -238,9 +238,20 @@ class Index:
         v = txn.get(digest, db=self.db("entries"))
         return decode_entry(v) if v is not None else None
 
-    def iter_entries(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, EntryRecord]]:
-        for k, v in txn.cursor(db=self.db("entries")):
-            yield bytes(k), decode_entry(v)
+    def iter_entries(
+        self, txn: lmdb.Transaction, after: bytes | None = None
+    ) -> Iterator[tuple[bytes, EntryRecord]]:
+        """Every (digest, entry record), in digest order; those past ``after`` when given."""
+        cur = txn.cursor(db=self.db("entries"))
+        if after is None:
+            ok = cur.first()
+        else:
+            ok = cur.set_range(after)
+            if ok and bytes(cur.key()) == after:
+                ok = cur.next()
+        while ok:
+            yield bytes(cur.key()), decode_entry(cur.value())
+            ok = cur.next()
 
     def get_ref(self, digest: bytes, txn: lmdb.Transaction) -> RefInfo | None:
         v = txn.get(digest, db=self.db("refs"))

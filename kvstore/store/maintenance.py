@@ -3,6 +3,7 @@ the totals, delegating the work to the modules that own it (gc, verify, entries)
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 from ..schema import Namespace
@@ -12,6 +13,8 @@ from .upkeep.access import AccessLog
 from .upkeep.gc import DEFAULT_GRACE, CompactReport, plan_compact
 from .upkeep.sweep import TempFiles, temp_files
 from .upkeep.verify import Progress, VerifyReport, verify
+
+_BATCH = 2048  # entry records read per read transaction
 
 
 class Maintenance:
@@ -23,11 +26,22 @@ class Maintenance:
         self.access = access
 
     def entries(self, namespace: Namespace | None = None) -> Iterator[Entry]:
-        """Every entry (or those of one namespace)."""
+        """Every entry (or those of one namespace), in id order, read ``_BATCH`` records a
+        read transaction: memory bounded whatever the root holds, and no reader held open
+        while the caller works (an entry saved or removed meanwhile may or may not show)."""
         self.access.flush()
-        with self.root.index.read() as txn:
-            rows = list(self.root.index.iter_entries(txn))
-        return entries_of(rows, namespace)
+        return self._entries(namespace)
+
+    def _entries(self, namespace: Namespace | None) -> Iterator[Entry]:
+        after: bytes | None = None
+        namespaces: dict[str, Namespace] = {}
+        while True:
+            with self.root.index.read() as txn:
+                rows = list(itertools.islice(self.root.index.iter_entries(txn, after), _BATCH))
+            yield from entries_of(rows, namespace, namespaces)
+            if len(rows) < _BATCH:
+                return
+            after = rows[-1][0]
 
     def resolve(self, entry_id: str) -> str:
         """A full entry id from a unique prefix of at least ``MIN_ID_PREFIX`` (4) hex chars."""

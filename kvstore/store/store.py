@@ -403,7 +403,7 @@ class Store:
     # --- maintenance (kvstore.store.maintenance) -------------------------------------
 
     def entries(self, *, namespace: Namespace | None = None) -> Iterator[Entry]:
-        """Every entry (or those of one namespace)."""
+        """Every entry (or those of one namespace), in id order, read in batches."""
         return self.maintenance.entries(namespace)
 
     def resolve(self, entry_id: str) -> str:

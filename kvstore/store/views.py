@@ -39,6 +39,22 @@ class IndexViews:
                 out[i] = sum(r.size for r in refs if r is not None and r.refcount == 1)
         return out
 
+    def unique_bytes_of(self, entry_ids: Sequence[str]) -> dict[str, int]:
+        """:meth:`unique_bytes` of these full hex ids, each manifest read, used and let go
+        in one read (a caller that lists many entries passes them a batch at a time)."""
+        out: dict[str, int] = {}
+        with self.index.read() as txn:
+            for i in entry_ids:
+                d = bytes.fromhex(i)
+                raw = self.index.get_manifest(d, txn)
+                if raw is None:
+                    continue
+                m = open_manifest(raw, d)
+                refs = (self.index.get_ref(b, txn)
+                        for b in dict.fromkeys((*m.token_blocks, *m.state_blocks)))
+                out[i] = sum(r.size for r in refs if r is not None and r.refcount == 1)
+        return out
+
     def block_refs(self, digests: Sequence[bytes]) -> dict[bytes, tuple[int, int]]:
         """``(size, refcount)`` of each of these blocks that has a record, in one read."""
         with self.index.read() as txn:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -239,3 +240,23 @@ def test_stats_shows_the_requests_by_tier_and_reset_starts_them_anew(tmp_path: P
                      r.out, re.M), r.out
     assert re.search(r"^requests\s+lifetime \(since .*\)\s+since reset \(just now\)$",
                      r.out, re.M), r.out
+
+
+def test_ls_and_tree_read_in_batches_print_what_one_batch_prints(
+    shared_root: Root, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ls and tree read the manifests a batch at a time (issue 29: 100k entries); with
+    batches of 2 their text and JSON are those of a single batch, byte for byte."""
+    from kvstore.cli import commands_view
+
+    cmds = [(c, *a) for c in ("ls", "tree") for a in ((), ("--json",))]
+    whole = {c: run_here(*c, "--root", shared_root.path) for c in cmds}
+    monkeypatch.setattr(commands_view, "_BATCH", 2)
+    for c, r in whole.items():
+        again = run_here(*c, "--root", shared_root.path)
+        assert r.code == 0 and again.code == 0 and again.out == r.out, c
+    assert "shared by" in whole[("tree",)].out
+    data = whole[("ls", "--json")].json()
+    assert whole[("ls", "--json")].out == json.dumps(data, indent=2) + "\n"  # emit's layout
+    assert len(data["entries"]) == len(shared_root.ids) > 2
+    assert len(whole[("ls",)].out.splitlines()) == len(shared_root.ids) + 1

@@ -9,8 +9,10 @@ allocated with spare rows (a KVCache's step capacity); those are zeroed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -24,16 +26,20 @@ from ...schema import TensorSpec
 _ZEROS = bytes(1 << 20)
 _IOV_MAX = 1024
 _PARALLEL_BYTES = 1 << 20  # smaller tensors are read on the caller's thread
+#: The most block slots whose files a read holds open at once. Importing mlx-lm sets the
+#: soft RLIMIT_NOFILE to 2048; an entry of more blocks is read a window at a time.
+FD_WINDOW = 256
 
 
 @dataclass(frozen=True)
 class Run:
     """``count`` pieces of ``length`` bytes of the stream, the i-th at ``dst + i*stride``.
 
-    Piece i comes from ``fd`` at ``src + i*src_stride``, or is zeros (fd -1).
+    Piece i comes from the file of block ``slot`` at ``src + i*src_stride``, or is
+    zeros (slot -1). ``slot`` is the block's place in the read (its
+    :class:`BlockCheck` slot; its file is opened only when the read gets to it).
     A run is one tensor's share of one block: its ``outer`` runs of rows sit
     back to back in the block file, so a whole-block run is one ``preadv``.
-    ``slot`` is the block's place in the read (its :class:`BlockCheck` slot).
     ``skip`` is how many bytes after each piece the file holds that the
     restore does not need (the rows of a partly restored last block); a
     verified read reads them too, into scratch memory, to hash the whole block.
@@ -41,12 +47,11 @@ class Run:
 
     dst: int
     length: int
-    fd: int
+    slot: int
     src: int
     count: int = 1
     stride: int = 0
     src_stride: int = 0
-    slot: int = -1
     skip: int = 0
 
     @property
@@ -69,21 +74,22 @@ def plan_runs(
     n_tokens: int,
     length: int,
     block_tokens: int,
-    token_fds: Sequence[int],
-    state_fds: Sequence[int],
+    token_blocks: int,
+    state_blocks: int,
     state_block: int,
 ) -> tuple[list[tuple[str, list[int]]], list[list[Run]]]:
     """For each tensor: (dtype, shape as restored) and the runs that fill it.
 
     ``n_tokens`` is the entry's length (it fixes the block layout); ``length``
-    the prefix restored (it fixes which rows are read). Token block ``b`` is
-    slot ``b``, state block ``j`` slot ``len(token_fds) + j``.
+    the prefix restored (it fixes which rows are read). The read uses
+    ``token_blocks`` token blocks and ``state_blocks`` state blocks: token block
+    ``b`` is slot ``b``, state block ``j`` slot ``token_blocks + j``.
     """
     specs = [w.spec for w in wants]
     token_specs = [s for s in specs if s.token_axis is not None]
     geoms = {id(s): geometry(s.shape, s.dtype, s.token_axis) for s in token_specs}
     # byte offset of each token tensor inside block b: sum of earlier tensors' share
-    n_blocks = len(token_fds)
+    n_blocks = token_blocks
     before: dict[int, list[int]] = {}
     acc = [0] * n_blocks
     for s in token_specs:
@@ -108,9 +114,9 @@ def plan_runs(
                 if take <= 0:
                     break
                 rows_b = block_rows(b, n_tokens, block_tokens)
-                runs.append(Run(r0 * g.row_bytes, take * g.row_bytes, token_fds[b],
+                runs.append(Run(r0 * g.row_bytes, take * g.row_bytes, b,
                                 before[id(s)][b], g.outer, stride, rows_b * g.row_bytes,
-                                slot=b, skip=(rows_b - take) * g.row_bytes))
+                                skip=(rows_b - take) * g.row_bytes))
             if cap > length:
                 runs.append(Run(length * g.row_bytes, (cap - length) * g.row_bytes, -1, 0,
                                 g.outer, stride))
@@ -120,13 +126,24 @@ def plan_runs(
             pos, end = s.state_offset, s.state_offset + spec_nbytes(s)
             while pos < end:
                 blk, off = divmod(pos, state_block)
+                if blk >= state_blocks:
+                    raise IndexError(f"state block {blk} of {state_blocks}")
                 take = min(end - pos, state_block - off)
-                runs.append(Run(pos - s.state_offset, take, state_fds[blk], off,
-                                slot=n_blocks + blk))
+                runs.append(Run(pos - s.state_offset, take, n_blocks + blk, off))
                 pos += take
         shapes.append((s.dtype, shape))
         plans.append(runs)
     return shapes, plans
+
+
+class BlockFiles(Protocol):
+    """The block files of one read, opened a window of slots at a time."""
+
+    def window(self, lo: int, hi: int) -> AbstractContextManager[Mapping[int, int]]:
+        """A descriptor per slot in ``[lo, hi)``, open for the ``with`` block only; a
+        slot left out could not be opened (its reads are skipped, its block failed).
+        Never raises: the caller asks the files what went wrong after the load."""
+        ...
 
 
 class BlockStream(TensorStream):
@@ -138,7 +155,10 @@ class BlockStream(TensorStream):
     them in one round over the read threads, so no thread waits at the end of
     each tensor for the others (on 16 cores that barrier cost more than the
     copies). Every byte read from a block is passed to ``check`` (which hashes
-    it when the read is verified) by the thread that read it.
+    it when the read is verified) by the thread that read it. The reads go in
+    windows of ``FD_WINDOW`` slots, each window's files open only while it is
+    read (``files``), so an entry of any size holds a bounded number of
+    descriptors; an entry of one window reads in one round, as before.
     """
 
     def __init__(
@@ -147,10 +167,12 @@ class BlockStream(TensorStream):
         plans: Sequence[list[Run]],
         errors: list[BaseException],
         check: BlockCheck,
+        files: BlockFiles,
     ) -> None:
         super().__init__(shapes, errors)
         self._runs: list[list[Run]] = list(plans)
         self._check = check
+        self._files = files
         self._reads: list[_Read] = []
         self._zeros: list[memoryview] = []
 
@@ -160,7 +182,23 @@ class BlockStream(TensorStream):
     def finish(self) -> None:
         reads, zeros = self._reads, self._zeros
         self._reads, self._zeros = [], []
-        _run_reads(reads, zeros)
+        windows: dict[int, list[_Read]] = {}
+        for r in reads:
+            windows.setdefault(r.slot // FD_WINDOW, []).append(r)
+        if not windows:
+            _run_reads([], zeros)
+        for w in sorted(windows):
+            group = windows[w]
+            with self._files.window(w * FD_WINDOW, (w + 1) * FD_WINDOW) as fds:
+                ready = []
+                for r in group:
+                    if r.slot in fds:
+                        r.fd = fds[r.slot]
+                        ready.append(r)
+                    else:
+                        self._check.fail(r.slot, "its file could not be opened")
+                _run_reads(ready, zeros)  # the spare rows are zeroed beside the first window
+            zeros = []
 
     def _plan(self, t: int, a: int, b: int, out: memoryview) -> None:
         """The reads of bytes ``[a, b)`` of tensor ``t`` into ``out[0 : b-a]``.
@@ -180,18 +218,18 @@ class BlockStream(TensorStream):
                 starts = (range(r.dst, r.dst + r.count * r.stride, r.stride)
                           if r.count > 1 else (r.dst,))
                 views = [out[d - a : d - a + r.length] for d in starts]
-                if r.fd < 0:
+                if r.slot < 0:
                     zeros.extend(views)
                 elif whole and r.skip:
                     scratch = memoryview(bytearray(r.skip * len(views)))
                     iov: list[memoryview] = []
                     for i, v in enumerate(views):
                         iov += (v, scratch[i * r.skip : (i + 1) * r.skip])
-                    reads.append(_Read(r.fd, r.src, iov, r.slot, check))
+                    reads.append(_Read(r.src, iov, r.slot, check))
                 elif r.src_stride == r.length or r.count == 1:
-                    reads.append(_Read(r.fd, r.src, views, r.slot, check))
+                    reads.append(_Read(r.src, views, r.slot, check))
                 else:
-                    reads.extend(_Read(r.fd, r.src + i * r.src_stride, [v], r.slot, check)
+                    reads.extend(_Read(r.src + i * r.src_stride, [v], r.slot, check)
                                  for i, v in enumerate(views))
                 continue
             for i in range(r.count):
@@ -200,24 +238,25 @@ class BlockStream(TensorStream):
                 if lo >= hi:
                     continue
                 view = out[lo - a : hi - a]
-                if r.fd < 0:
+                if r.slot < 0:
                     zeros.append(view)
                     continue
                 iov = [view]
                 if whole and r.skip and hi == d0 + r.length:
                     iov.append(memoryview(bytearray(r.skip)))
-                reads.append(_Read(r.fd, r.src + i * r.src_stride + (lo - d0), iov, r.slot, check))
+                reads.append(_Read(r.src + i * r.src_stride + (lo - d0), iov, r.slot, check))
 
 
 @dataclass
 class _Read:
-    """One ``preadv``: consecutive bytes of ``fd`` from ``offset`` into ``views``."""
+    """One ``preadv``: consecutive bytes of block ``slot`` from ``offset`` into ``views``
+    (``fd``: the block's file, set once its window is open)."""
 
-    fd: int
     offset: int
     views: list[memoryview]
     slot: int
     check: BlockCheck = field(repr=False)
+    fd: int = -1
 
     @property
     def nbytes(self) -> int:
@@ -276,11 +315,14 @@ def _run_reads(reads: list[_Read], zeros: list[memoryview]) -> None:
 
 
 def load_arrays(
-    shapes: Sequence[tuple[str, list[int]]], plans: Sequence[list[Run]], check: BlockCheck
+    shapes: Sequence[tuple[str, list[int]]], plans: Sequence[list[Run]], check: BlockCheck,
+    files: BlockFiles,
 ) -> list[mx.array]:
-    """Restore the tensors in one ``mx.load`` of a :class:`BlockStream`.
+    """Restore the tensors in one ``mx.load`` of a :class:`BlockStream` over ``files``.
 
     Afterwards ``check.bad()`` says which blocks did not read right (or, when
     it hashes, did not hash to their names): the arrays then hold wrong bytes.
+    A block ``files`` could not open is failed in ``check``.
     """
-    return load_tensors(lambda errors: BlockStream(shapes, plans, errors, check), len(shapes))
+    return load_tensors(lambda errors: BlockStream(shapes, plans, errors, check, files),
+                        len(shapes))

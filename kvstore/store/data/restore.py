@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
-from ...blocks import BlockCheck
+from ...blocks import BlockCheck, BlockStore
 from ...catalog.base import open_manifest
 from ...codecs import AttachmentData, codec_for_record
 from ...codecs.layout import manifest_block_sizes, n_token_blocks
@@ -23,6 +24,7 @@ from ...errors import (
 from ...schema import Layer, ListLayer, Manifest, iter_tensor_specs
 from ..local.root import Root
 from ..upkeep.repair import plan_for_blocks
+from . import reader
 from .reader import Want, load_arrays, plan_runs
 
 _log = logging.getLogger("kvstore")
@@ -50,9 +52,9 @@ def read_entry(
 def _read_once(
     root: Root, digest: bytes, length: int | None, verify: bool
 ) -> tuple[Manifest, list[Any], list[AttachmentData]]:
-    """Resolve an entry and open the blocks of its first ``length`` tokens in one
-    read transaction (a GC cannot unlink them from under us), then restore."""
-    fds: dict[bytes, int] = {}
+    """Resolve an entry and open the blocks of its first ``length`` tokens (the first
+    window of them: :class:`_BlockFiles`) in one read transaction, then restore."""
+    files: _BlockFiles | None = None
     try:
         with root.index.read() as txn:
             raw = root.index.get_manifest(digest, txn)
@@ -69,23 +71,76 @@ def _read_once(
             n_read = n_token_blocks(length, m.block_tokens) if m.token_blocks else 0
             needed = list(zip(m.token_blocks[:n_read], tok_sizes[:n_read], strict=True))
             needed += list(zip(m.state_blocks, state_sizes, strict=True))
-            for d, size in needed:
-                if d in fds:
-                    continue
-                try:
-                    fds[d] = root.blocks.open(d, size)
-                except CorruptBlockError as e:
-                    raise _BadBlocks({d: (e.actual, size)}) from None
+            files = _BlockFiles(root.blocks, needed)
+            files.open_window(0, reader.FD_WINDOW)
+            files.raise_failure()
         check = BlockCheck(root.settings.hash, needed, hashing=verify)
-        cache, atts = _materialize(m, length, fds, check)
+        cache, atts = _materialize(m, length, n_read, files, check)
+        files.raise_failure()
         bad = check.bad()
         if bad:
             sizes = dict(needed)
             raise _BadBlocks({d: (why, sizes[d]) for d, why in bad.items()})
     finally:
+        if files is not None:
+            files.close()
+    return m, cache, atts
+
+
+class _BlockFiles:
+    """The descriptors of one read's blocks (``needed``: (digest, size) per slot), open
+    a window of slots at a time, so an entry of any size holds at most
+    ``reader.FD_WINDOW`` of them (importing mlx-lm sets the soft file limit to 2048).
+
+    Opening never raises inside the load (an exception there would keep the stream
+    alive through its traceback): the first block that cannot be opened is kept as
+    ``failure`` (a missing file a :class:`BlockNotFoundError`, a wrong one
+    :class:`_BadBlocks`, else the ``OSError``), no later window is opened, and
+    :meth:`raise_failure` raises it once the load is over.
+    """
+
+    def __init__(self, blocks: BlockStore, needed: Sequence[tuple[bytes, int]]) -> None:
+        self._blocks = blocks
+        self._needed = needed
+        self._fds: dict[bytes, int] = {}
+        self._range = (0, 0)  # the slots whose files self._fds holds
+        self.failure: Exception | None = None
+
+    def open_window(self, lo: int, hi: int) -> dict[int, int]:
+        """A descriptor per slot in ``[lo, hi)`` that opened (the window before is closed)."""
+        hi = min(hi, len(self._needed))
+        if self._range != (lo, hi):
+            self.close()
+            self._range = (lo, hi)
+            for d, size in self._needed[lo:hi]:
+                if self.failure is not None:
+                    break
+                if d in self._fds:
+                    continue
+                try:
+                    self._fds[d] = self._blocks.open(d, size)
+                except CorruptBlockError as e:
+                    self.failure = _BadBlocks({d: (e.actual, size)})
+                except (KVStoreError, OSError) as e:
+                    self.failure = e.with_traceback(None)
+        return {i: self._fds[d] for i in range(lo, hi) if (d := self._needed[i][0]) in self._fds}
+
+    @contextmanager
+    def window(self, lo: int, hi: int) -> Iterator[dict[int, int]]:
+        try:
+            yield self.open_window(lo, hi)
+        finally:
+            self.close()
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self) -> None:
+        fds, self._fds, self._range = self._fds, {}, (0, 0)
         for fd in fds.values():
             os.close(fd)
-    return m, cache, atts
+
 
 def _repair_bad(root: Root, digest: bytes, bad: dict[bytes, tuple[str, int]]) -> bool:
     """Quarantine the blocks a read found bad and cut back or drop the entries that
@@ -130,7 +185,7 @@ def _repair_bad(root: Root, digest: bytes, bad: dict[bytes, tuple[str, int]]) ->
     return True
 
 def _materialize(
-    m: Manifest, length: int, fds: dict[bytes, int], check: BlockCheck
+    m: Manifest, length: int, n_read: int, files: _BlockFiles, check: BlockCheck
 ) -> tuple[list[Any], list[AttachmentData]]:
     wants: list[Want] = []
     for layer in _leaves(m.layers):
@@ -140,17 +195,16 @@ def _materialize(
             wants.append(Want(spec, cap))
     for a in m.attachments:
         wants.extend(Want(t) for t in a.tensors)
-    n_read = n_token_blocks(length, m.block_tokens) if m.token_blocks else 0
     shapes, plans = plan_runs(
         wants,
         n_tokens=m.n_tokens,
         length=length,
         block_tokens=m.block_tokens,
-        token_fds=[fds[d] for d in m.token_blocks[:n_read]],
-        state_fds=[fds[d] for d in m.state_blocks],
+        token_blocks=n_read,
+        state_blocks=len(m.state_blocks),
         state_block=m.state_block_bytes,
     )
-    arrays = load_arrays(shapes, plans, check)
+    arrays = load_arrays(shapes, plans, check, files)
     out: list[Any] = []
     pos = 0
     for layer in m.layers:

@@ -49,7 +49,7 @@ from ..._crash import crash_point
 from ...catalog.base import Plan, open_manifest
 from ...index import EntryRecord, RefInfo, Totals, now_ms
 from ..local.root import Root
-from .sweep import batches, stale_tmp_files, unlink_orphans, unlink_tmp
+from .sweep import batches, orphan_files, stale_tmp_files, unlink_orphans, unlink_tmp
 from .verify import Progress
 
 DEFAULT_GRACE = 600.0  # seconds
@@ -121,26 +121,44 @@ class EvictionOrder:
 
 @dataclass
 class _Snapshot:
+    """What a plan reads of the index, in one read transaction ``txn``: the entry records
+    (their namespaces shared), the totals, and the refs records of the blocks the plan
+    touches as it goes (:meth:`ref`), not every block's: a plan's memory is the entry
+    records' and its victims', whatever the number of blocks (issue 29)."""
+
+    root: Root
+    txn: Any
     entries: dict[bytes, EntryRecord]
-    refs: dict[bytes, RefInfo]
     totals: Totals
+    counts: dict[bytes, int] = field(default_factory=dict)  # refcounts, as the plan left them
+    sizes: dict[bytes, int] = field(default_factory=dict)
+
+    def ref(self, b: bytes) -> int:
+        """Block ``b``'s refcount as the plan has it so far (0 without a record)."""
+        c = self.counts.get(b)
+        if c is None:
+            r = self.root.index.get_ref(b, self.txn)
+            c = self.counts[b] = r.refcount if r is not None else 0
+            self.sizes[b] = r.size if r is not None else 0
+        return c
+
+    def blocks(self, digest: bytes) -> list[bytes]:
+        """The blocks an entry's manifest names ([] when it has none)."""
+        raw = self.root.index.get_manifest(digest, self.txn)
+        return [] if raw is None else open_manifest(raw, digest).block_digests()
+
+    def live_bytes(self) -> int:
+        """The bytes of the blocks some entry references, summed over the refs records."""
+        return sum(r.size for _, r in self.root.index.iter_refs(self.txn) if r.refcount > 0)
 
 
-def _snapshot(root: Root) -> _Snapshot:
-    with root.index.read() as txn:
-        return _Snapshot(
-            entries=dict(root.index.iter_entries(txn)),
-            refs=dict(root.index.iter_refs(txn)),
-            totals=root.index.totals(txn),
-        )
-
-
-def _blocks_of(root: Root, digest: bytes) -> list[bytes]:
-    with root.index.read() as txn:
-        raw = root.index.get_manifest(digest, txn)
-    if raw is None:
-        return []
-    return open_manifest(raw, digest).block_digests()
+def _snapshot(root: Root, txn: Any) -> _Snapshot:
+    names: dict[str, str] = {}
+    entries: dict[bytes, EntryRecord] = {}
+    for d, rec in root.index.iter_entries(txn):
+        rec.namespace = names.setdefault(rec.namespace, rec.namespace)
+        entries[d] = rec
+    return _Snapshot(root, txn, entries, root.index.totals(txn))
 
 
 def plan_evictions(
@@ -154,19 +172,26 @@ def plan_evictions(
 def _plan(
     root: Root, max_bytes: int | None, namespace_max_bytes: int | None
 ) -> tuple[list[bytes], int, dict[bytes, int]]:
-    """`plan_evictions`, and the blocks (with their sizes) the victims leave unreferenced."""
-    snap = _snapshot(root)
-    counts = {d: r.refcount for d, r in snap.refs.items()}
-    sizes = {d: r.size for d, r in snap.refs.items()}
-    live = sum(sizes[d] for d, c in counts.items() if c > 0)
+    """`plan_evictions`, and the blocks (with their sizes) the victims leave unreferenced.
+
+    One read transaction: the entries, refs and manifests it reads are one snapshot."""
+    with root.index.read() as txn:
+        return _plan_in(_snapshot(root, txn), max_bytes, namespace_max_bytes)
+
+
+def _plan_in(
+    snap: _Snapshot, max_bytes: int | None, namespace_max_bytes: int | None
+) -> tuple[list[bytes], int, dict[bytes, int]]:
+    counts, sizes = snap.counts, snap.sizes
+    live = snap.live_bytes()
     victims: list[bytes] = []
     chosen: set[bytes] = set()
     zeroed: dict[bytes, int] = {}
-    blocks_cache: dict[bytes, list[bytes]] = {}
+    blocks_cache: dict[bytes, list[bytes]] = {}  # the victims' blocks
 
     def blocks(d: bytes) -> list[bytes]:
         if d not in blocks_cache:
-            blocks_cache[d] = _blocks_of(root, d)
+            blocks_cache[d] = snap.blocks(d)
         return blocks_cache[d]
 
     def evict(d: bytes) -> None:
@@ -174,7 +199,7 @@ def _plan(
         victims.append(d)
         chosen.add(d)
         for b in blocks(d):
-            if counts.get(b, 0) > 0:
+            if snap.ref(b) > 0:
                 counts[b] -= 1
                 if counts[b] == 0:
                     live -= sizes[b]
@@ -187,8 +212,10 @@ def _plan(
         for rows in by_ns.values():
             ns_count: dict[bytes, int] = {}
             for d, _ in rows:
-                for b in blocks(d):
+                for b in snap.blocks(d):  # not kept: only the victims' are
                     ns_count[b] = ns_count.get(b, 0) + 1
+            for b in ns_count:
+                snap.ref(b)
             ns_bytes = sum(sizes.get(b, 0) for b in ns_count)
             order = EvictionOrder(rows)
             while ns_bytes > namespace_max_bytes:
@@ -372,9 +399,7 @@ def plan_compact(
     cutoff = _cutoff_ms(grace)
     with root.index.read() as txn:
         zero = [(d, r) for d, r in root.index.iter_refs(txn) if r.refcount == 0]
-    files = [(d, st) for d, st in root.block_files() if st.mtime * 1000 <= cutoff]
-    with root.index.read() as txn:
-        orphans = [(d, st.size) for d, st in files if root.index.get_ref(d, txn) is None]
+    orphans = orphan_files(root, cutoff)
     tmp = stale_tmp_files(root, grace)
     return CompactPlan(
         root=root,

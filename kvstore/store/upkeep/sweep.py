@@ -6,6 +6,7 @@ that what it removes is still garbage (see :mod:`kvstore.store.upkeep.gc`).
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 import time
@@ -34,6 +35,18 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def orphan_files(root: Root, cutoff: int) -> list[tuple[bytes, int]]:
+    """The block files older than ``cutoff`` (ms) that no refs record names, with their
+    sizes: the files are listed a batch at a time, each batch looked up in one read, so
+    what is kept is the orphans, not every block file (a root of 1M blocks)."""
+    out: list[tuple[bytes, int]] = []
+    files = ((d, st.size) for d, st in root.block_files() if st.mtime * 1000 <= cutoff)
+    while batch := list(itertools.islice(files, BATCH)):
+        with root.index.read() as txn:
+            out += [(d, size) for d, size in batch if root.index.get_ref(d, txn) is None]
+    return out
 
 
 def unlink_orphans(root: Root, orphans: list[tuple[bytes, int]], cutoff: int) -> tuple[int, int]:
