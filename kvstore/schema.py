@@ -45,13 +45,17 @@ class TensorSpec(Struct, frozen=True, kw_only=True):
 
     ``token_axis`` is set for tensors cut into token blocks (their length on
     that axis is the entry's token count); ``state_offset`` is the byte offset
-    in the concatenated state stream for the others.
+    in the concatenated state stream for the others. ``window_start`` is set
+    for a window tensor (a :class:`WindowLayer`'s): its token axis holds the
+    tokens ``[window_start, n_tokens)``, and its rows go into the manifest's
+    window blocks, cut at the same absolute token positions as the token blocks.
     """
 
     shape: tuple[NonNeg, ...]
     dtype: str
     token_axis: NonNeg | None = None
     state_offset: NonNeg | None = None
+    window_start: NonNeg | None = None
 
 
 class _Layer(Struct, frozen=True, kw_only=True, tag_field="kind"):
@@ -69,6 +73,20 @@ class RotatingLayer(_Layer, frozen=True, kw_only=True, tag="rotating"):
     offset: NonNeg
     max_size: NonNeg
     keep: NonNeg = 0
+    idx: NonNeg = 0
+
+
+class WindowLayer(_Layer, frozen=True, kw_only=True, tag="window"):
+    """A sliding-window layer (``RotatingKVCache``, ``keep=0``) stored in token order.
+
+    Its keys and values hold the tokens ``[window_start, offset)`` unrolled from
+    the ring (their specs carry ``window_start``), so consecutive saves of one
+    prompt share every whole block of their overlapping windows. ``idx`` is the
+    ring position mlx-lm had: a restore rolls the rows back into that ring.
+    """
+
+    offset: NonNeg
+    max_size: NonNeg
     idx: NonNeg = 0
 
 
@@ -114,7 +132,14 @@ class RawLayer(_Layer, frozen=True, kw_only=True, tag="raw"):
 
 
 Layer = (
-    KVLayer | RotatingLayer | QuantizedLayer | ChunkedLayer | ArraysLayer | ListLayer | RawLayer
+    KVLayer
+    | RotatingLayer
+    | WindowLayer
+    | QuantizedLayer
+    | ChunkedLayer
+    | ArraysLayer
+    | ListLayer
+    | RawLayer
 )
 
 
@@ -144,14 +169,21 @@ class Manifest(Struct, frozen=True, kw_only=True):
     state_bytes: NonNeg = 0
     attachments: tuple[Attachment, ...] = ()
     metadata: dict[str, str] = {}
+    # The window tensors' blocks: the i-th holds absolute token block
+    # ``first + i`` (``first``: the lowest window_start // block_tokens).
+    window_blocks: tuple[bytes, ...] = ()
 
     def tensor_specs(self) -> list[TensorSpec]:
         """Every tensor the entry stores, in block order: the layers', then the attachments'."""
         return iter_tensor_specs(self.layers) + [t for a in self.attachments for t in a.tensors]
 
+    def all_blocks(self) -> tuple[bytes, ...]:
+        """Every block reference in order (token, window, state blocks), repeats kept."""
+        return (*self.token_blocks, *self.window_blocks, *self.state_blocks)
+
     def block_digests(self) -> list[bytes]:
         """Every block the entry references, once each, token blocks first."""
-        return list(dict.fromkeys(bytes(d) for d in (*self.token_blocks, *self.state_blocks)))
+        return list(dict.fromkeys(bytes(d) for d in self.all_blocks()))
 
 
 _encoder = msgspec.msgpack.Encoder(order="deterministic")

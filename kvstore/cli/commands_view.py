@@ -73,7 +73,7 @@ def show(entry: str, all_tokens: bool, as_json: bool) -> None:
         m = store.manifest(eid)
         rec = next((e for e in store.entries() if e.id == eid), None)
         uniq = store.unique_bytes({eid: m})[eid]
-        refs = store.block_refs((*m.token_blocks, *m.state_blocks))
+        refs = store.block_refs(m.all_blocks())
     tokens = list(P.tokens_from_le(m.tokens))
     if as_json:
         emit(H.manifest_json(eid, m, tokens, rec, uniq, refs))

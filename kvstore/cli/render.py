@@ -290,8 +290,9 @@ def layer_lines(layer: Layer, lead: str) -> list[str]:
     out = [f"{lead}{layer_kind(layer):<9}{fields}".rstrip()]
     pad = " " * (len(lead) + 2)
     for j, t in enumerate(layer.tensors):
-        where = (f"token axis {t.token_axis}" if t.token_axis is not None
-                 else f"state @{t.state_offset}")
+        where = (f"state @{t.state_offset}" if t.token_axis is None
+                 else f"token axis {t.token_axis}" if t.window_start is None
+                 else f"token axis {t.token_axis}, tokens from {t.window_start}")
         out.append(f"{pad}t{j}  {t.dtype:<8} {str(list(t.shape)):<18} {where}")
     if isinstance(layer, ListLayer):
         for j, child in enumerate(layer.children):
@@ -304,7 +305,9 @@ def layer_json(layer: Layer) -> dict[str, Any]:
 
     d: dict[str, Any] = {"kind": layer_kind(layer), **layer_fields(layer)}
     d["tensors"] = [{"shape": list(t.shape), "dtype": t.dtype, "token_axis": t.token_axis,
-                     "state_offset": t.state_offset} for t in layer.tensors]
+                     "state_offset": t.state_offset,
+                     **({"window_start": t.window_start} if t.window_start is not None else {})}
+                    for t in layer.tensors]
     if isinstance(layer, ListLayer):
         d["children"] = [layer_json(c) for c in layer.children]
     return d
@@ -323,6 +326,7 @@ def manifest_json(eid: str, m: Manifest, tokens: list[int], rec: Entry | None, u
         "created_at": m.created_at, "n_tokens": m.n_tokens, "tokens": tokens,
         "layers": [layer_json(layer) for layer in m.layers],
         "token_blocks": blocks(m.token_blocks), "state_blocks": blocks(m.state_blocks),
+        **({"window_blocks": blocks(m.window_blocks)} if m.window_blocks else {}),
         "state_bytes": m.state_bytes,
         "attachments": [{"schema": a.schema, "metadata": json_value(a.metadata),
                          "tensors": [{"shape": list(t.shape), "dtype": t.dtype,
@@ -362,7 +366,10 @@ def manifest_lines(eid: str, m: Manifest, tokens: Sequence[int], rec: Entry | No
     for a in m.attachments:
         lines.append(f"attachment  {a.schema} {json_text(a.metadata)}")
         lines.extend(f"         t{j}  {t.dtype} {list(t.shape)}" for j, t in enumerate(a.tensors))
-    for name, blocks in (("token blocks", m.token_blocks), ("state blocks", m.state_blocks)):
+    named = [("token blocks", m.token_blocks), ("state blocks", m.state_blocks)]
+    if m.window_blocks:
+        named.insert(1, ("window blocks", m.window_blocks))
+    for name, blocks in named:
         lines.append(f"{name} {len(blocks)}")
         for j, d in enumerate(blocks):
             ref = refs.get(d)  # (size, refcount); None for a block without a record

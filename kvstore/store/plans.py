@@ -73,7 +73,7 @@ def entry_plan(
         entry = EntryRecord(
             namespace=_ns_json.encode(m.namespace).decode(),
             n_tokens=m.n_tokens,
-            logical_bytes=sum(sizes[bytes(b)] for b in (*m.token_blocks, *m.state_blocks)),
+            logical_bytes=sum(sizes[bytes(b)] for b in m.all_blocks()),
             created_at=m.created_at,
             last_access=now_ms(),
             priority=0,

@@ -18,7 +18,15 @@ from .._vio import preadv_all
 from ..blocks import BlockCheck
 from ..blocks.local import READ_WORKERS, read_pool
 from ..codecs._mxload import TensorStream, load_tensors
-from ..codecs.layout import block_rows, geometry, spec_nbytes
+from ..codecs.layout import (
+    block_rows,
+    geometry,
+    in_token_blocks,
+    in_window_blocks,
+    spec_nbytes,
+    window_first_block,
+    window_rows,
+)
 from ..errors import ShortReadError
 from ..schema import TensorSpec
 
@@ -74,15 +82,19 @@ def plan_runs(
     token_fds: Sequence[int],
     state_fds: Sequence[int],
     state_block: int,
+    window_fds: Sequence[int] = (),
 ) -> tuple[list[tuple[str, list[int]]], list[list[Run]]]:
     """For each tensor: (dtype, shape as restored) and the runs that fill it.
 
     ``n_tokens`` is the entry's length (it fixes the block layout); ``length``
-    the prefix restored (it fixes which rows are read). Token block ``b`` is
-    slot ``b``, state block ``j`` slot ``len(token_fds) + j``.
+    the prefix restored (it fixes which token-block rows are read; window
+    tensors are read whole). Token block ``b`` is slot ``b``, window block ``i``
+    slot ``len(token_fds) + i``, state block ``j`` slot after those.
     """
     specs = [w.spec for w in wants]
-    token_specs = [s for s in specs if s.token_axis is not None]
+    window = _window_runs(specs, n_tokens, block_tokens, window_fds, len(token_fds))
+    n_slots = len(token_fds) + len(window_fds)
+    token_specs = [s for s in specs if in_token_blocks(s)]
     geoms = {id(s): geometry(s.shape, s.dtype, s.token_axis) for s in token_specs}
     # byte offset of each token tensor inside block b: sum of earlier tensors' share
     n_blocks = len(token_fds)
@@ -98,6 +110,10 @@ def plan_runs(
     for w in wants:
         s = w.spec
         runs: list[Run] = []
+        if in_window_blocks(s):
+            shapes.append((s.dtype, list(s.shape)))
+            plans.append(window[id(s)])
+            continue
         if s.token_axis is not None:
             g = geoms[id(s)]
             cap = w.capacity if w.capacity is not None else length
@@ -124,11 +140,34 @@ def plan_runs(
                 blk, off = divmod(pos, state_block)
                 take = min(end - pos, state_block - off)
                 runs.append(Run(pos - s.state_offset, take, state_fds[blk], off,
-                                slot=n_blocks + blk))
+                                slot=n_slots + blk))
                 pos += take
         shapes.append((s.dtype, shape))
         plans.append(runs)
     return shapes, plans
+
+
+def _window_runs(
+    specs: Sequence[TensorSpec], n_tokens: int, T: int, fds: Sequence[int], slot0: int
+) -> dict[int, list[Run]]:
+    """The runs that fill each window tensor (by ``id`` of its spec) from the window blocks."""
+    window = [s for s in specs if in_window_blocks(s)]
+    first = window_first_block(window, T)
+    out: dict[int, list[Run]] = {id(s): [] for s in window}
+    for i, fd in enumerate(fds):
+        b = first + i
+        pos = 0  # where the next tensor's rows start inside this block
+        for s in window:
+            assert s.window_start is not None and s.token_axis is not None
+            g = geometry(s.shape, s.dtype, s.token_axis)
+            a, z = window_rows(s.window_start, b, n_tokens, T)
+            if z <= a:
+                continue
+            piece = (z - a) * g.row_bytes
+            out[id(s)].append(Run(a * g.row_bytes, piece, fd, pos, g.outer,
+                                  g.rows * g.row_bytes, piece, slot=slot0 + i))
+            pos += g.outer * piece
+    return out
 
 
 class BlockStream(TensorStream):

@@ -310,7 +310,7 @@ def _rebuild(
 
 def _entry_from_manifest(m: Manifest) -> EntryRecord:
     blocks = manifest_blocks(m)
-    sizes = [blocks[bytes(d)] for d in (*m.token_blocks, *m.state_blocks)]
+    sizes = [blocks[bytes(d)] for d in m.all_blocks()]
     return EntryRecord(
         namespace=msgspec.json.encode(m.namespace).decode(),
         n_tokens=m.n_tokens,
