@@ -29,8 +29,9 @@ from .root import Root
 from .writer import place, write_blocks
 
 CODEC_PROVIDER = "kvstore-mlx/1"
-Priority = Literal["assistant", "user", "system"]
-PRIORITIES: dict[str, int] = {"assistant": 0, "user": 1, "system": 2}
+Priority = Literal["checkpoint", "assistant", "user", "system"]
+# "checkpoint": a state saved part-way through a prefill (kvstore.mlx_lm.prefill)
+PRIORITIES: dict[str, int] = {"checkpoint": -1, "assistant": 0, "user": 1, "system": 2}
 _ns_json = msgspec.json.Encoder()
 
 

@@ -1,0 +1,209 @@
+"""Checkpoints during prefill: the state of a cache that cannot be trimmed, saved every
+``every`` tokens of a prompt, so that a later prompt that diverges part-way restores the
+deepest checkpoint at or before the divergence instead of prefilling from the start.
+
+A hybrid model's cache (an SSM or convolution state beside the attention layers) and a
+sliding-window layer once its ring has wrapped can only serve their exact length: a
+stored entry for the end of a long prompt is no use to a prompt that shares all but its
+last sentence. A checkpoint is an ordinary entry of exact length (priority
+``"checkpoint"``), found by the store's usual lookup. A model whose every layer can be
+trimmed (plain or quantized KV) needs none: the entry for the prompt's end serves each
+of its prefixes, so it gets none.
+
+:func:`prefill` is the Python call; :func:`split_segments` cuts mlx-lm's server
+segments at the same absolute positions for ``kvstore serve``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as _cache
+
+from kvstore import EntryInfo, KVStoreError, Namespace, NamespaceRequiredError, Store
+
+__all__ = [
+    "CHECKPOINT",
+    "DEFAULT_EVERY",
+    "Prefilled",
+    "checkpoint_positions",
+    "needs_checkpoints",
+    "prefill",
+    "split_segments",
+]
+
+logger = logging.getLogger("kvstore.mlx_lm")
+
+#: The priority, and mlx-lm cache type, of a checkpoint.
+CHECKPOINT = "checkpoint"
+#: Tokens between checkpoints: 4 blocks of the default 256 tokens (docs/BENCHMARKS.md,
+#: "Checkpoints during prefill", has the measured trade-off that chose it).
+DEFAULT_EVERY = 1024
+
+C: Any = _cache
+# Caches that can serve any prefix of what they hold, however long it grows.
+_ALWAYS_TRIMMABLE = tuple(
+    getattr(C, name) for name in ("KVCache", "QuantizedKVCache", "ConcatenateKVCache")
+    if isinstance(getattr(C, name, None), type)
+)
+
+
+def needs_checkpoints(cache: Sequence[Any]) -> bool:
+    """Whether a cache (a model's fresh one will do) has a layer that may become untrimmable:
+    SSM or convolution state, a sliding window, a chunked cache; CacheLists are looked into."""
+
+    def trims(c: Any) -> bool:
+        if type(c) is C.CacheList:
+            return all(trims(x) for x in c.caches)
+        return type(c) in _ALWAYS_TRIMMABLE
+
+    return not all(trims(c) for c in cache)
+
+
+def checkpoint_positions(start: int, end: int, every: int) -> list[int]:
+    """The absolute positions ``k * every`` in ``(start, end]``: where checkpoints go."""
+    if every <= 0:
+        return []
+    first = (start // every + 1) * every
+    return list(range(first, end + 1, every))
+
+
+def conversation_id(namespace: Namespace, tokens: Sequence[int]) -> str:
+    """A short name for the prompt a checkpoint was taken from (its ``conversation``)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(namespace.model_id.encode() + b"\0" + namespace.ns.encode() + b"\0")
+    h.update(b"".join(int(t).to_bytes(4, "little") for t in tokens))
+    return h.hexdigest()
+
+
+def checkpoint_metadata(conversation: str, prompt_tokens: int, every: int) -> dict[str, str]:
+    """The metadata a checkpoint is saved with (``kvstore ls``/``show`` print it)."""
+    return {
+        "cache_type": CHECKPOINT,
+        "conversation": conversation,
+        "prompt_tokens": str(prompt_tokens),
+        "checkpoint_every": str(every),
+    }
+
+
+@dataclass
+class Prefilled:
+    """What :func:`prefill` did: the cache after the last token, and the checkpoints saved."""
+
+    cache: list[Any]
+    checkpoints: list[EntryInfo] = field(default_factory=list)
+    failed: int = 0  # checkpoints whose save raised (logged; the prefill went on)
+
+
+def _held(cache: Sequence[Any]) -> int | None:
+    """Tokens a cache holds by its attention layers' offsets (None: none tell)."""
+    offsets: list[int] = []
+    for c in cache:
+        layers = c.caches if type(c) is C.CacheList else (c,)
+        offsets += [int(x.offset) for x in layers if isinstance(getattr(x, "offset", None), int)]
+    return min(offsets) if offsets else None
+
+
+def prefill(
+    model: Any,
+    tokens: Sequence[int],
+    cache: list[Any] | None = None,
+    *,
+    store: Store,
+    every: int | None = None,
+    start: int | None = None,
+    namespace: Namespace | None = None,
+    step: int = 2048,
+    on_checkpoint: Callable[[int, list[Any]], None] | None = None,
+) -> Prefilled:
+    """Feed ``tokens[start:]`` through ``model`` into ``cache``, saving a checkpoint every
+    ``every`` tokens (at absolute positions ``k * every``) when the cache cannot be trimmed.
+
+    ``cache`` holds ``tokens[:start]`` already (from ``store.restore``, say); None is a
+    fresh cache and ``start=0``. ``start`` defaults to what the cache's attention layers
+    hold; a cache without any (pure SSM) must say it. ``every`` defaults to
+    :data:`DEFAULT_EVERY`, rounded up to a whole number of the root's token blocks
+    (a checkpoint that ends inside a block stores that partial block on its own); 0
+    turns checkpoints off. Chunks of at most ``step`` tokens end at each checkpoint.
+    A trimmable model gets no checkpoints. A checkpoint whose save fails is logged
+    and counted in ``failed``; the prefill goes on. ``on_checkpoint(position, cache)``
+    is called after each checkpoint position is reached (saved or not).
+    """
+    if cache is None:
+        cache = list(_cache.make_prompt_cache(model))
+        start = 0 if start is None else start
+    if start is None:
+        start = _held(cache)
+        if start is None:
+            raise ValueError("prefill: pass start= (this cache does not say how many tokens "
+                             "it holds)")
+    if not 0 <= start <= len(tokens):
+        raise ValueError(f"prefill: start {start} is outside the {len(tokens)} tokens")
+    if step <= 0:
+        raise ValueError(f"prefill: step must be > 0, got {step}")
+    if every is None:
+        T = store.block_tokens
+        every = -(-DEFAULT_EVERY // T) * T
+    if every < 0:
+        raise ValueError(f"prefill: every must be >= 0, got {every}")
+    out = Prefilled(list(cache))
+    marks = checkpoint_positions(start, len(tokens), every) if needs_checkpoints(cache) else []
+    ns = store.namespace if namespace is None else namespace
+    if marks and ns is None:
+        raise NamespaceRequiredError(
+            "prefill: no namespace: pass namespace=kvstore.Namespace(...) here or to Store.open"
+        )
+    meta = (checkpoint_metadata(conversation_id(ns, tokens), len(tokens), every)
+            if ns is not None and marks else {})
+    pos = start
+    for mark in [*marks, len(tokens)]:
+        while pos < mark:
+            stop = min(pos + step, mark)
+            model(mx.array(list(tokens[pos:stop]))[None], cache=out.cache)
+            mx.eval([c.state for c in out.cache])
+            pos = stop
+        if mark not in marks:
+            break
+        if on_checkpoint is not None:
+            on_checkpoint(mark, out.cache)
+        try:
+            out.checkpoints.append(store.save(
+                list(tokens[:mark]), out.cache, namespace=ns, metadata=meta,
+                priority="checkpoint", reuse_prefix=True,
+            ))
+        except (KVStoreError, OSError):
+            out.failed += 1
+            logger.warning("kvstore: checkpoint at token %d not saved", mark, exc_info=True)
+    return out
+
+
+def split_segments(
+    segments: Sequence[Sequence[int]], types: Sequence[str], start: int, every: int
+) -> tuple[list[list[int]], list[str]]:
+    """mlx-lm server's prompt segments cut again at each absolute position ``k * every``.
+
+    The segments follow one another from token ``start``; a piece that ends at a cut
+    and not at its segment's end gets the type :data:`CHECKPOINT` (the server hands
+    the cache there to ``insert_cache`` with that type), the last piece of each segment
+    keeps the segment's own.
+    """
+    out: list[list[int]] = []
+    kinds: list[str] = []
+    pos = start
+    for seg, kind in zip(segments, types, strict=True):
+        end = pos + len(seg)
+        cuts = [p for p in checkpoint_positions(pos, end, every) if p < end]
+        a = pos
+        for p in cuts:
+            out.append(list(seg[a - pos : p - pos]))
+            kinds.append(CHECKPOINT)
+            a = p
+        out.append(list(seg[a - pos :]))
+        kinds.append(kind)
+        pos = end
+    return out, kinds
