@@ -32,6 +32,7 @@ from mlx_lm.models import cache as _cache
 from kvstore import Namespace, Store
 
 from .fingerprint import fingerprint_model, fingerprint_model_dir, namespace_for_path
+from .persist_stats import PersistStats
 
 __all__ = [
     "PersistStats",
@@ -45,48 +46,6 @@ logger = logging.getLogger("kvstore.mlx_lm")
 
 
 # --- the write-behind queue -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PersistStats:
-    """Counters of the disk tier (a snapshot; all counts since construction)."""
-
-    pending: int
-    pending_bytes: int
-    saved: int
-    dropped: int
-    failed: int
-    skipped: int
-    bytes_written: int
-    logical_bytes_saved: int
-    memory_hits: int
-    store_hits: int
-    misses: int
-    tokens_from_store: int
-
-    def summary(self) -> str:
-        """One line for a log: ``saved 3 entries (… new of …), 5 hits (…), …``."""
-        text = (
-            f"saved {self.saved} {'entry' if self.saved == 1 else 'entries'} "
-            f"({_mib(self.bytes_written)} new of {_mib(self.logical_bytes_saved)}); "
-            f"{self.store_hits} {'hit' if self.store_hits == 1 else 'hits'} from the store "
-            f"({self.tokens_from_store:,} tokens), {self.memory_hits} from memory, "
-            f"{self.misses} {'miss' if self.misses == 1 else 'misses'}"
-        )
-        lost = [
-            f"{n} {what}"
-            for n, what in (
-                (self.pending, "not written"),
-                (self.dropped, "dropped"),
-                (self.failed, "failed"),
-            )
-            if n
-        ]
-        return text + (f"; snapshots {', '.join(lost)}" if lost else "")
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 @dataclass
