@@ -16,6 +16,7 @@ segments at the same absolute positions for ``kvstore serve``.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
@@ -73,11 +74,11 @@ def checkpoint_positions(start: int, end: int, every: int) -> list[int]:
     return list(range(first, end + 1, every))
 
 
-def conversation_id(namespace: Namespace, tokens: Sequence[int]) -> str:
-    """A short name for the prompt a checkpoint was taken from (its ``conversation``)."""
+def conversation_id(tokens: Sequence[int]) -> str:
+    """A short name for the prompt a checkpoint was taken from (its ``conversation``):
+    16 hex chars of a hash of its tokens."""
     h = hashlib.blake2b(digest_size=8)
-    h.update(namespace.model_id.encode() + b"\0" + namespace.ns.encode() + b"\0")
-    h.update(b"".join(int(t).to_bytes(4, "little") for t in tokens))
+    h.update(array.array("I", tokens).tobytes())
     return h.hexdigest()
 
 
@@ -158,8 +159,7 @@ def prefill(
         raise NamespaceRequiredError(
             "prefill: no namespace: pass namespace=kvstore.Namespace(...) here or to Store.open"
         )
-    meta = (checkpoint_metadata(conversation_id(ns, tokens), len(tokens), every)
-            if ns is not None and marks else {})
+    meta = checkpoint_metadata(conversation_id(tokens), len(tokens), every)
     pos = start
     for mark in [*marks, len(tokens)]:
         while pos < mark:
@@ -207,3 +207,60 @@ def split_segments(
         kinds.append(kind)
         pos = end
     return out, kinds
+
+
+# --- kvstore serve: finer segments in mlx-lm's server ------------------------------------
+#
+# mlx-lm's server cuts a chat prompt into segments (system prompt, user part, thinking
+# tail) and, at the end of each, hands the cache to ``prompt_cache.insert_cache`` with
+# the segment's type. Cutting the segments again at every ``k * every`` makes the server
+# stop there too; the type of such a cut names the checkpoint (its conversation, the
+# prompt's length and the interval) for PersistentPromptCache, which saves it to the
+# store and keeps it out of the in-memory LRU.
+
+_TYPE_PREFIX = CHECKPOINT + ":"
+
+
+def checkpoint_type(conversation: str, prompt_tokens: int, every: int) -> str:
+    """The segment type of a checkpoint cut (what ``insert_cache`` receives)."""
+    return f"{_TYPE_PREFIX}{conversation}:{prompt_tokens}:{every}"
+
+
+def parse_checkpoint_type(cache_type: str) -> dict[str, str] | None:
+    """The metadata of a checkpoint from its segment type; None for any other type."""
+    if cache_type == CHECKPOINT:
+        return {"cache_type": CHECKPOINT}
+    if not cache_type.startswith(_TYPE_PREFIX):
+        return None
+    parts = cache_type[len(_TYPE_PREFIX) :].split(":")
+    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+        return None
+    return checkpoint_metadata(parts[0], int(parts[1]), int(parts[2]))
+
+
+Tokenize = Callable[..., tuple[Any, ...]]
+
+
+def segmenting_tokenize(tokenize: Tokenize, every: int) -> Tokenize:
+    """mlx-lm's ``ResponseGenerator._tokenize``, its segments cut every ``every`` tokens
+    when the model's cache cannot be trimmed (and left alone otherwise)."""
+    decided: dict[int, bool] = {}
+
+    def wrapper(self: Any, tokenizer: Any, request: Any, args: Any) -> tuple[Any, ...]:
+        out = tokenize(self, tokenizer, request, args)
+        prompt, segments, types, state, vision = out
+        model = getattr(getattr(self, "model_provider", None), "model", None)
+        if every <= 0 or vision is not None or model is None:
+            return out
+        if id(model) not in decided:
+            decided.clear()  # one model at a time: the server loads one
+            decided[id(model)] = needs_checkpoints(_cache.make_prompt_cache(model))
+        if not decided[id(model)]:
+            return out
+        pieces, kinds = split_segments(segments, types, 0, every)
+        conv = conversation_id(prompt)
+        mark = checkpoint_type(conv, len(prompt), every)
+        kinds = [mark if k == CHECKPOINT else k for k in kinds]
+        return prompt, pieces, kinds, state, vision
+
+    return wrapper

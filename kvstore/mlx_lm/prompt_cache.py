@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import copy
 import hashlib
 import logging
 import threading
@@ -33,6 +34,7 @@ from kvstore import Namespace, Store
 
 from .fingerprint import fingerprint_model, fingerprint_model_dir, namespace_for_path
 from .persist_stats import PersistStats
+from .prefill import CHECKPOINT, parse_checkpoint_type
 
 __all__ = [
     "PersistStats",
@@ -53,8 +55,9 @@ class _Job:
     namespace: Namespace
     tokens: list[int]
     cache: list[Any]
-    cache_type: str  # "assistant", "user" or "system", as mlx-lm's server names them
+    cache_type: str  # "assistant", "user", "system" (mlx-lm's server's), or "checkpoint"
     nbytes: int
+    metadata: dict[str, str] | None = None  # default {"cache_type": cache_type}
 
 
 def _register_exit_flush(fn: Callable[[], None]) -> None:
@@ -133,6 +136,7 @@ class PersistentPromptCache:
         self._queue: collections.deque[_Job] = collections.deque()
         self._queued_bytes = 0
         self._inflight = False
+        self._writing: _Job | None = None  # the job the writer is saving
         self._closed = False
         self._worker: threading.Thread | None = None
         self._counts = collections.Counter[str]()
@@ -184,6 +188,12 @@ class PersistentPromptCache:
             self._count("memory_hits")
             return cache, rest
         have = len(tokens) - len(rest) if cache is not None else 0
+        # A snapshot still queued is looked at before the store: one the writer
+        # commits meanwhile is then seen by one of the two.
+        pending = self._fetch_pending(model_key, tokens, have)
+        if pending is not None:
+            cache, rest = pending
+            have = len(tokens) - len(rest)
         found = self._fetch_from_store(model_key, tokens, have)
         if found is not None:
             self._count("store_hits")
@@ -200,7 +210,18 @@ class PersistentPromptCache:
         *,
         cache_type: str = "assistant",
     ) -> None:
-        """Keep `prompt_cache` for `tokens` in memory and queue it for the store."""
+        """Keep `prompt_cache` for `tokens` in memory and queue it for the store.
+
+        A checkpoint (``cache_type`` ``"checkpoint"``, or the segment type that
+        ``kvstore serve`` gives its cuts) goes to the store only: mlx-lm's LRU keeps
+        every prefix of a cache that cannot be trimmed, so checkpoints there would
+        hold O(n^2) bytes for a long prompt. At most one checkpoint waits in the
+        write-behind queue; the next one waits for the writer to take it.
+        """
+        checkpoint = parse_checkpoint_type(cache_type)
+        if checkpoint is not None:
+            self._enqueue(model_key, tokens, prompt_cache, CHECKPOINT, metadata=checkpoint)
+            return
         self._memory.insert_cache(model_key, tokens, prompt_cache, cache_type=cache_type)
         self._enqueue(model_key, tokens, prompt_cache, cache_type)
 
@@ -292,9 +313,31 @@ class PersistentPromptCache:
             return None
         return list(cache), list(tokens[match.length :])
 
-    def _enqueue(
-        self, model_key: Hashable, tokens: list[int], prompt_cache: list[Any], cache_type: str
-    ) -> None:
+    def _fetch_pending(
+        self, model_key: Hashable, tokens: list[int], have: int
+    ) -> tuple[list[Any], list[int]] | None:
+        """A copy of the longest snapshot still waiting to be written (a checkpoint the
+        writer has not reached) whose tokens are a prefix of ``tokens[:-1]`` longer
+        than ``have``; None when there is none."""
+        namespace = self._namespaces.get(model_key)
+        if namespace is None:
+            return None
+        with self._cond:
+            jobs = [*self._queue, *([self._writing] if self._writing is not None else [])]
+            best = max(
+                (j for j in jobs
+                 if j.namespace == namespace and have < len(j.tokens) < len(tokens)
+                 and tokens[: len(j.tokens)] == j.tokens),
+                key=lambda j: len(j.tokens),
+                default=None,
+            )
+            cache = copy.deepcopy(best.cache) if best is not None else None
+        if best is None or cache is None:
+            return None
+        return cache, list(tokens[len(best.tokens) :])
+
+    def _enqueue(self, model_key: Hashable, tokens: list[int], prompt_cache: list[Any],
+                 cache_type: str, *, metadata: dict[str, str] | None = None) -> None:
         n = min(len(tokens), _cached_tokens(prompt_cache, len(tokens)))
         if n < max(1, self.min_tokens):
             self._count("skipped")
@@ -311,8 +354,14 @@ class PersistentPromptCache:
             list(prompt_cache),
             cache_type,
             sum(int(c.nbytes) for c in prompt_cache),
+            metadata,
         )
         with self._cond:
+            if cache_type == CHECKPOINT:  # memory stays bounded: one waiting at most
+                self._cond.wait_for(
+                    lambda: self._closed
+                    or not any(j.cache_type == CHECKPOINT for j in self._queue)
+                )
             if self._closed:
                 self._counts["dropped"] += 1
                 return
@@ -342,11 +391,13 @@ class PersistentPromptCache:
                 job = self._queue.popleft()
                 self._queued_bytes -= job.nbytes
                 self._inflight = True
+                self._writing = job
+                self._cond.notify_all()  # a checkpoint waiting for room may queue now
             try:
                 info = self.store.save(
                     job.tokens,
                     job.cache,
-                    metadata={"cache_type": job.cache_type},
+                    metadata=job.metadata or {"cache_type": job.cache_type},
                     priority=job.cache_type,  # type: ignore[arg-type]
                     namespace=job.namespace,
                     reuse_prefix=self.reuse_prefix,
@@ -366,6 +417,7 @@ class PersistentPromptCache:
             with self._cond:
                 self._counts.update(outcome)
                 self._inflight = False
+                self._writing = None
                 self._cond.notify_all()
 
     def _count(self, name: str, n: int = 1) -> None:
