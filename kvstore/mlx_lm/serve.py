@@ -27,6 +27,7 @@ from typing import Any
 
 from kvstore import Store, _human, default_root
 from kvstore.mlx_lm import PersistentPromptCache
+from kvstore.mlx_lm.prefill import DEFAULT_EVERY, segmenting_tokenize
 
 __all__ = ["serve_main", "parse_size"]
 
@@ -102,6 +103,16 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not check each block's digest as a restore reads it (faster restores; "
         "a block damaged on disk is then handed to the model)",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="for a model whose cache cannot be trimmed (hybrid, sliding window), save a "
+        "checkpoint to the store every N prompt tokens, so a prompt that diverges part-way "
+        "restores the deepest one before it (default: 1024, rounded up to whole blocks "
+        "of the root; 0: off)",
     )
     g.add_argument(
         "--no-reuse-prefix",
@@ -187,6 +198,8 @@ def _serve(argv: list[str]) -> int:
     import mlx_lm.server as server
 
     ours, rest = _parser().parse_known_args(argv)
+    if ours.checkpoint_every is not None and ours.checkpoint_every < 0:
+        raise ServeError(f"--checkpoint-every must be >= 0, got {ours.checkpoint_every}")
     if "-h" not in rest and "--help" not in rest:
         for option in ("--model", "--draft-model"):
             value = _option(rest, option)
@@ -225,9 +238,14 @@ def _serve(argv: list[str]) -> int:
             made.append(cache)
             return cache
 
+        every = ours.checkpoint_every
+        if every is None:
+            every = -(-DEFAULT_EVERY // store.block_tokens) * store.block_tokens
+        tokenize = segmenting_tokenize(server.ResponseGenerator._tokenize, every)
         try:
             with (
                 _swapped(server, "LRUPromptCache", factory),
+                _swapped(server.ResponseGenerator, "_tokenize", tokenize),
                 _swapped(sys, "argv", ["kvstore serve", *rest]),
                 _sigterm_interrupts(),
             ):
