@@ -28,11 +28,13 @@ grace has passed: with a grace ``g``, physical bytes stay within
 namespace, the distinct blocks its own entries reference (a block shared by
 two namespaces counts in both).
 
-**Order.** Victims are chosen as mlx-lm's ``LRUPromptCache.CacheOrder.pop``
-does, so the disk tier behaves like the memory tier in front of it: one
-least-recently-used queue per priority (assistant, user, system); take from the
-lowest class whose queue is at least as long as the next class's, else move up.
-A restore counts as an access (``Store.load`` stamps ``last_access``).
+**Order.** Checkpoints go first, thinned (:mod:`kvstore.store.thinning`: the
+intermediate ones by level, then the deepest of each conversation). Then victims
+are chosen as mlx-lm's ``LRUPromptCache.CacheOrder.pop`` does, so the disk tier
+behaves like the memory tier in front of it: one least-recently-used queue per
+priority (assistant, user, system); take from the lowest class whose queue is at
+least as long as the next class's, else move up. A restore counts as an access
+(``Store.load`` stamps ``last_access``).
 
 Verification and repair live in :mod:`kvstore.store.verify` and :mod:`kvstore.store.repair`.
 """
@@ -40,7 +42,7 @@ Verification and repair live in :mod:`kvstore.store.verify` and :mod:`kvstore.st
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +52,7 @@ from ..schema import decode_manifest
 from .lookup import delete_plan
 from .root import Root
 from .sweep import batches, stale_tmp, unlink_orphans, unlink_tmp
+from .thinning import checkpoint_order
 
 DEFAULT_GRACE = 600.0  # seconds
 _ROUNDS = 8  # budget passes before giving up on a store that concurrent saves keep filling
@@ -89,12 +92,18 @@ def _cutoff_ms(grace: float) -> int:
 
 
 class EvictionOrder:
-    """mlx-lm's ``CacheOrder``: per-priority LRU queues and its balance rule."""
+    """``first`` in its order (the checkpoints, thinned), then mlx-lm's ``CacheOrder``:
+    per-priority LRU queues and its balance rule."""
 
-    def __init__(self, rows: Iterable[tuple[bytes, EntryRecord]]) -> None:
+    def __init__(
+        self, rows: Iterable[tuple[bytes, EntryRecord]], first: Sequence[bytes] = ()
+    ) -> None:
+        self._first = deque(first)
+        early = set(first)
         by_class: dict[int, list[tuple[int, bytes]]] = {0: [], 1: [], 2: []}
         for d, rec in rows:
-            by_class[min(max(rec.priority, 0), 2)].append((rec.last_access, d))
+            if d not in early:
+                by_class[min(max(rec.priority, 0), 2)].append((rec.last_access, d))
         self._lrus = [deque(d for _, d in sorted(by_class[p])) for p in (0, 1, 2)]
 
     def pop(self, skip: set[bytes] | None = None) -> bytes | None:
@@ -105,6 +114,8 @@ class EvictionOrder:
                 return d
 
     def _pop(self) -> bytes | None:
+        if self._first:
+            return self._first.popleft()
         lrus = self._lrus
         for i in range(len(lrus) - 1):
             if lrus[i] and len(lrus[i]) >= len(lrus[i + 1]):
@@ -132,6 +143,18 @@ def _snapshot(root: Root) -> _Snapshot:
             refs=dict(root.index.iter_refs(txn)),
             totals=root.index.totals(txn),
         )
+
+
+def _order(root: Root, rows: list[tuple[bytes, EntryRecord]]) -> EvictionOrder:
+    """The eviction order of ``rows``: checkpoints thinned first (their tokens read from
+    their manifests), then mlx-lm's classes."""
+
+    def tokens_of(digest: bytes) -> bytes | None:
+        with root.index.read() as txn:
+            raw = root.index.get_manifest(digest, txn)
+        return None if raw is None else bytes(decode_manifest(raw).tokens)
+
+    return EvictionOrder(rows, checkpoint_order(rows, tokens_of))
 
 
 def _blocks_of(root: Root, digest: bytes) -> list[bytes]:
@@ -189,7 +212,7 @@ def _plan(
                 for b in blocks(d):
                     ns_count[b] = ns_count.get(b, 0) + 1
             ns_bytes = sum(sizes.get(b, 0) for b in ns_count)
-            order = EvictionOrder(rows)
+            order = _order(root, rows)
             while ns_bytes > namespace_max_bytes:
                 v = order.pop(chosen)
                 if v is None:
@@ -200,7 +223,7 @@ def _plan(
                     if ns_count[b] == 0:
                         ns_bytes -= sizes.get(b, 0)
     if max_bytes is not None and live > max_bytes:
-        order = EvictionOrder(snap.entries.items())
+        order = _order(root, list(snap.entries.items()))
         while live > max_bytes:
             v = order.pop(chosen)
             if v is None:
