@@ -107,3 +107,21 @@ def test_compact_thins_checkpoints_before_anything_else(tmp_path: Path) -> None:
             m = s.manifest(e.id)
             cache, n = s.restore(list(array.array("I", m.tokens)) + [7])
             assert n == m.n_tokens and cache is not None
+
+
+def test_a_record_rebuilt_from_the_manifest_is_still_a_checkpoint(tmp_path: Path) -> None:
+    """verify --repair (and a pull from the remote) make an entry's record from its manifest
+    alone: a checkpoint keeps its priority, so it is still thinned first."""
+    toks = list(range(300, 300 + 4 * T))
+    with kvstore.Store.open(tmp_path / "root", namespace=NS, block_tokens=T) as s:
+        ckpt = s.save(toks, _hybrid(toks), priority="checkpoint",
+                      metadata={"cache_type": "checkpoint"}).id
+        user = s.save(toks + [1], _hybrid(toks + [1]), priority="user",
+                      metadata={"cache_type": "user"}).id
+        with s.index.write() as txn:
+            for eid in (ckpt, user):
+                s.index.delete_entry(txn, bytes.fromhex(eid))
+        assert sorted(s.verify(repair=True).missing_entry_records) == sorted([ckpt, user])
+        got = {e.id: e.priority for e in s.entries()}
+        assert got == {ckpt: "checkpoint", user: "assistant"}  # the others as before: 0
+        assert s.verify().sound

@@ -16,6 +16,7 @@ from ..remote import Publication
 from ..schema import Layer, Manifest, encode_manifest
 from . import keys as P
 from .lookup import prefix_items, trimmable
+from .saving import PRIORITIES
 
 _ns_json = msgspec.json.Encoder()
 
@@ -42,6 +43,12 @@ def cut_manifest(m: Manifest, k: int) -> Manifest | None:
         return None
     return msgspec.structs.replace(m, n_tokens=n, tokens=m.tokens[: 4 * n], layers=layers,
                                    token_blocks=m.token_blocks[:k])
+
+
+def record_priority(m: Manifest) -> int:
+    """The eviction priority of an entry known by its manifest alone (pulled, or its record
+    rebuilt): a checkpoint's own (it is thinned first), else 0 as before."""
+    return PRIORITIES["checkpoint"] if m.metadata.get("cache_type") == "checkpoint" else 0
 
 
 def encoded(m: Manifest) -> tuple[bytes, bytes]:
@@ -76,7 +83,7 @@ def entry_plan(
             logical_bytes=sum(sizes[bytes(b)] for b in m.all_blocks()),
             created_at=m.created_at,
             last_access=now_ms(),
-            priority=0,
+            priority=record_priority(m),
         )
     plan = SavePlan(
         digest=digest,

@@ -23,6 +23,7 @@ from ..errors import KVStoreError
 from ..index import EntryRecord, RefInfo, now_ms
 from ..schema import Manifest, decode_manifest
 from . import keys as P
+from .plans import record_priority
 from .repair import RepairPlan, plan_for_blocks
 from .root import Root
 
@@ -317,6 +318,7 @@ def _entry_from_manifest(m: Manifest) -> EntryRecord:
         logical_bytes=sum(sizes),
         created_at=m.created_at,
         last_access=m.created_at,
+        priority=record_priority(m),
     )
 
 
