@@ -54,8 +54,9 @@ def init(algo: str | None, block_tokens: int | None, as_json: bool) -> None:
 def stats(as_json: bool) -> None:
     """Show sizes, dedup ratio, budget and hit rate.
 
-    Entries, blocks, logical vs stored bytes, the dedup ratio, the byte budget (when one
-    is recorded), unreferenced blocks awaiting compact, and the lookup hit rate.
+    Entries (and how many are checkpoints), blocks, logical vs stored bytes, the dedup
+    ratio, the byte budget (when one is recorded), unreferenced blocks awaiting compact,
+    and the lookup hit rate.
     """
     from ..store.gc import DEFAULT_GRACE
 
@@ -63,6 +64,8 @@ def stats(as_json: bool) -> None:
         st = store.stats()
         s = store.settings
         zero = store.unreferenced_blocks()
+        ckpts = [e.id for e in store.entries() if e.priority == "checkpoint"]
+        ckpt_unique = sum(store.unique_bytes(store.manifests(ckpts)).values())
     # What a plain 'kvstore compact' (default grace) would free now, and what it keeps
     cutoff = int(time.time() * 1000) - int(DEFAULT_GRACE * 1000)
     held = [(size, since) for size, since in zero if since > cutoff]
@@ -77,6 +80,7 @@ def stats(as_json: bool) -> None:
         "unreferenced_held_until": held_until,
         "budget_bytes": None,  # a root records no budget: one is given per process
         "hit_rate": st.hits / st.lookups if st.lookups else None,
+        "checkpoints": len(ckpts), "checkpoint_unique_bytes": ckpt_unique,
     }
     if as_json:
         emit(data)
@@ -87,6 +91,9 @@ def stats(as_json: bool) -> None:
                      f"{H.format_bytes(s.state_block_bytes)} state blocks"),
         ("created", f"{H.format_time(s.created_at)} ({H.format_age(s.created_at)})"),
         ("entries", H.format_count(st.entries)),
+        *([("checkpoints", f"{H.format_count(len(ckpts))} of them, "
+                           f"{H.format_bytes(ckpt_unique)} in blocks only they hold "
+                           "(compact thins them first)")] if ckpts else []),
         ("blocks", H.format_count(st.blocks)),
         ("logical size", f"{H.format_bytes(st.logical_bytes)} (the entries stored separately)"),
         ("stored size", H.format_bytes(st.physical_bytes)),

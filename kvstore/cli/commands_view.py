@@ -36,23 +36,33 @@ def ls_(sort_key: str, reverse: bool, namespace: str | None, as_json: bool) -> N
     """List the stored entries.
 
     Columns: short id, namespace (model/ns), tokens, logical size, unique bytes (blocks
-    no other entry references), last access, hits and eviction priority.
+    no other entry references), last access, hits and eviction priority; when checkpoints
+    are listed, what each one is (its depth in the prompt whose prefill saved it, and that
+    prompt, its conversation).
     """
     with open_store() as store:
         items = [e for e in store.entries() if ns_matches(e.namespace, namespace)]
         items.sort(key=_SORTS[sort_key], reverse=not reverse)
-        uniq = store.unique_bytes(store.manifests([e.id for e in items]))
+        ms = store.manifests([e.id for e in items])
+        uniq = store.unique_bytes(ms)
     if as_json:
         emit({"root": str(store.root),
-              "entries": [H.entry_json(e, uniq.get(e.id, 0)) for e in items]})
+              "entries": [H.entry_json(e, uniq.get(e.id, 0), ms.get(e.id)) for e in items]})
         return
     if not items:
         click.echo("no entries" + (f" in namespace {namespace!r}" if namespace else ""))
         return
-    headers = ("ID", "NAMESPACE", "TOKENS", "SIZE", "UNIQUE", "LAST ACCESS", "HITS", "PRIORITY")
-    rows = [(H.short_id(e.id), H.ns_label(e.namespace), H.format_count(e.n_tokens),
-             H.format_bytes(e.logical_bytes), H.format_bytes(uniq.get(e.id, 0)),
-             H.format_age(e.last_access), str(e.hits), e.priority) for e in items]
+    headers: tuple[str, ...] = ("ID", "NAMESPACE", "TOKENS", "SIZE", "UNIQUE", "LAST ACCESS",
+                                "HITS", "PRIORITY")
+    rows: list[tuple[str, ...]] = [
+        (H.short_id(e.id), H.ns_label(e.namespace), H.format_count(e.n_tokens),
+         H.format_bytes(e.logical_bytes), H.format_bytes(uniq.get(e.id, 0)),
+         H.format_age(e.last_access), str(e.hits), e.priority) for e in items]
+    infos = [H.checkpoint_info(e, ms.get(e.id)) for e in items]
+    if any(infos):
+        headers += ("CHECKPOINT",)
+        rows = [(*row, H.checkpoint_text(i) if i else "") for row, i in zip(rows, infos,
+                                                                              strict=True)]
     click.echo(H.table(headers, rows, right=(2, 3, 4, 6)))
 
 
@@ -106,7 +116,7 @@ def tree(namespace: str | None, as_json: bool) -> None:
 
 def _can_draw() -> bool:
     try:
-        "└─│├".encode(sys.stdout.encoding or "ascii")
+        "└─│├●◆".encode(sys.stdout.encoding or "ascii")
         return True
     except (UnicodeEncodeError, LookupError):
         return False

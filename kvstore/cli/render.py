@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SizeError",
+    "checkpoint_info",
+    "checkpoint_text",
     "entry_json",
     "format_age",
     "format_bytes",
@@ -240,14 +242,43 @@ def ns_json(ns: Namespace) -> dict[str, str]:
             "tokenizer_hash": ns.tokenizer_hash, "ns": ns.ns}
 
 
-def entry_json(e: Entry, unique: int | None = None) -> dict[str, Any]:
+def entry_json(e: Entry, unique: int | None = None, m: Manifest | None = None
+               ) -> dict[str, Any]:
+    """An entry's fields; a checkpoint's (given its manifest ``m``) add ``checkpoint``."""
     d: dict[str, Any] = {"id": e.id, "namespace": ns_json(e.namespace), "n_tokens": e.n_tokens,
                          "logical_bytes": e.logical_bytes}
     if unique is not None:
         d["unique_bytes"] = unique
     d.update(created_at=e.created_at, last_access=e.last_access, hits=e.hits,
              priority=e.priority)
+    info = checkpoint_info(e, m)
+    if info is not None:
+        d["checkpoint"] = info
     return d
+
+
+def checkpoint_info(e: Entry | None, m: Manifest | None) -> dict[str, Any] | None:
+    """What a checkpoint is: its depth, its conversation (the prompt whose prefill saved
+    it), that prompt's length and the interval; None for any other entry."""
+    if e is None or e.priority != "checkpoint":
+        return None
+    meta = m.metadata if m is not None else {}
+
+    def number(key: str) -> int | None:
+        v = meta.get(key, "")
+        return int(v) if v.isdigit() else None
+
+    return {"depth": e.n_tokens, "conversation": meta.get("conversation") or None,
+            "prompt_tokens": number("prompt_tokens"), "every": number("checkpoint_every")}
+
+
+def checkpoint_text(info: dict[str, Any]) -> str:
+    """``token 3,072 of 3,743 · conversation 3fa2c1d0e5b7a9f1`` (what is known of it)."""
+    depth = f"token {format_count(info['depth'])}"
+    if info["prompt_tokens"] is not None:
+        depth += f" of {format_count(info['prompt_tokens'])}"
+    conv = info["conversation"]
+    return depth + (f" · conversation {conv}" if conv else "")
 
 
 def layer_kind(layer: Layer) -> str:
@@ -333,7 +364,7 @@ def manifest_json(eid: str, m: Manifest, tokens: list[int], rec: Entry | None, u
                                       "state_offset": t.state_offset} for t in a.tensors]}
                         for a in m.attachments],
         "metadata": dict(m.metadata),
-        "entry": entry_json(rec, uniq) if rec is not None else None,
+        "entry": entry_json(rec, uniq, m) if rec is not None else None,
     }
 
 
@@ -357,6 +388,11 @@ def manifest_lines(eid: str, m: Manifest, tokens: Sequence[int], rec: Entry | No
     if rec is not None:
         lines.append(f"used        {format_age(rec.last_access)}, {plural(rec.hits, 'hit')}, "
                      f"priority {rec.priority}")
+        info = checkpoint_info(rec, m)
+        if info is not None:
+            every = f", one every {format_count(info['every'])}" if info["every"] else ""
+            lines.append(f"checkpoint  {checkpoint_text(info)}{every} (thinned first by "
+                         "compact)")
         lines.append(f"size        {format_bytes(rec.logical_bytes)}, "
                      f"{format_bytes(uniq)} unique to this entry")
     lines.append(f"tokens      {_tokens_line(tokens, all_tokens)}")

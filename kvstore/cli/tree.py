@@ -49,13 +49,15 @@ class NamespaceTree:
     n_tokens: dict[str, int]
     ends: list[str]  # entries without token blocks
     branches: list[Branch]
+    checkpoints: list[str] = field(default_factory=list)  # entries saved part-way, by prefill
 
     def to_json(self) -> dict[str, Any]:
         return {"namespace": ns_json(self.namespace), "entries": self.entries,
                 "referenced_bytes": self.referenced_bytes, "stored_bytes": self.stored_bytes,
                 "saved_bytes": self.referenced_bytes - self.stored_bytes,
                 "n_tokens": self.n_tokens, "ends": self.ends,
-                "branches": [b.to_json() for b in self.branches]}
+                "branches": [b.to_json() for b in self.branches],
+                "checkpoints": self.checkpoints}
 
 
 class _Node:
@@ -119,16 +121,18 @@ def build_forest(entries: Sequence[Entry], ms: dict[str, Manifest]) -> list[Name
             node.ends.append(e.id)
         forest.append(NamespaceTree(ns, len(group), referenced, stored,
                                     {e.id: e.n_tokens for e in group}, list(top.ends),
-                                    _branches(top, 0, 0)))
+                                    _branches(top, 0, 0),
+                                    [e.id for e in group if e.priority == "checkpoint"]))
     return forest
 
 
-def _branch_text(b: Branch, n_tokens: dict[str, int]) -> str:
+def _branch_text(b: Branch, n_tokens: dict[str, int], checkpoints: set[str]) -> str:
     head = (f"tokens {b.start_token}–{b.start_token + b.tokens} · {plural(b.blocks, 'block')} · "
             f"{format_bytes(b.nbytes)}")
     if len(b.entries) == 1:
         e = b.entries[0]
-        return f"{head} · {short_id(e)} ({plural(n_tokens[e], 'token')})"
+        what = ", checkpoint" if e in checkpoints else ""
+        return f"{head} · {short_id(e)} ({plural(n_tokens[e], 'token')}{what})"
     return f"{head} · shared by {len(b.entries)} entries"
 
 
@@ -138,27 +142,35 @@ def render_forest(forest: Sequence[NamespaceTree], *, ascii_only: bool = False) 
     blank = " " * len(bar)
     lines: list[str] = []
 
-    def walk(items: list[tuple[str, Branch | None]], pad: str, n_tokens: dict[str, int]) -> None:
+    def walk(items: list[tuple[str, Branch | None]], pad: str, n_tokens: dict[str, int],
+             checkpoints: set[str]) -> None:
         for i, (eid, b) in enumerate(items):
             end = i == len(items) - 1
             if b is None:
-                lines.append(f"{pad}{last if end else tee}● {short_id(eid)} "
-                             f"({plural(n_tokens[eid], 'token')}) ends here")
+                if eid in checkpoints:  # a state saved part-way through a prefill
+                    lines.append(f"{pad}{last if end else tee}◆ {short_id(eid)} "
+                                 f"({plural(n_tokens[eid], 'token')}) checkpoint")
+                else:
+                    lines.append(f"{pad}{last if end else tee}● {short_id(eid)} "
+                                 f"({plural(n_tokens[eid], 'token')}) ends here")
                 continue
-            lines.append(f"{pad}{last if end else tee}{_branch_text(b, n_tokens)}")
+            lines.append(f"{pad}{last if end else tee}{_branch_text(b, n_tokens, checkpoints)}")
             if len(b.entries) > 1:
                 walk([(e, None) for e in b.ends] + [("", c) for c in b.children],
-                     pad + (blank if end else bar), n_tokens)
+                     pad + (blank if end else bar), n_tokens, checkpoints)
 
     for t in forest:
         if lines:
             lines.append("")
         saved = t.referenced_bytes - t.stored_bytes
-        lines.append(f"{ns_label(t.namespace)}  {plural(t.entries, 'entry', 'entries')} · "
+        ckpt = f" ({plural(len(t.checkpoints), 'checkpoint')})" if t.checkpoints else ""
+        lines.append(f"{ns_label(t.namespace)}  {plural(t.entries, 'entry', 'entries')}{ckpt} · "
                      f"token blocks {format_bytes(t.referenced_bytes)} referenced, "
                      f"{format_bytes(t.stored_bytes)} stored (saves {format_bytes(saved)})")
-        walk([(e, None) for e in t.ends] + [("", b) for b in t.branches], "", t.n_tokens)
+        walk([(e, None) for e in t.ends] + [("", b) for b in t.branches], "", t.n_tokens,
+             set(t.checkpoints))
     text = "\n".join(lines)
     if ascii_only:
-        text = text.replace("–", "-").replace("·", "-").replace("●", "*")
+        text = (text.replace("–", "-").replace("·", "-").replace("●", "*")
+                .replace("◆", "+"))
     return text
