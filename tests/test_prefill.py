@@ -170,3 +170,29 @@ def test_prefill_from_a_restored_cache_and_a_failed_save(
         done = prefill(model, prompt, store=ro, namespace=NS, every=EVERY)
         assert done.checkpoints == [] and done.failed == 4
         assert done.cache[-1].offset == len(prompt)
+
+
+def test_readme_prefill_example_runs_offline(tmp_path: Path) -> None:
+    """The README's checkpoint example, as written: the second question restores the
+    deepest checkpoint the first one's prefill saved before the document's end."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    (code,) = [b for b in blocks if "from kvstore.mlx_lm import prefill" in b]
+    script = tmp_path / "example.py"
+    script.write_text(code, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "KVSTORE_ROOT"}
+    env.update(KVSTORE_ROOT=str(tmp_path / "root"), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1")
+    p = subprocess.run([sys.executable, "-P", str(script)], capture_output=True, text=True,
+                       env=env, cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr
+    lines = re.findall(r"^(\d+) of (\d+) prompt tokens came from the store; (\d+) checkpoints",
+                       p.stdout, re.M)
+    (n1, len1, saved1), (n2, len2, saved2) = [tuple(map(int, x)) for x in lines]
+    assert (n1, saved1) == (0, len1 // 1024)
+    assert n2 == len2 // 1024 * 1024 > 0 and saved2 == 0

@@ -136,8 +136,10 @@ def prefill(
     is called after each checkpoint position is reached (saved or not).
     """
     if cache is None:
+        if start:
+            raise ValueError(f"prefill: a fresh cache holds no tokens, not start={start}")
         cache = list(_cache.make_prompt_cache(model))
-        start = 0 if start is None else start
+        start = 0
     if start is None:
         start = _held(cache)
         if start is None:
