@@ -17,7 +17,8 @@ from typing import Any
 from .common import CONFIGS, QUICK, Config, Row, cache_bytes, machine, make_cache
 from .report import human, table, targets, targets_table
 
-GROUPS = ("save", "restore", "multiturn", "shared", "lookup", "ttft", "concurrency", "remote")
+GROUPS = ("save", "restore", "multiturn", "shared", "lookup", "ttft", "checkpoints",
+          "concurrency", "remote")
 MODEL_GROUP = "model"  # only with --model: a real model's prefill takes minutes on a CPU
 
 
@@ -93,6 +94,10 @@ def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
     if "ttft" in groups:
         log("[ttft] tiny llama")
         add(ttft_rows(cfg, scratch))
+    if "checkpoints" in groups:
+        from .checkpoint_cases import checkpoint_rows
+
+        add(checkpoint_rows(cfg, scratch, log))
     if "remote" in groups:
         from .remote_cases import reachable, remote_rows
 
