@@ -13,11 +13,23 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 import kvstore
 from kvstore.mlx_lm import needs_checkpoints, prefill
-from kvstore.mlx_lm.prefill import checkpoint_positions, split_segments
+from kvstore.mlx_lm.prefill import (
+    MIN_EVERY,
+    checkpoint_costs,
+    checkpoint_positions,
+    default_every,
+    split_segments,
+)
 from kvstore.tiny import KINDS, make_tiny_model
 
 NS = kvstore.Namespace(model_id="prefill")
@@ -196,3 +208,46 @@ def test_readme_prefill_example_runs_offline(tmp_path: Path) -> None:
     (n1, len1, saved1), (n2, len2, saved2) = [tuple(map(int, x)) for x in lines]
     assert (n1, saved1) == (0, len1 // 1024)
     assert n2 == len2 // 1024 * 1024 > 0 and saved2 == 0
+
+
+class _Fake:
+    """A model of two layers whose cache is what the test gives; a call adds its rows."""
+
+    def __init__(self, layers: list[Any], state: int, kv_dim: int = 8) -> None:
+        self.layers, self.state, self.kv_dim = layers, state, kv_dim
+
+    def make_cache(self) -> list[Any]:
+        return [type(x)(**a) for x, a in self.layers]
+
+    def __call__(self, tokens: mx.array, cache: list[Any]) -> mx.array:
+        n = tokens.shape[1]
+        for c in cache:
+            if isinstance(c, ArraysCache):
+                c[0] = mx.zeros((1, self.state // 4), dtype=mx.float32)
+            else:
+                kv = mx.zeros((1, 1, n, self.kv_dim), dtype=mx.float32)
+                c.update_and_fetch(kv, kv)
+        return mx.zeros((1, n, 4))
+
+
+def test_checkpoint_costs_and_the_default_interval() -> None:
+    kv: tuple[Any, dict[str, Any]] = (KVCache(), {})
+    ring = (RotatingKVCache(max_size=512), {"max_size": 512})
+    ssm = (ArraysCache(1), {"size": 1})
+    # one KV layer of 1 head x 8 dims in float32: 64 bytes a token (keys and values)
+    hybrid = _Fake([kv, ssm], state=1 << 20)
+    cache = hybrid.make_cache()
+    hybrid(mx.array([[1, 2]]), cache)
+    assert checkpoint_costs(cache) == (64, 0, 1 << 20)
+    # 1 MiB of state is a quarter of the rows of 65,536 tokens
+    assert default_every(hybrid, 256) == 65536
+    assert default_every(_Fake([kv, ssm], state=4096), 256) == MIN_EVERY  # small state
+    assert default_every(_Fake([kv, ssm], state=4096), 384) == 1152  # whole blocks
+    # a sliding window: one partial block of its rows per checkpoint
+    window = _Fake([kv, ring], state=0)
+    cache = window.make_cache()
+    window(mx.array([[1, 2]]), cache)
+    assert checkpoint_costs(cache) == (64, 64, 0)
+    assert default_every(window, 256) == 1024  # 256 * 64 <= 0.25 * 1024 * 128
+    assert default_every(window, 1024) == 2048  # 1024 * 64 > 0.25 * 1024 * 128
+    assert default_every(_Fake([kv, kv], state=0), 256) == MIN_EVERY  # needs none anyway

@@ -19,6 +19,7 @@ from __future__ import annotations
 import array
 import hashlib
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,9 +31,12 @@ from kvstore import EntryInfo, KVStoreError, Namespace, NamespaceRequiredError, 
 
 __all__ = [
     "CHECKPOINT",
-    "DEFAULT_EVERY",
+    "MIN_EVERY",
+    "OVERHEAD",
     "Prefilled",
     "checkpoint_positions",
+    "default_every",
+    "checkpoint_costs",
     "needs_checkpoints",
     "prefill",
     "split_segments",
@@ -42,9 +46,12 @@ logger = logging.getLogger("kvstore.mlx_lm")
 
 #: The priority, and mlx-lm cache type, of a checkpoint.
 CHECKPOINT = "checkpoint"
-#: Tokens between checkpoints: 4 blocks of the default 256 tokens (docs/BENCHMARKS.md,
-#: "Checkpoints during prefill", has the measured trade-off that chose it).
-DEFAULT_EVERY = 1024
+#: The default interval, per model (:func:`default_every`): at least this many tokens...
+MIN_EVERY = 1024
+#: ...and enough that a checkpoint's own bytes (its state, a window's partial block) are at
+#: most this share of the key/value bytes of the tokens between two checkpoints. The
+#: measured trade-off behind both is in docs/BENCHMARKS.md, "Checkpoints during prefill".
+OVERHEAD = 0.25
 
 C: Any = _cache
 # Caches that can serve any prefix of what they hold, however long it grows.
@@ -64,6 +71,58 @@ def needs_checkpoints(cache: Sequence[Any]) -> bool:
         return type(c) in _ALWAYS_TRIMMABLE
 
     return not all(trims(c) for c in cache)
+
+
+def checkpoint_costs(cache: Sequence[Any]) -> tuple[int, int, int]:
+    """What a cache's layers store: ``(bytes a token adds to the layers that keep every
+    token, bytes a token adds to the sliding windows, bytes of state without a token axis)``.
+
+    The state (SSM recurrent and convolution state) is the floor of a checkpoint's cost;
+    a sliding window adds at most one partial block of its rows.
+    """
+    kv = win = state = 0
+
+    def row(a: Any) -> int:  # one token's row of a [B, H, S, D] array
+        return int(a.shape[0] * a.shape[1] * a.shape[3] * a.itemsize)
+
+    def walk(c: Any) -> None:
+        nonlocal kv, win, state
+        if type(c) is C.CacheList:
+            for x in c.caches:
+                walk(x)
+        elif isinstance(getattr(c, "cache", None), list):  # ArraysCache and its kin
+            state += sum(int(a.nbytes) for a in c.cache if a is not None)
+        elif getattr(c, "keys", None) is not None:
+            keys = c.keys if isinstance(c.keys, (list, tuple)) else [c.keys]
+            values = c.values if isinstance(c.values, (list, tuple)) else [c.values]
+            per = sum(row(a) for a in (*keys, *values))
+            if type(c) is C.RotatingKVCache:
+                win += per
+            else:
+                kv += per
+
+    for c in cache:
+        walk(c)
+    return kv, win, state
+
+
+def default_every(model: Any, block_tokens: int) -> int:
+    """The interval for ``model``: the smallest multiple of ``block_tokens`` that is at least
+    :data:`MIN_EVERY` and makes a checkpoint's own bytes (its state, plus one block of each
+    sliding window) at most :data:`OVERHEAD` of the key/value bytes its interval adds.
+
+    The sizes come from the model's own cache after a two-token probe (the state's shape
+    does not grow with the prompt; the rows do, one per token).
+    """
+    cache = _cache.make_prompt_cache(model)
+    if not needs_checkpoints(cache):
+        return -(-MIN_EVERY // block_tokens) * block_tokens
+    model(mx.array([[1, 2]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    kv, win, state = checkpoint_costs(cache)
+    own = state + block_tokens * win
+    need = own / (OVERHEAD * (kv + win)) if kv + win else 0.0
+    return -(-max(MIN_EVERY, math.ceil(need)) // block_tokens) * block_tokens
 
 
 def checkpoint_positions(start: int, end: int, every: int) -> list[int]:
@@ -128,9 +187,9 @@ def prefill(
     ``cache`` holds ``tokens[:start]`` already (from ``store.restore``, say); None is a
     fresh cache and ``start=0``. ``start`` defaults to what the cache's attention layers
     hold; a cache without any (pure SSM) must say it. ``every`` defaults to
-    :data:`DEFAULT_EVERY`, rounded up to a whole number of the root's token blocks
-    (a checkpoint that ends inside a block stores that partial block on its own); 0
-    turns checkpoints off. Chunks of at most ``step`` tokens end at each checkpoint.
+    :func:`default_every` for the model and the root's block size (a whole number of
+    blocks: a checkpoint that ends inside a block stores that partial block on its own);
+    0 turns checkpoints off. Chunks of at most ``step`` tokens end at each checkpoint.
     A trimmable model gets no checkpoints. A checkpoint whose save fails is logged
     and counted in ``failed``; the prefill goes on. ``on_checkpoint(position, cache)``
     is called after each checkpoint position is reached (saved or not).
@@ -150,8 +209,7 @@ def prefill(
     if step <= 0:
         raise ValueError(f"prefill: step must be > 0, got {step}")
     if every is None:
-        T = store.block_tokens
-        every = -(-DEFAULT_EVERY // T) * T
+        every = default_every(model, store.block_tokens)
     if every < 0:
         raise ValueError(f"prefill: every must be >= 0, got {every}")
     out = Prefilled(list(cache))
@@ -243,25 +301,31 @@ def parse_checkpoint_type(cache_type: str) -> dict[str, str] | None:
 Tokenize = Callable[..., tuple[Any, ...]]
 
 
-def segmenting_tokenize(tokenize: Tokenize, every: int) -> Tokenize:
+def segmenting_tokenize(tokenize: Tokenize, every: int | None, block_tokens: int) -> Tokenize:
     """mlx-lm's ``ResponseGenerator._tokenize``, its segments cut every ``every`` tokens
-    when the model's cache cannot be trimmed (and left alone otherwise)."""
-    decided: dict[int, bool] = {}
+    (None: :func:`default_every` for the model) when the model's cache cannot be trimmed
+    (and left alone otherwise)."""
+    decided: dict[int, int] = {}  # id(model) -> its interval, 0 for none
 
     def wrapper(self: Any, tokenizer: Any, request: Any, args: Any) -> tuple[Any, ...]:
         out = tokenize(self, tokenizer, request, args)
         prompt, segments, types, state, vision = out
         model = getattr(getattr(self, "model_provider", None), "model", None)
-        if every <= 0 or vision is not None or model is None:
+        if every == 0 or vision is not None or model is None:
             return out
         if id(model) not in decided:
             decided.clear()  # one model at a time: the server loads one
-            decided[id(model)] = needs_checkpoints(_cache.make_prompt_cache(model))
-        if not decided[id(model)]:
+            wanted = needs_checkpoints(_cache.make_prompt_cache(model))
+            n = (default_every(model, block_tokens) if every is None else every) if wanted else 0
+            decided[id(model)] = n
+            logger.info("kvstore: checkpoints every %d tokens%s", n,
+                        "" if n else " (none: this model's cache can be trimmed)")
+        n = decided[id(model)]
+        if not n:
             return out
-        pieces, kinds = split_segments(segments, types, 0, every)
+        pieces, kinds = split_segments(segments, types, 0, n)
         conv = conversation_id(prompt)
-        mark = checkpoint_type(conv, len(prompt), every)
+        mark = checkpoint_type(conv, len(prompt), n)
         kinds = [mark if k == CHECKPOINT else k for k in kinds]
         return prompt, pieces, kinds, state, vision
 

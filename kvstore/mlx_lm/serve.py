@@ -27,7 +27,7 @@ from typing import Any
 
 from kvstore import Store, _human, default_root
 from kvstore.mlx_lm import PersistentPromptCache
-from kvstore.mlx_lm.prefill import DEFAULT_EVERY, segmenting_tokenize
+from kvstore.mlx_lm.prefill import segmenting_tokenize
 
 __all__ = ["serve_main", "parse_size"]
 
@@ -111,8 +111,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="for a model whose cache cannot be trimmed (hybrid, sliding window), save a "
         "checkpoint to the store every N prompt tokens, so a prompt that diverges part-way "
-        "restores the deepest one before it (default: 1024, rounded up to whole blocks "
-        "of the root; 0: off)",
+        "restores the deepest one before it (default: per model, at least 1024 and a whole "
+        "number of blocks, enough that a checkpoint's own bytes are at most a quarter of its "
+        "interval's key/value bytes; 0: off)",
     )
     g.add_argument(
         "--no-reuse-prefix",
@@ -238,10 +239,8 @@ def _serve(argv: list[str]) -> int:
             made.append(cache)
             return cache
 
-        every = ours.checkpoint_every
-        if every is None:
-            every = -(-DEFAULT_EVERY // store.block_tokens) * store.block_tokens
-        tokenize = segmenting_tokenize(server.ResponseGenerator._tokenize, every)
+        tokenize = segmenting_tokenize(server.ResponseGenerator._tokenize,
+                                       ours.checkpoint_every, store.block_tokens)
         try:
             with (
                 _swapped(server, "LRUPromptCache", factory),
