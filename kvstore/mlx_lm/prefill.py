@@ -318,8 +318,10 @@ def segmenting_tokenize(tokenize: Tokenize, every: int | None, block_tokens: int
             wanted = needs_checkpoints(_cache.make_prompt_cache(model))
             n = (default_every(model, block_tokens) if every is None else every) if wanted else 0
             decided[id(model)] = n
-            logger.info("kvstore: checkpoints every %d tokens%s", n,
-                        "" if n else " (none: this model's cache can be trimmed)")
+            if n:
+                logger.info("kvstore: a checkpoint every %d prompt tokens", n)
+            else:
+                logger.info("kvstore: no checkpoints: this model's cache can be trimmed")
         n = decided[id(model)]
         if not n:
             return out
