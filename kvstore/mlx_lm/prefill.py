@@ -11,7 +11,8 @@ trimmed (plain or quantized KV) needs none: the entry for the prompt's end serve
 of its prefixes, so it gets none.
 
 :func:`prefill` is the Python call; :func:`split_segments` cuts mlx-lm's server
-segments at the same absolute positions for ``kvstore serve``.
+segments at the same absolute positions for ``kvstore serve``; :func:`default_every`
+chooses the interval for a model.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ __all__ = [
     "MIN_EVERY",
     "OVERHEAD",
     "Prefilled",
+    "checkpoint_costs",
     "checkpoint_positions",
     "default_every",
-    "checkpoint_costs",
     "needs_checkpoints",
     "prefill",
     "split_segments",
