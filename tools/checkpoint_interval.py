@@ -6,13 +6,14 @@ extra time) and what they save (question 2's recompute and time to first token).
 
 For each tiny kind and each N (0: no checkpoints) on a fresh root: the system prompt's
 state is saved, question 1 (system, document, question) is prefilled with
-``kvstore.mlx_lm.prefill(every=N)`` and its end saved, then question 2 (same document,
-another question) restores the deepest stored prefix and prefills the rest. One JSON
-object per (kind, N): q1_s (question 1, checkpoints saved on the way), q2_ttft_s,
-q2_cached, checkpoints, blocks_bytes (the root's block files), manifest_bytes (the
-checkpoints' encoded manifests, which hold their token lists: O(depth) each),
-state_bytes and kv_bytes_per_token (of the model's cache). Sides are not interleaved:
-run it on an otherwise idle machine and read the ratios.
+``kvstore.mlx_lm.prefill(every=N)`` and its end saved; then ``--edits`` prompts that part
+from it at random places in the document (the same places for every N) each restore the
+deepest stored prefix and prefill the rest (without saving checkpoints of their own). One
+JSON object per (kind, N): q1_s (question 1, checkpoints saved on the way), checkpoints,
+blocks_bytes (the root's block files), manifest_bytes (the checkpoints' encoded
+manifests, which hold their token lists: O(depth) each), the edits' mean recomputed
+tokens and mean time to first token, state_bytes and kv_bytes_per_token (of the model's
+cache). Sides are not interleaved: run it on an otherwise idle machine and read ratios.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ SYSTEM, QUESTION = 384, 24
 
 
 def measure(model: Any, kind: str, root: Path, every: int, doc: list[int], system: list[int],
-            q1: list[int], q2: list[int]) -> dict[str, Any]:
+            q1: list[int], edits: list[tuple[int, list[int]]]) -> dict[str, Any]:
     from mlx_lm.models.cache import make_prompt_cache
 
     from kvstore import Namespace, Store
@@ -53,17 +54,21 @@ def measure(model: Any, kind: str, root: Path, every: int, doc: list[int], syste
         ckpts = [e for e in store.entries() if e.priority == "checkpoint"]
         manifests = store.manifests([e.id for e in ckpts]).values()
         blocks = store.stats().physical_bytes
-        t = time.perf_counter()
-        prompt = system + doc + q2
-        c, n = store.restore(prompt[:-1])
-        done = prefill(model, prompt[:-1], c, store=store, every=every)
-        y = mx.argmax(model(mx.array(prompt[-1:])[None], cache=done.cache)[:, -1, :], axis=-1)
-        mx.eval(y)
-        ttft = time.perf_counter() - t
-    return {"kind": kind, "every": every, "q1_s": round(q1_s, 3), "q2_ttft_s": round(ttft, 4),
-            "q2_cached": n, "prompt_tokens": len(prompt), "checkpoints": len(ckpts),
+        recomputed, ttfts = [], []
+        for at, tail in edits:
+            t = time.perf_counter()
+            prompt = system + doc[:at] + tail
+            c, n = store.restore(prompt[:-1])
+            done = prefill(model, prompt[:-1], c, store=store, every=0)
+            logits = model(mx.array(prompt[-1:])[None], cache=done.cache)
+            mx.eval(mx.argmax(logits[:, -1, :], axis=-1))
+            ttfts.append(time.perf_counter() - t)
+            recomputed.append(len(prompt) - n)
+    return {"kind": kind, "every": every, "q1_s": round(q1_s, 3), "checkpoints": len(ckpts),
             "blocks_bytes": blocks,
             "manifest_bytes": sum(len(encode_manifest(m)) for m in manifests),
+            "edit_recomputed_mean": round(sum(recomputed) / len(recomputed)),
+            "edit_ttft_mean_s": round(sum(ttfts) / len(ttfts), 4),
             "state_bytes": state, "kv_bytes_per_token": kv + win}
 
 
@@ -72,6 +77,7 @@ def main() -> None:
     p.add_argument("--doc", type=int, default=16384, help="document tokens")
     p.add_argument("--every", type=int, nargs="+", default=[0, 256, 512, 1024, 2048, 4096])
     p.add_argument("--kinds", nargs="+", default=["lfm2", "qwen3_5", "gemma3_text"])
+    p.add_argument("--edits", type=int, default=8, help="prompts that part at random places")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
     args = p.parse_args()
@@ -94,10 +100,12 @@ def main() -> None:
                 return [int(t) for t in rng.integers(8, vocab, n)]
 
             system, doc = tokens(SYSTEM), tokens(args.doc)
-            q1, q2 = tokens(QUESTION), tokens(QUESTION)
+            q1 = tokens(QUESTION)
+            places = np.random.default_rng(7).integers(0, args.doc, args.edits)
+            edits = [(int(at), tokens(QUESTION)) for at in places]
             for every in args.every:
                 row = measure(model, kind, work / f"root-{kind}-{every}", every, doc, system,
-                              q1, q2)
+                              q1, edits)
                 print(json.dumps(row), flush=True)
 
 

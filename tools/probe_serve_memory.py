@@ -70,7 +70,7 @@ def _chat(port: int, text: str) -> dict[str, Any]:
         return dict(json.loads(r.read()))
 
 
-def run(model: Path, work: Path, every: int, text: str) -> dict[str, Any]:
+def run(model: Path, work: Path, every: int, text: str, extra: list[str]) -> dict[str, Any]:
     from kvstore import Store
 
     root = work / f"root-{every}"
@@ -78,7 +78,7 @@ def run(model: Path, work: Path, every: int, text: str) -> dict[str, Any]:
     log = work / f"serve-{every}.log"
     argv = [sys.executable, "-m", "kvstore.serve", "--root", str(root), "--model", str(model),
             "--checkpoint-every", str(every), "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "INFO"]
+            "--log-level", "INFO", *extra]
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
         watch = _Watch(proc.pid)
@@ -102,7 +102,8 @@ def run(model: Path, work: Path, every: int, text: str) -> dict[str, Any]:
     with Store.open(root, create=False) as s:
         ckpts = sum(1 for e in s.entries() if e.priority == "checkpoint")
         disk = s.stats().physical_bytes
-    return {"every": every, "prompt_tokens": usage["prompt_tokens"],
+    return {"every": every, "serve_args": " ".join(extra),
+            "prompt_tokens": usage["prompt_tokens"],
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
             "checkpoints": ckpts, "root_bytes": disk, "request_s": round(seconds, 2),
             "peak_rss_bytes": peak, "peak_rss_gib": round(peak / 2**30, 3)}
@@ -116,6 +117,8 @@ def main() -> None:
     p.add_argument("--kind", default="qwen3_5", help="tiny model kind (kvstore.tiny.KINDS)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--serve-args", default="",
+                   help="more options for the server, e.g. '--prefill-step-size 1024'")
     args = p.parse_args()
 
     from kvstore.tiny import make_tiny_model, sample_text
@@ -127,7 +130,8 @@ def main() -> None:
         text = sample_text(int(args.tokens / 1.28), seed=5)  # ~1.28 tokens a word here
         for every in args.every:
             print(json.dumps({"kind": args.kind, "hidden": args.hidden, "layers": args.layers,
-                              **run(model, work, every, text)}), flush=True)
+                              **run(model, work, every, text, args.serve_args.split())}),
+                  flush=True)
 
 
 if __name__ == "__main__":
