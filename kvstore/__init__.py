@@ -14,7 +14,6 @@ from .errors import (
     CacheMismatchError,
     CorruptBlockError,
     EntryNotFoundError,
-    FileFormatError,
     ForkedProcessError,
     IndexLockLostError,
     InvalidDigestError,
@@ -30,6 +29,7 @@ from .errors import (
     UnsafeRootError,
     UnsupportedDtypeError,
 )
+from .formats.errors import FileFormatError
 from .schema import Namespace
 
 if TYPE_CHECKING:

@@ -1,4 +1,5 @@
-"""Positioned vectored I/O, written once: every buffer filled, every byte written.
+"""Positioned vectored I/O, written once: every buffer filled, every byte written; and
+the one durable flush (:func:`full_fsync`).
 
 ``os.preadv``/``os.pwritev`` may move fewer bytes than asked (a signal, a
 file that ends, a pipe-like filesystem) and take at most IOV_MAX buffers a
@@ -11,11 +12,27 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from collections.abc import Sequence
 
-from .errors import ShortReadError
+from .errors import KVStoreError
 
-__all__ = ["IOV_MAX", "preadv_all", "pwritev_all"]
+__all__ = ["IOV_MAX", "ShortReadError", "full_fsync", "preadv_all", "pwritev_all"]
+
+class ShortReadError(KVStoreError, EOFError):
+    """A positioned read ended at the end of the file before filling its buffers.
+
+    ``offset`` is where the read began, ``want`` the bytes asked for, ``got``
+    the bytes read before the end of the file.
+    """
+
+    def __init__(self, fd: int, offset: int, want: int, got: int) -> None:
+        super().__init__(
+            f"fd {fd}: {got} of {want} bytes read at offset {offset}: the file ends at "
+            f"byte {offset + got}"
+        )
+        self.fd, self.offset, self.want, self.got = fd, offset, want, got
+
 
 #: Buffers handed to one system call (Linux and macOS allow 1024).
 IOV_MAX = 1024
@@ -24,7 +41,7 @@ IOV_MAX = 1024
 def preadv_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
     """Fill every buffer of ``views``, in order, from ``offset`` of ``fd``.
 
-    Raises :class:`~kvstore.errors.ShortReadError` when the file ends first
+    Raises :class:`ShortReadError` when the file ends first
     (its ``got`` counts the bytes this call read), ``OSError`` when a read fails.
     """
     pos = offset
@@ -91,3 +108,22 @@ def pwritev_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
             i += 1
         if n:
             queue[i] = _as_bytes(queue[i])[n:]
+
+
+def full_fsync(fd: int) -> None:
+    """Flush ``fd``'s data to stable storage.
+
+    On macOS ``fsync`` hands the data to the drive, whose cache may still lose it on a
+    power cut; Apple documents ``fcntl(F_FULLFSYNC)`` for a flush through that cache
+    (LMDB uses it for the index too). A filesystem that refuses it (some network and
+    FUSE filesystems) gets the plain ``fsync``. Elsewhere ``fsync`` is the flush.
+    """
+    if sys.platform == "darwin":
+        import fcntl
+
+        try:
+            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+            return
+        except OSError:
+            pass
+    os.fsync(fd)

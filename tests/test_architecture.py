@@ -1,6 +1,8 @@
 """The package's shape (issue 13, docs/ARCHITECTURE.md): every ``import`` in ``kvstore/``,
 at module level, inside functions and under ``TYPE_CHECKING`` alike, is walked; the
-tiers depend one way, without a circle; one owner per seam; no module too long.
+tiers depend one way, without a circle; one owner per seam; no module too long. The
+imports of ``tools/`` are walked too: a private name (``_x``) is imported only from
+inside the package that holds it.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "kvstore"
+TOOLS = PKG.parent / "tools"
 MAX_LINES = 500
 
-#: What each tier may import of kvstore (DESIGN.md, "Which part may know which").
+#: What each tier may import of kvstore (docs/ARCHITECTURE.md).
 #: A module of a tier may always import its own tier.
 BASE = {"kvstore.errors", "kvstore._wyhash", "kvstore._vio", "kvstore._crash"}
 TIERS: dict[str, set[str]] = {
@@ -26,10 +29,12 @@ TIERS: dict[str, set[str]] = {
     "kvstore.index": BASE,
     "kvstore.codecs": BASE | {"kvstore.schema"},
     "kvstore.formats": BASE | {"kvstore.schema", "kvstore.codecs"},
-    "kvstore.remote": BASE | {"kvstore.schema", "kvstore.blocks", "kvstore.codecs"},
+    "kvstore.catalog": BASE | {"kvstore.schema", "kvstore.blocks", "kvstore.codecs"},
+    "kvstore.remote": BASE | {"kvstore.schema", "kvstore.blocks", "kvstore.codecs",
+                              "kvstore.catalog"},
     "kvstore.store": BASE
     | {"kvstore.schema", "kvstore.blocks", "kvstore.index", "kvstore.codecs", "kvstore.formats",
-       "kvstore.remote"},
+       "kvstore.catalog", "kvstore.remote"},
 }
 #: Above the store (cli/, mlx_lm/, bench/, the top-level modules): anything but the index,
 #: which only the store composes. The integrations never import the command line.
@@ -42,7 +47,7 @@ OPENS_FILES = {
     "kvstore.blocks": "block files and the root's block directories",
     "kvstore.index": "the LMDB environment",
     "kvstore.formats": "mlx-bun v3/v4/v5 files the user names",
-    "kvstore.store._fs": "/proc/mounts, to name the root's filesystem",
+    "kvstore.store.local.filesystem": "/proc/mounts, to name the root's filesystem",
     "kvstore.mlx_lm.gguf": "the GGUF file it converts and the model directory it writes",
     "kvstore.mlx_lm.prompt_cache": "the model's own files, for its fingerprint",
     "kvstore.mlx_lm.fingerprint": "the model's own files, for its fingerprint",
@@ -76,7 +81,7 @@ def _imports(name: str) -> Iterator[tuple[str, int]]:
     path = MODULES[name]
     if path.suffix != ".py":
         return
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in _import_nodes(path):
         if isinstance(node, ast.Import):
             for a in node.names:
                 yield a.name, node.lineno
@@ -91,6 +96,12 @@ def _imports(name: str) -> Iterator[tuple[str, int]]:
             yield from ((s, node.lineno) for s in subs)
             if len(subs) < len(node.names):
                 yield mod, node.lineno
+
+
+def _import_nodes(path: Path) -> Iterator[ast.Import | ast.ImportFrom]:
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
 
 
 def _edges() -> dict[str, set[str]]:
@@ -110,7 +121,7 @@ def _owner(name: str, table: dict[str, str] | set[str]) -> bool:
 
 def test_the_walk_sees_every_kind_of_import() -> None:
     got = {t for t, _ in _imports("kvstore.store.store")}
-    assert "kvstore.store.gc" in got and "kvstore.blocks" in got  # relative, from-imports
+    assert "kvstore.store.upkeep.gc" in got and "kvstore.blocks" in got  # relative, from-imports
     assert "kvstore.formats.bunhash" in MODULES and "kvstore._wyhash" in MODULES
     lazy = {t for t, _ in _imports("kvstore.cli.main")}
     assert "click" in lazy
@@ -183,13 +194,39 @@ def test_the_tier_check_can_fail() -> None:
     assert _tier_errors("kvstore.codecs.base", "kvstore.formats.v3")
     assert _tier_errors("kvstore.cli.main", "kvstore.index")
     assert _tier_errors("kvstore.mlx_lm.serve", "kvstore.cli.render")
-    assert _tier_errors("kvstore.store.gc", "kvstore")
-    assert _tier_errors("kvstore.store.gc", "kvstore.blocks") is None
+    assert _tier_errors("kvstore.store.upkeep.gc", "kvstore")
+    assert _tier_errors("kvstore.store.upkeep.gc", "kvstore.blocks") is None
 
 
 def test_each_tier_imports_only_the_tiers_below() -> None:
     bad = [f"{m}:{line} {why}" for m in sorted(MODULES) for t, line in _imports(m)
            if (why := _tier_errors(m, t))]
+    assert not bad, "\n".join(bad)
+
+
+#: The store's parts, lowest first (docs/ARCHITECTURE.md): a part imports only itself and the
+#: parts before it; the facade (``store.py``, ``tiers.py``, ``maintenance.py``, ``views.py``
+#: and the rest of ``kvstore.store``) may import them all.
+STORE_PARTS = ["kvstore.store.errors", "kvstore.store.local", "kvstore.store.upkeep",
+               "kvstore.store.data"]
+
+
+def _store_part(name: str) -> int:
+    for i, part in enumerate(STORE_PARTS):
+        if name == part or name.startswith(part + "."):
+            return i
+    return len(STORE_PARTS)
+
+
+def test_the_store_part_check_can_fail() -> None:
+    assert _store_part("kvstore.store.local.root") < _store_part("kvstore.store.data.saving")
+    assert _store_part("kvstore.store.tiers") == len(STORE_PARTS)
+
+
+def test_the_store_parts_depend_one_way() -> None:
+    bad = [f"{m}:{line} imports {t}" for m in sorted(MODULES) if m.startswith("kvstore.store.")
+           for t, line in _imports(m)
+           if t.startswith("kvstore.store.") and _store_part(t) > _store_part(m)]
     assert not bad, "\n".join(bad)
 
 
@@ -248,6 +285,70 @@ def test_vectored_io_is_written_once() -> None:
     bad = [f"{m}:{line} calls {c}" for m in MODULES if not _owner(m, VECTORED_IO)
            for c, line in _calls(m) if c in ("os.preadv", "os.pwritev")]
     assert not bad, bad
+
+
+#: The modules of ``tools/`` (developer scripts), walked for their imports of kvstore.
+TOOL_MODULES = {f"tools.{p.stem}": p for p in sorted(TOOLS.glob("*.py"))}
+
+
+def _imported_names(name: str, path: Path) -> Iterator[tuple[str, int]]:
+    """Every dotted name module ``name`` imports: ``a.b`` for ``import a.b``, ``a.b.c``
+    for ``from a.b import c`` (relative imports resolved)."""
+    for node in _import_nodes(path):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, node.lineno
+            continue
+        mod = node.module or ""
+        if node.level:
+            base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+            base = base[: len(base) - node.level + 1]
+            mod = ".".join(base + ([node.module] if node.module else []))
+        for a in node.names:
+            yield f"{mod}.{a.name}", node.lineno
+
+
+def _private_error(importer: str, target: str) -> str | None:
+    """Why ``importer`` may not import ``target`` (a dotted name), or None.
+
+    A name starting with ``_`` (not a dunder) is private to the package that holds it:
+    ``kvstore._vio`` to ``kvstore``, ``kvstore.codecs._pieces`` to ``kvstore.codecs``,
+    ``kvstore.bench.limits._balanced`` to ``kvstore.bench``.
+    """
+    parts = target.split(".")
+    if parts[0] != "kvstore":
+        return None
+    for i, part in enumerate(parts):
+        if not part.startswith("_") or (part.startswith("__") and part.endswith("__")):
+            continue
+        owner = ".".join(parts[:i])
+        pkg = owner if owner in MODULES and _is_pkg(owner) else owner.rsplit(".", 1)[0]
+        if importer != pkg and not importer.startswith(pkg + "."):
+            return f"imports {target}, private to {pkg}"
+    return None
+
+
+def test_the_private_check_can_fail() -> None:
+    assert _private_error("kvstore.store.data.reader", "kvstore.codecs._pieces")
+    assert _private_error("kvstore.bench.limits", "kvstore.blocks.local._write_all")
+    assert _private_error("tools.probe", "kvstore.bench.limits._balanced")
+    assert _private_error("tools.probe", "kvstore._vio.pwritev_all")
+    assert _private_error("kvstore.formats.v3", "kvstore.formats._v3json") is None
+    assert _private_error("kvstore.blocks.local", "kvstore._vio.pwritev_all") is None
+    assert _private_error("kvstore.bench.remote_cases", "kvstore.bench.io_cases._label") is None
+
+
+def test_tools_are_walked() -> None:
+    assert "tools.fast_root" in TOOL_MODULES
+    got = {t for t, _ in _imported_names("tools.fast_root", TOOL_MODULES["tools.fast_root"])}
+    assert "kvstore.Store" in got
+
+
+def test_private_names_are_imported_from_inside_their_package_only() -> None:
+    walked = {**{m: p for m, p in MODULES.items() if p.suffix == ".py"}, **TOOL_MODULES}
+    bad = [f"{m}:{line} {why}" for m, p in sorted(walked.items())
+           for t, line in _imported_names(m, p) if (why := _private_error(m, t))]
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("name", sorted(n for n, p in MODULES.items() if p.suffix == ".py"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -39,11 +40,13 @@ EXPECTED = (
     "restore throughput, 2 process",
     "limit: save 600 durable",
     "limit: save 600 non-durable",
-    "limit: restore 600 page cache",
-    "limit: restore 600 verify=True",
-    "limit: restore 600 after eviction",
+    "limit: restore 600 page cache, verify_reads=False: Store.restore alone",
+    "limit: restore 600 page cache: Store.restore alone",
+    "limit: restore 600 after eviction, verify_reads=False: Store.restore alone",
     "limit: lookup 30 entries, 2048 token query",
     "limit: lookup 30 entries, 2048 token query, with its keys",
+    "startup: import kvstore + Store.open",
+    "startup: kvstore stats",
 )
 
 
@@ -158,3 +161,94 @@ def test_model_targets_wait_for_the_issue_size() -> None:
     talk.extra["store_turn3_share"] = 0.5
     got = {t.name: t.met for t in targets([talk])}
     assert got["real model: cached share of turns 2..4, store"] is False
+
+
+# --- issue 27, item 12: one label, one figure per case, a reason for every n/a -----------------
+
+
+def test_quick_targets_say_why_they_are_not_judged_and_name_limits_once() -> None:
+    from kvstore.bench.common import Row
+    from kvstore.bench.limits import limit_row
+    from kvstore.bench.report import targets, targets_table
+
+    size = {"turns": 8.0, "turn_tokens": 1000.0}
+    rows = [
+        Row("multiturn", "multi-turn total save time, reuse_prefix=True (x)", "s", 1.0, 3.0,
+            "b", "speedup", extra=size),
+        Row("multiturn", "multi-turn bytes written vs unique KV bytes", "B", 1.2, 1.0, "b",
+            "fraction", extra=size),
+        Row("lookup", "lookup p99, 10k entries", "s", 1e-3, 1e-2, "b", "speedup",
+            extra={"entries": 10_000}),
+        limit_row("limit: save 4k durable", 1.0, 0.9, "raw"),
+    ]
+    ts = targets(rows)
+    assert "machine limit: save 4k durable" in {t.name for t in ts}
+    assert not any("limit: limit:" in t.name for t in ts)
+    undecided = [t for t in ts if t.met is None]
+    assert len(undecided) == 4  # save speed (no row), the two multi-turn ones, 100k lookup
+    assert all(t.why for t in undecided), undecided
+    table = targets_table(ts)
+    assert "| n/a |" not in table
+    assert ("n/a: held at 16 turns of 2000 tokens; this run has 8 of 1000 (the full config "
+            "measures it)") in table
+    assert "n/a: this run stops at 10000 entries (the full config goes to 100k)" in table
+
+
+def test_each_restore_case_is_measured_once(tmp_path: Path) -> None:
+    """The limit rows take the Store.restore share of the restore rows' own runs: never a
+    second, different figure for the same case."""
+    from kvstore.bench.cli import run
+    from kvstore.bench.common import SMOKE
+
+    rows = run(SMOKE, tmp_path, ("restore",), log=lambda line: None)
+    by_name = {r.name: r for r in rows}
+    limits = [r for r in rows if r.group == "limit"]
+    assert len(limits) == 3
+    for r in limits:
+        whole = by_name[r.part_of]  # the restore row whose runs it is a part of
+        assert r.name == f"limit: {whole.name}: Store.restore alone"
+        assert 0 < r.kvstore <= whole.kvstore
+        assert r.extra["decode_s"] == pytest.approx(whole.kvstore - r.kvstore)
+    assert {r.part_of for r in limits} == {"restore 600 page cache",
+                                          "restore 600 page cache, verify_reads=False",
+                                          "restore 600 after eviction, verify_reads=False"}
+
+
+def _normal(name: str) -> str:
+    """A row name with its sizes and counts as N, and a model's name (the last parenthesis
+    without a space) left out: the doc's full run and a smoke run name rows alike."""
+    name = re.sub(r" \([^ ()]+\)$", "", name)
+    return re.sub(r"\d+(\.\d+)?k?", "N", name)
+
+
+def test_benchmarks_md_tables_use_the_benchs_own_row_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 27, item 11: every row of a table in the bench's own format in
+    docs/BENCHMARKS.md is a name the bench prints (sizes aside)."""
+    import dataclasses
+
+    import kvstore.bench.startup_cases as startup
+    from kvstore.bench.cli import GROUPS, MODEL_GROUP, run
+    from kvstore.bench.common import FULL, SMOKE
+    from kvstore.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny-model", "llama")
+    groups = tuple(g for g in GROUPS if g != "remote") + (MODEL_GROUP,)
+    # the startup group's names, for every command, without timing fresh processes
+    monkeypatch.setattr(startup, "_opened", lambda root, before: 0.1)
+    monkeypatch.setattr(startup, "_command", lambda args, before: 0.2)
+    cfg = dataclasses.replace(SMOKE, startup_commands=FULL.startup_commands)
+    rows = run(cfg, tmp_path, groups, log=lambda line: None, model_dir=model)
+    known = {_normal(r.name) for r in rows}
+    text = (Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md").read_text()
+    header = "| case | kvstore | baseline | ratio | baseline is |"
+    names = []
+    for table in text.split(header)[1:]:
+        for line in table.splitlines()[2:]:
+            if not line.startswith("|"):
+                break
+            names.append(line.split("|")[1].strip())
+    assert len(names) >= 30
+    unknown = [n for n in names if _normal(n) not in known]
+    assert unknown == [], unknown

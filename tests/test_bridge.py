@@ -21,12 +21,8 @@ from mlx_lm.models import cache as _cache
 
 import kvstore
 from kvstore.codecs import RawCache
-from kvstore.errors import (
-    FileFormatError,
-    HeaderHashMismatchError,
-    NamespaceRequiredError,
-    TensorHashMismatchError,
-)
+from kvstore.errors import NamespaceRequiredError
+from kvstore.formats.errors import FileFormatError, HeaderHashMismatchError, TensorHashMismatchError
 from kvstore.formats.v3 import PREFIX_LEN, Loaded, load_v3, save_v3
 from kvstore.store.bridge import (
     BLOCK_BYTES_KEY,

@@ -23,8 +23,9 @@ from helpers.kv import (
 )
 
 import kvstore
-import kvstore.store._fs
-from kvstore.errors import StoreFullError, UnsupportedFilesystemError
+import kvstore.store.local.filesystem
+from kvstore.errors import StoreFullError
+from kvstore.store.errors import UnsupportedFilesystemError
 
 
 def _lock_holders(lockfile: Path) -> set[int]:
@@ -164,8 +165,8 @@ def test_network_filesystems_are_refused(tmp_path: Path, monkeypatch: pytest.Mon
             return io.StringIO("/dev/sda1 / ext4 rw 0 0\n" + mounts)
         return real_open(path, *a, **kw)  # type: ignore[call-overload]
 
-    monkeypatch.setattr(kvstore.store._fs, "open", fake_open, raising=False)
-    assert kvstore.store._fs.filesystem_type(root) == "nfs4"
+    monkeypatch.setattr(kvstore.store.local.filesystem, "open", fake_open, raising=False)
+    assert kvstore.store.local.filesystem.filesystem_type(root) == "nfs4"
     with pytest.raises(UnsupportedFilesystemError, match="nfs4"):
         open_store(root)
 

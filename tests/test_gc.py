@@ -13,7 +13,8 @@ from mlx_lm.models.cache import LRUPromptCache
 
 import kvstore
 from kvstore.index import EntryRecord, RefInfo
-from kvstore.store.gc import EvictionOrder
+from kvstore.store.local.catalog import delete_plan
+from kvstore.store.upkeep.gc import EvictionOrder, plan_budget, plan_compact
 
 BLOCK = 16 * 2 * 2 * 8 * 2  # one full token block: 16 tokens, K+V, H2 D8 fp16
 
@@ -58,7 +59,9 @@ def test_remove_entry_twice_does_not_drop_refs_twice(tmp_path: Path) -> None:
     save(s, 2, 80, shared=32)
     e = next(iter(s.entries()))
     digest = bytes.fromhex(e.id)
-    plan = s.delete_plan(s.manifest(digest), digest)
+    got = s.local.catalog.manifest(digest)
+    assert got is not None
+    plan = delete_plan(got[1], got[0], digest)
     with s.index.write() as txn:
         s.index.remove_entry(txn, digest, plan)
     before = stored_refs(s)
@@ -244,6 +247,54 @@ def test_dry_run_changes_nothing(tmp_path: Path) -> None:
     r = s.compact(max_bytes=8 * BLOCK, grace=0, dry_run=True)
     assert r.dry_run and len(r.evicted) == 2 and r.physical_after == 8 * BLOCK
     assert (s.stats(), stored_refs(s), sorted(s.blocks)) == before
+
+
+def test_a_plan_does_exactly_what_it_reports_once(tmp_path: Path) -> None:
+    """restic's plan: executing it evicts the planned victims and no other, even when a save
+    takes the root over the budget again meanwhile (that is the next plan's), and a plan
+    runs once."""
+    s = open_store(tmp_path / "r")
+    a, b, c = (save(s, i, 64) for i in (1, 2, 3))
+    plan = plan_compact(s.local, max_bytes=8 * BLOCK, grace=0)
+    planned = plan.report()
+    assert planned.dry_run and len(planned.evicted) == 1
+    d = save(s, 4, 64)  # over the budget again, after the plan was made
+    done = plan.execute()
+    assert not done.dry_run and done.evicted == planned.evicted
+    assert s.lookup(a) is None and all(s.lookup(t) is not None for t in (b, c, d))
+    assert s.stats().physical_bytes == 12 * BLOCK
+    with pytest.raises(RuntimeError, match="once"):
+        plan.execute()
+    again = plan_compact(s.local, max_bytes=8 * BLOCK, grace=0).execute()
+    assert len(again.evicted) == 1 and s.stats().physical_bytes == 8 * BLOCK
+    sound_store(s)
+
+
+def test_a_plan_skips_what_others_removed_meanwhile(tmp_path: Path) -> None:
+    s = open_store(tmp_path / "r")
+    for i in range(4):
+        save(s, i, 64)
+    plan = plan_compact(s.local, max_bytes=4 * BLOCK, grace=0)
+    victims = plan.report().evicted
+    assert len(victims) == 3
+    assert s.delete(victims[1])  # another process deleted one of them
+    done = plan.execute()
+    assert done.evicted == [victims[0], victims[2]]
+    assert (done.live_after, done.physical_after) == (4 * BLOCK, 8 * BLOCK)
+    assert s.stats().entries == 1  # the deleted entry's blocks: garbage the plan never saw
+    assert plan_compact(s.local, grace=0).execute().freed_bytes == 4 * BLOCK  # the next one
+    assert s.stats().physical_bytes == 4 * BLOCK
+    sound_store(s)
+
+
+def test_the_budget_after_a_save_is_an_empty_plan_within_it(tmp_path: Path) -> None:
+    s = open_store(tmp_path / "r")
+    save(s, 1, 64)
+    plan = plan_budget(s.local, 100 * BLOCK, grace=0)
+    assert plan.empty() and plan.report().evicted == []
+    over = plan_budget(s.local, 0, grace=0)
+    assert len(over.report().evicted) == 1
+    assert over.execute().physical_after == 0 and s.stats().entries == 0
 
 
 def test_compact_rejects_bad_arguments(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from kvstore.errors import FileFormatError
+from kvstore.formats.errors import FileFormatError
 from kvstore.mlx_lm.gguf import ModelFetchError, cached_model, convert_gguf, fetch_model, mlx_name
 
 
@@ -61,6 +61,42 @@ def test_convert_a_tiny_llama(tmp_path: Path) -> None:
     assert tok.encode("abab<|end|>") == [3, 3, 0]
     assert tok.decode([3, 1, 0]) == "aba<|end|>"
     assert model(mx.array([[1, 2, 3]])).shape == (1, 3, 4)
+
+
+def test_convert_stores_bfloat16_as_mlx_community_does(tmp_path: Path) -> None:
+    """Issue 27, item 6: the weights, the activations and so the KV cache are bfloat16."""
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    out = convert_gguf(_tiny_gguf(tmp_path / "tiny.gguf"), tmp_path / "model")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    weights = mx.load(str(out / "model.safetensors"))
+    assert {str(w.dtype) for w in weights.values()} == {"mlx.core.bfloat16"}
+    model = mlx_lm.load(str(out))[0]
+    cache = make_prompt_cache(model)
+    model(mx.array([[1, 2, 3]]), cache=cache)
+    assert cache[0].keys.dtype == mx.bfloat16 and cache[0].values.dtype == mx.bfloat16
+
+
+def test_quantized_weights_are_dequantized_exactly() -> None:
+    """The GGUF's Q4/Q8 weights become the float32 values MLX's own dequantize gives (the
+    file then rounds them to the model's dtype); scales and biases go, other tensors stay."""
+    from kvstore.mlx_lm.gguf import _dequantized
+
+    w4, w8 = mx.random.normal((64, 64)), mx.random.normal((32, 64))
+    q4, s4, b4 = mx.quantize(w4, group_size=32, bits=4)
+    q8, s8, b8 = mx.quantize(w8, group_size=32, bits=8)
+    norm = mx.ones((64,))
+    weights = {"a.weight": q4, "a.scales": s4.astype(mx.float16), "a.biases": b4.astype(mx.float16),
+               "e.weight": q8, "e.scales": s8, "e.biases": b8, "n.weight": norm}
+    out = _dequantized(weights)
+    assert sorted(out) == ["a.weight", "e.weight", "n.weight"]
+    want4 = mx.dequantize(q4, s4.astype(mx.float16).astype(mx.float32),
+                          b4.astype(mx.float16).astype(mx.float32), group_size=32, bits=4)
+    assert out["a.weight"].dtype == mx.float32 and mx.array_equal(out["a.weight"], want4).item()
+    want8 = mx.dequantize(q8, s8, b8, group_size=32, bits=8)
+    assert mx.array_equal(out["e.weight"], want8).item()
+    assert out["n.weight"] is norm
 
 
 def test_convert_refuses_other_architectures_and_files(tmp_path: Path) -> None:

@@ -239,7 +239,7 @@ def test_two_threads_creating_one_root_exactly_one_wins(
     no settings before either has written its own."""
     import threading
 
-    import kvstore.store.root as root_mod
+    import kvstore.store.local.root as root_mod
 
     real = root_mod.now_ms
 
@@ -434,6 +434,26 @@ def test_the_cli_reads_a_read_only_root_and_refuses_writes(ro_mount: Path) -> No
         assert r.returncode == 2, (args, r)
         assert "kvstore: error:" in r.stderr and "read-only" in r.stderr, (args, r.stderr)
         assert "Traceback" not in r.stderr
+
+
+def test_a_write_refused_on_a_read_only_root_is_one_line(ro_mount: Path, tmp_path: Path) -> None:
+    """Issue 27, item 11: CLI.md promises one line for a user error; the read-only notice
+    the reading commands print is folded into it."""
+    root = ro_mount / "r"
+    toks = saved_root(root, 2)
+    with open_store(root) as s:
+        eid = s.lookup(toks[0]).entry_id  # type: ignore[union-attr]
+    f = tmp_path / "a.kv"
+    assert cli("export", eid[:8], f, "--root", root).returncode == 0
+    _remount_ro(ro_mount)
+    for args, what in ((("rm", eid[:8]), "remove entries"), (("compact",), "compact"),
+                       (("verify", "--repair"), "repair"), (("import", f), "import")):
+        r = cli(*args, "--root", root)
+        assert r.returncode == 2 and r.stdout == "", (args, r)
+        assert r.stderr.splitlines() == [
+            f"kvstore: error: {root} is read-only here (a read-only filesystem, or another "
+            f"user's root): cannot {what}"], (args, r.stderr)
+    assert cli("compact", "--dry-run", "--root", root).returncode == 0
 
 
 def test_read_only_true_changes_nothing_on_a_writable_root(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ a block file that is not a regular file (a symlink, a FIFO, a directory: issue
 cut back to their intact prefix), one warning names them, and the caller gets
 the longest intact prefix still stored or a miss, never wrong bytes.
 
-Only the public API and the root layout of DESIGN.md are used here.
+Only the public API and the root layout of docs/FORMAT.md (§1) are used here.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 import kvstore
 from kvstore import schema
-from kvstore.store import lookup as lookup_mod
+from kvstore.catalog import base as catalog_base
 from kvstore.store import store as store_mod
+from kvstore.store.local import catalog as lookup_mod
 
 NS = kvstore.Namespace(model_id="lookup")
 seqs = st.lists(st.integers(0, 2), min_size=1, max_size=14)
@@ -62,9 +63,9 @@ def test_lookup_matches_the_model(
                 want, exact = _expected(entries, q)
                 got = (m.length, m.exact) if m else (0, False)
                 assert got == (want, exact), (q, entries, m)
-                s._bisect = False  # walking every depth gives the same answer
+                s.local.catalog.bisect = False  # walking every depth gives the same answer
                 assert s.lookup(q) == m
-                s._bisect = True
+                s.local.catalog.bisect = True
                 if m is not None:
                     man = s.manifest(m.entry_id)
                     toks = list(store_mod.P.tokens_from_le(man.tokens))
@@ -88,7 +89,7 @@ def test_lookup_work_is_bounded_by_the_query_not_the_store(
             decodes += 1
             return real(data)
 
-        monkeypatch.setattr(lookup_mod, "decode_manifest", counting)
+        monkeypatch.setattr(catalog_base, "decode_manifest", counting)
         for i in (0, 150, 299):
             q = system + [1000 + i, 2000 + i % 17, 3000 + i, 5, 6]
             m = s.lookup(q)
@@ -178,12 +179,12 @@ def test_a_root_without_reach_markers_gets_them_on_open(tmp_path: Path) -> None:
                 txn.delete(k, db=s.index.db("prefix"))
             txn.delete(lookup_mod.REACH_META, db=s.index.db("meta"))
         assert _prefix_keys(s, b"r") == []
-        s._bisect = True  # what bisecting an old root would get wrong
+        s.local.catalog.bisect = True  # what bisecting an old root would get wrong
         wrong = s.lookup(deep + [1, 2])
         assert wrong is not None and wrong.length == 20
     with kvstore.Store.open(root, namespace=NS, durable=False) as s:
-        assert s._bisect
+        assert s.local.catalog.bisect
         assert len(_prefix_keys(s, b"r")) == (70 // 16 + 1) + (40 // 16 + 1) - 1  # c_0 shared
         m = s.lookup(deep + [1, 2])
         assert m is not None and (m.entry_id, m.length) == (info.id, 70)
-        assert lookup_mod.add_reach_markers(s.index) == 0  # once only
+        assert s.local.catalog.add_reach_markers() == 0  # once only

@@ -277,7 +277,10 @@ def test_queue_sheds_oldest_over_its_byte_cap(
 ) -> None:
     slow = _SlowStore(store)
     one = sum(c.nbytes for c in _kv(list(range(100))))
-    ppc = PersistentPromptCache(slow, min_tokens=16, queue_bytes=int(2.5 * one))  # type: ignore[arg-type]
+    # every snapshot queued at once (100 tokens hold no whole block of this root: by
+    # default they would wait in memory, see test_prompt_cache_requests.py)
+    ppc = PersistentPromptCache(slow, min_tokens=16, queue_bytes=int(2.5 * one),  # type: ignore[arg-type]
+                                defer_seconds=0)
     for i in range(5):
         toks = [i] + list(range(99))
         ppc.insert_cache(_key(models), toks, _kv(toks))
@@ -390,7 +393,7 @@ def test_insert_saves_only_the_tokens_the_cache_holds(
 def test_next_turn_references_the_stored_prefix_blocks(
     models: dict[str, Path], store: kvstore.Store, monkeypatch: pytest.MonkeyPatch, reuse: bool
 ) -> None:
-    import kvstore.store.writer as W
+    import kvstore.store.data.writer as W
 
     T = store.block_tokens
     turn1 = list(range(2 * T + 40))

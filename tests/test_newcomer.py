@@ -180,7 +180,32 @@ def test_stats_count_the_lookups_and_hits_of_the_demo(
     assert stats["lookups"] >= stats["hits"]
     assert stats["hit_rate"] == pytest.approx(stats["hits"] / stats["lookups"])
     text = _kvstore("stats", root=root).stdout
-    assert re.search(rf"^hit rate\s+[\d.]+% \({from_disk} of \d+ lookups?\)$", text, re.M), text
+    assert re.search(rf"^store lookups\s+{stats['lookups']} lookups?, {from_disk} loaded an "
+                     rf"entry \([\d.]+%\)$", text, re.M), text
+
+
+def test_stats_report_the_demo_s_reused_tokens_by_tier(
+    demo_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """Issue 28: the tokens each tier gave add up to what the demo itself printed."""
+    p, root = demo_run
+    rows = re.findall(r"prompt\s+(\d+)\s+reused\s+(\d+) \((\w+|-)", p.stdout)
+    assert len(rows) == 7, p.stdout
+    want = {"memory": 0, "disk": 0, "-": 0}
+    for _, reused, source in rows:
+        want[source] += int(reused)
+    life = _json("stats", root=root)["requests"]["lifetime"]
+    assert life["requests"] == 7
+    assert life["prompt_tokens"] == sum(int(n) for n, _, _ in rows)
+    assert life["tiers"]["memory"]["tokens"] == want["memory"] > 0
+    assert life["tiers"]["local"]["tokens"] == want["disk"] > 0
+    assert life["tiers"]["remote"] == {"requests": 0, "tokens": 0} and want["-"] == 0
+    assert life["reused_tokens"] + life["computed_tokens"] == life["prompt_tokens"]
+    assert life["misses"] == sum(1 for _, n, _ in rows if n == "0")
+    text = _kvstore("stats", root=root).stdout
+    share = life["reused_tokens"] / life["prompt_tokens"]
+    assert re.search(rf"^tokens saved\s+{share:.1%} \({life['reused_tokens']:,} of "
+                     rf"{life['prompt_tokens']:,} prompt tokens\)$", text, re.M), text
 
 
 # --- item 5: serve checks its model and its options before it binds a port --------------------

@@ -1,7 +1,7 @@
 """verify --repair keeps what is intact, --dry-run changes nothing (issue 12); verify and
 repair work on roots holding non-trimmable entries (issue 17, item 1).
 
-Only the public API, the command line and the root layout of DESIGN.md are used.
+Only the public API, the command line and the root layout of docs/FORMAT.md (§1) are used.
 """
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ def test_dry_run_without_repair_is_a_usage_error(tmp_path: Path) -> None:
 
 
 def test_block_file_helper_names_the_layout(tmp_path: Path) -> None:
-    """The tests above find blocks at blocks/ab/<hex>, the layout DESIGN.md fixes."""
+    """The tests above find blocks at blocks/ab/<hex>, the layout docs/FORMAT.md fixes."""
     root = tmp_path / "root"
     long = toks(20)
     with open_store(root) as s:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -58,12 +59,36 @@ def test_server_prompt_cache_is_ours_with_the_options_given(
         built.append(mlx_lm.server.LRUPromptCache(max_size=3))
 
     monkeypatch.setattr(mlx_lm.server, "main", fake_main)
-    argv = ["--root", str(tmp_path / "r"), "--min-tokens", "32", "--namespace", "ns", *flag]
+    argv = ["--root", str(tmp_path / "r"), "--min-tokens", "32", "--namespace", "ns", *flag,
+            "--port", "0"]  # the listen check binds it: any free port
     assert serve_main(argv) == 0
     (cache,) = built
     assert isinstance(cache, PersistentPromptCache)
     assert (cache.reuse_prefix, cache.min_tokens, cache.ns, cache.max_size) == (reuse, 32, "ns", 3)
     assert cache.store.verify_reads is verify
+
+
+@pytest.mark.parametrize(("flag", "want"), [([], 300.0), (["--defer-seconds", "0"], 0.0),
+                                           (["--defer-seconds=2.5"], 2.5)])
+def test_defer_seconds_reaches_every_prompt_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: list[str], want: float
+) -> None:
+    built: list[Any] = []
+    monkeypatch.setattr(mlx_lm.server, "main",
+                        lambda: built.append(mlx_lm.server.LRUPromptCache(max_size=3)))
+    assert serve_main(["--root", str(tmp_path / "r"), *flag]) == 0
+    (cache,) = built
+    assert cache.defer_seconds == want and cache._writer.defer_seconds == want
+
+
+@pytest.mark.parametrize("bad", ["-1", "nan"])
+def test_a_negative_defer_seconds_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: str
+) -> None:
+    assert serve_main(["--root", str(tmp_path / "r"), "--defer-seconds", bad]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kvstore: error: --defer-seconds must be >= 0, got {float(bad):g}"]
+    assert not (tmp_path / "r").exists()
 
 
 def test_bad_mlx_lm_option_is_a_usage_error(tmp_path: Path) -> None:
@@ -82,13 +107,14 @@ def _free_port() -> int:
 
 
 @contextmanager
-def _server(args: list[str], log: Path) -> Iterator[int]:
+def _server(args: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[int]:
     port = _free_port()
     with log.open("w") as out:
         proc = subprocess.Popen(
             [*args, "--host", "127.0.0.1", "--port", str(port), "--log-level", "INFO"],
             stdout=out,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
         try:
             deadline = time.monotonic() + 60
@@ -170,3 +196,113 @@ def test_second_server_reuses_the_first_ones_cache(tmp_path: Path) -> None:
     assert baseline["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["choices"][0]["message"] == baseline["choices"][0]["message"]
     assert second["usage"]["completion_tokens"] == baseline["usage"]["completion_tokens"]
+
+
+# --- issue 27, items 2-4: a port it cannot bind, a model by name, GET /v1/models ------------
+
+
+def _serve_cmd(*args: str | Path, env: dict[str, str] | None = None,
+               timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if k != "KVSTORE_ROOT"}
+    full.update(HF_HUB_OFFLINE="1", **(env or {}))
+    return subprocess.run([sys.executable, "-P", "-m", "kvstore", "serve", *map(str, args)],
+                          capture_output=True, text=True, env=full, timeout=timeout)
+
+
+def _one_line(p: subprocess.CompletedProcess[str]) -> str:
+    assert p.returncode == 2, p
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvstore: error: "), p.stderr
+    return lines[0]
+
+
+def test_a_port_in_use_is_one_line_and_exit_2_before_anything_starts(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "model", "llama")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        p = _serve_cmd("--model", model, "--root", tmp_path / "root", "--host", "127.0.0.1",
+                       "--port", str(port))
+    assert time.monotonic() - t0 < 30
+    assert _one_line(p) == (f"kvstore: error: cannot listen on 127.0.0.1:{port}: "
+                            "Address already in use")
+    assert not (tmp_path / "root").exists()
+
+
+def test_a_port_out_of_range_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "model", "llama")
+    p = _serve_cmd("--model", model, "--root", tmp_path / "root", "--port", "80933")
+    assert _one_line(p) == "kvstore: error: --port 80933: not a port number (0 to 65535)"
+    assert not (tmp_path / "root").exists()
+
+
+def test_a_port_taken_after_the_check_stops_mlx_lms_thread_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The race the check cannot close: mlx-lm's generation thread is stopped and joined,
+    so the process exits instead of waiting on it."""
+    import threading
+
+    import kvstore.mlx_lm.serve as serve
+
+    model = make_tiny_model(tmp_path / "model", "llama")
+    monkeypatch.setattr(serve, "check_listen", lambda argv: None)
+    before = set(threading.enumerate())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = serve_main(["--root", str(tmp_path / "root"), "--model", str(model),
+                           "--host", "127.0.0.1", "--port", str(port)])
+    assert code == 2
+    assert f"kvstore: error: cannot serve on 127.0.0.1:{port}: Address already in use" in (
+        capsys.readouterr().err)
+    assert [t for t in threading.enumerate() if t not in before and t.is_alive()] == []
+    assert mlx_lm.server._run_http_server.__module__ == "mlx_lm.server"
+
+
+@pytest.fixture(scope="module")
+def served_by_name(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path, Path]]:
+    """``kvstore serve --model smollm2`` where smollm2 is already in the model cache (a tiny
+    model stands in for it), with no Hugging Face cache at all."""
+    from kvstore.mlx_lm.gguf import MODELS
+
+    tmp = tmp_path_factory.mktemp("by-name")
+    models = tmp / "models"
+    served = make_tiny_model(models / MODELS["smollm2"].dirname, "llama")
+    (served / ".kvstore-converted").write_text("{}\n")
+    hf = tmp / "hf-home"
+    hf.mkdir()
+    env = {"KVSTORE_MODELS": str(models), "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"}
+    args = [sys.executable, "-P", "-m", "kvstore", "serve", "--model", "smollm2",
+            "--root", str(tmp / "root"), "--min-tokens", "16"]
+    with _server(args, tmp / "serve.log", env=env) as port:
+        import openai
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               timeout=60, max_retries=0)
+        yield client, served, tmp / "serve.log"
+
+
+def test_serve_accepts_a_model_name_that_model_fetch_knows(
+    served_by_name: tuple[Any, Path, Path],
+) -> None:
+    client, served, log = served_by_name
+    r = client.chat.completions.create(model="default_model", max_tokens=4, temperature=0.0,
+                                       messages=[{"role": "user", "content": "Hi"}])
+    assert r.usage is not None and r.usage.completion_tokens >= 1
+    assert "kvstore: --model smollm2: " in log.read_text()
+    assert str(served) in log.read_text()
+
+
+def test_get_models_answers_the_served_model_without_a_hub_cache(
+    served_by_name: tuple[Any, Path, Path],
+) -> None:
+    client, served, _ = served_by_name
+    assert [m.id for m in client.models.list().data] == [str(served.resolve())]
+    # and a client that takes the model from the list can chat with it
+    r = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=2,
+                                       messages=[{"role": "user", "content": "Hi"}])
+    assert r.choices[0].message.content is not None

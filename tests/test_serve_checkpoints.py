@@ -163,9 +163,9 @@ def test_bytes_on_disk_per_checkpoint(models: dict[str, Path], tmp_path: Path,
         entries = sorted((e for e in store.entries() if e.priority == "checkpoint"),
                          key=lambda e: e.n_tokens)
         assert [e.n_tokens for e in entries] == [EVERY * k for k in range(1, 7)]
-        ms = store.manifests([e.id for e in entries])
+        ms = store.views.manifests([e.id for e in entries])
         sizes = {d: size for m in ms.values()
-                 for d, (size, _) in store.block_refs(m.all_blocks()).items()}
+                 for d, (size, _) in store.views.block_refs(m.all_blocks()).items()}
     seen: set[bytes] = set()
     for e in entries:
         m = ms[e.id]

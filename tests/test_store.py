@@ -182,7 +182,7 @@ def test_bad_tokens(store: kvstore.Store, tokens: object, message: str) -> None:
 def test_numpy_tokens_are_the_same_tokens_as_a_list(store: kvstore.Store, dtype: type) -> None:
     toks = [0, 7, 65535, 3, 1]
     info = store.save(np.array(toks, dtype=dtype), [kv_cache(5, 0)])
-    assert list(kvstore.store.keys.tokens_from_le(store.manifest(info.id).tokens)) == toks
+    assert list(kvstore.catalog.keys.tokens_from_le(store.manifest(info.id).tokens)) == toks
     m = store.lookup(toks)
     assert m is not None and m.entry_id == info.id and m.exact
 
@@ -330,7 +330,7 @@ def _extend(c: object, n_new: int, seed: int) -> None:
 def test_reuse_prefix_references_the_previous_turn_without_rehashing(
     store: kvstore.Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvstore.store.writer as W
+    import kvstore.store.data.writer as W
 
     turn1 = list(range(40))  # two full blocks of 16 and a partial one
     c = kv_cache(40, 1)
@@ -367,7 +367,7 @@ def test_reuse_prefix_falls_back_when_the_blocks_were_collected(
     store.compact(grace=0)
     assert not store.blocks.exists(gone[0])
     # as if the entry vanished between the lookup and the commit
-    import kvstore.store.saving as saving
+    import kvstore.store.data.saving as saving
 
     monkeypatch.setattr(saving, "reusable_prefix", lambda *a, **kw: gone)
     c = kv_cache(48, 5)
@@ -385,10 +385,11 @@ def test_access_stamps_that_cannot_be_written_never_fail_a_restore(
     store.save(toks, [kv_cache(40, 1)])
 
     def refuse(*a: object, **k: object) -> None:
-        raise kvstore.errors.IndexStoreError("read-only index")
+        raise kvstore.index.errors.IndexStoreError("read-only index")
 
     monkeypatch.setattr(store.index, "record_access", refuse)
-    monkeypatch.setattr(kvstore.store.access, "ACCESS_FLUSH_SECONDS", 0.0)  # flush on every restore
+    # flush on every restore
+    monkeypatch.setattr(kvstore.store.upkeep.access, "ACCESS_FLUSH_SECONDS", 0.0)
     (c,), n = store.restore(toks)
     assert n == 40 and c.offset == 40
     store.close()

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 import kvstore
 from kvstore.index import EntryRecord
-from kvstore.store.thinning import checkpoint_order, level
+from kvstore.store.upkeep.thinning import checkpoint_order, level
 
 NS = kvstore.Namespace(model_id="thin")
 T = 16
@@ -123,5 +123,6 @@ def test_a_record_rebuilt_from_the_manifest_is_still_a_checkpoint(tmp_path: Path
                 s.index.delete_entry(txn, bytes.fromhex(eid))
         assert sorted(s.verify(repair=True).missing_entry_records) == sorted([ckpt, user])
         got = {e.id: e.priority for e in s.entries()}
-        assert got == {ckpt: "checkpoint", user: "assistant"}  # the others as before: 0
+        # every entry by its manifest's cache type (catalog.records.priority_of)
+        assert got == {ckpt: "checkpoint", user: "user"}
         assert s.verify().sound

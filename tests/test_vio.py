@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from kvstore import _vio
-from kvstore.errors import KVStoreError, ShortReadError
+from kvstore._vio import ShortReadError
+from kvstore.errors import KVStoreError
 
 DATA = bytes(range(256)) * 40  # 10240 bytes
 

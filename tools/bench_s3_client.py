@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvstore.blocks.s3 import S3Client
+from kvstore.remote.s3 import S3Client
 
 
 class Boto:

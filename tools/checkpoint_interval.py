@@ -52,7 +52,7 @@ def measure(model: Any, kind: str, root: Path, every: int, doc: list[int], syste
         store.save(head, done.cache, priority="user", reuse_prefix=True)
         kv, win, state = checkpoint_costs(done.cache)
         ckpts = [e for e in store.entries() if e.priority == "checkpoint"]
-        manifests = store.manifests([e.id for e in ckpts]).values()
+        manifests = store.views.manifests([e.id for e in ckpts]).values()
         blocks = store.stats().physical_bytes
         recomputed, ttfts = [], []
         for at, tail in edits:

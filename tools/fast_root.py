@@ -4,10 +4,10 @@ A ``Store.save`` of a tiny entry costs ~1.7 ms here (MLX evaluation, a block
 file, its own LMDB commit), so 1M entries would take half an hour. These
 builders skip MLX: each entry's manifest is made from a template that a real
 save produced (only its tokens, shapes and block digests change), and it is
-committed through ``Index.commit_save`` with the keys a save computes
-(``keys.chain``, ``exact_key_for``, ``prefix_items``), 20k commits sharing
-one LMDB write transaction. So the index holds exactly what saves would have
-put there; the lookups and compactions timed against it run kvstore's own
+committed through the root's catalog with the records a save derives
+(``records_of``: the chain, the exact key, the prefix values), 20k commits
+sharing one LMDB write transaction. So the index holds exactly what saves would
+have put there; the lookups and compactions timed against it run kvstore's own
 code on it.
 
 - :class:`LookupIndexBuilder`: entries of one of 64 system prompts (256-512
@@ -17,8 +17,8 @@ code on it.
   blocks, so manifests stay small), every block a real file named by the
   digest of its (64-byte) contents.
 
-Uses kvstore internals (kvstore.store.keys, .lookup, kvstore.index, kvstore.schema): a tool,
-not an API.
+Uses kvstore internals (kvstore.catalog.records, the root's catalog, kvstore.schema): a
+tool, not an API.
 """
 
 from __future__ import annotations
@@ -37,14 +37,11 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from kvstore import Namespace, Store
-from kvstore.index import EntryRecord, SavePlan, now_ms
+from kvstore.catalog.records import records_of
+from kvstore.index import now_ms
 from kvstore.schema import Manifest, encode_manifest
-from kvstore.store import keys as P
-from kvstore.store.lookup import prefix_items, trimmable
-from kvstore.store.store import CODEC_PROVIDER
 
 VOCAB = 32000
-_ns_json = msgspec.json.Encoder()
 
 
 def _template(store: Store, ns: Namespace, block_tokens: int) -> Manifest:
@@ -66,11 +63,7 @@ class _Committer:
         self.store = store
         self.ns = ns
         self.T = store.block_tokens
-        self.algo = store.settings.hash
-        self.c0 = P.root_key(ns, CODEC_PROVIDER, self.T, self.algo)
         self.tmpl = _template(store, ns, self.T)
-        self.ns_enc = _ns_json.encode(ns).decode()
-        self.can_trim = trimmable(self.tmpl.layers)
         self._txn: Any = None
         self._pending = 0
         self._outer: Any = None
@@ -104,11 +97,11 @@ class _Committer:
         self._outer = self._txn = None
         self._pending = 0
 
-    def commit(self, toks: np.ndarray, token_blocks: Sequence[bytes], block_size: int,
-               ensure: Any = None) -> bytes:
+    def commit(self, toks: np.ndarray, token_blocks: Sequence[bytes]) -> bytes:
+        """Commit one entry of these tokens and token blocks (the template's 32 bytes a
+        token: the block sizes records_of derives)."""
         n = len(toks)
         tok_le = toks.astype("<u4").tobytes()
-        keys = P.chain(self.c0, tok_le, self.T, self.algo, n // self.T)
         layer = self.tmpl.layers[0]
         specs = tuple(msgspec.structs.replace(s, shape=(1, 1, n, 8)) for s in layer.tensors)
         m = msgspec.structs.replace(
@@ -117,18 +110,8 @@ class _Committer:
             token_blocks=tuple(token_blocks), state_blocks=())
         encoded = encode_manifest(m)
         digest = blake3.blake3(encoded).digest()
-        stamp = now_ms()
-        plan = SavePlan(
-            digest=digest,
-            manifest=encoded,
-            blocks=dict.fromkeys(token_blocks, block_size),
-            prefix_items=prefix_items(keys, toks.tolist(), self.T, self.can_trim, digest),
-            exact_key=P.exact_key_for(keys, tok_le, n, self.T, self.algo),
-            entry=EntryRecord(namespace=self.ns_enc, n_tokens=n, logical_bytes=n * 32,
-                              created_at=stamp, last_access=stamp, priority=0),
-            ensure_block=ensure or (lambda d: None),
-        )
-        self.store.index.commit_save(plan)
+        rec = records_of(m, encoded, digest, priority=0, last_access=m.created_at)
+        self.store.local.catalog.commit(rec, lambda ds: None)  # the blocks are the caller's
         return digest
 
 
@@ -157,7 +140,7 @@ class LookupIndexBuilder:
             nb = -(-len(toks) // T)
             blocks = [blake3.blake3(toks[i * T : (i + 1) * T].tobytes()).digest()
                       for i in range(nb)]
-            self.c.commit(toks, blocks, T * 32)
+            self.c.commit(toks, blocks)
             self.entries.append(toks)
 
     def queries(self, count: int, length: int) -> list[tuple[np.ndarray, int]]:
@@ -228,7 +211,7 @@ def build_compact_root(root: Path, ns: Namespace, *, blocks: int,
                     made += k
                 _write_files(store.root, files)
                 for toks, digests in chunk:
-                    ids.append(c.commit(toks, digests, 512).hex())
+                    ids.append(c.commit(toks, digests).hex())
     finally:
         store.close()
     return ids

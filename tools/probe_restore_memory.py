@@ -39,8 +39,8 @@ import numpy as np
 from kvstore import Store
 from kvstore.bench.common import QUICK, block_files, make_cache
 from kvstore.bench.io_cases import NS, tokens_for
-from kvstore.bench.limits import _balanced
-from kvstore.store.reader import _THREADS as THREADS
+from kvstore.blocks.pools import READ_WORKERS as THREADS
+from kvstore.blocks.pools import balanced
 
 PAGE = 4096
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         store.save(toks, make_cache(QUICK, a.tokens, seed=1))
         paths = [str(x) for x in block_files(root)]
         sizes = [os.stat(x).st_size for x in paths]
-        groups = _balanced(sizes, THREADS)
+        groups = balanced(sizes, THREADS)
         warm = [np.ones(s, dtype=np.uint8) for s in sizes]
 
         def read_into(bufs: list[Any], idx: list[int]) -> None:

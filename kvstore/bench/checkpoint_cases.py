@@ -157,8 +157,8 @@ def _kind_rows(cfg: Config, scratch: Path, kind: str) -> list[Row]:
         # what question 1 left on disk, before question 2's prefills add to it
         on = sides["on"].store
         ckpts = [e for e in on.entries() if e.priority == "checkpoint"]
-        ms = list(on.manifests([e.id for e in ckpts]).values())
-        sizes = {d: s for m in ms for d, (s, _) in on.block_refs(m.all_blocks()).items()}
+        ms = list(on.views.manifests([e.id for e in ckpts]).values())
+        sizes = {d: s for m in ms for d, (s, _) in on.views.block_refs(m.all_blocks()).items()}
         per = checkpoint_bytes(ms, sizes, cfg.ckpt_every)
         physical = {k: float(s.store.stats().physical_bytes) for k, s in sides.items()}
         cached: dict[str, list[int]] = {"on": [], "off": []}

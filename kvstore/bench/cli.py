@@ -18,7 +18,7 @@ from .common import CONFIGS, QUICK, Config, Row, cache_bytes, machine, make_cach
 from .report import human, table, targets, targets_table
 
 GROUPS = ("save", "restore", "multiturn", "shared", "lookup", "ttft", "checkpoints",
-          "concurrency", "remote")
+          "concurrency", "startup", "remote")
 MODEL_GROUP = "model"  # only with --model: a real model's prefill takes minutes on a CPU
 
 
@@ -49,13 +49,11 @@ def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
     from .index_cases import lookup_rows, ttft_rows
     from .io_cases import (
         SavedPair,
-        _label,
         multiturn_rows,
         restore_rows,
         save_rows,
         shared_rows,
     )
-    from .limits import restore_limit_rows
 
     rows: list[Row] = []
 
@@ -75,8 +73,7 @@ def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
                 pair = SavedPair(scratch, n, cache)
                 try:
                     if "restore" in groups:
-                        add(restore_rows(cfg, pair))
-                        add(restore_limit_rows(cfg, pair, _label(n)))
+                        add(restore_rows(cfg, pair))  # and its limit rows, from the same runs
                     if "concurrency" in groups and n == cfg.sizes[0]:
                         _concurrency(cfg, scratch, add, log)
                 finally:
@@ -98,6 +95,11 @@ def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
         from .checkpoint_cases import checkpoint_rows
 
         add(checkpoint_rows(cfg, scratch, log))
+    if "startup" in groups:
+        from .startup_cases import startup_rows
+
+        log(f"[startup] a fresh process on a small root (load average {_load()})")
+        add(startup_rows(cfg, scratch))
     if "remote" in groups:
         from .remote_cases import reachable, remote_rows
 
@@ -113,6 +115,13 @@ def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
 
         add(model_rows(cfg, scratch, model_dir, log))
     return rows
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def _concurrency(cfg: Config, scratch: Path, add: Callable[[list[Row]], None],

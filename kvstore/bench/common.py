@@ -15,6 +15,8 @@ from typing import Any, Literal
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 
+from .._vio import full_fsync
+
 RatioKind = Literal["speedup", "fraction", "throughput"]
 
 # mlx-lm's cache module is untyped: typed handles for what the cases use
@@ -58,6 +60,8 @@ class Config:
     ckpt_layers: int = 4
     ckpt_window: int = 256  # gemma3_text's sliding window
     model_reps: int = 3  # restores timed per side; the prefill is timed once (minutes on a CPU)
+    # the commands the startup group times in a fresh process (each also as `rm`, `show` ...)
+    startup_commands: tuple[str, ...] = ("stats", "ls", "show", "tree", "rm", "verify", "compact")
     note: str = ""
 
 
@@ -105,6 +109,7 @@ SMOKE = Config(
     ckpt_reps=1,
     ckpt_layers=2,
     ckpt_window=64,
+    startup_commands=("stats",),
     note="smoke: checks that every case runs; its figures mean nothing",
 )
 CONFIGS = {c.name: c for c in (FULL, QUICK, SMOKE)}
@@ -128,6 +133,7 @@ class Row:
     ratio_kind: RatioKind
     ratio: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    part_of: str = ""  # the row whose runs this one's figure is a part of (the limit rows)
 
     def __post_init__(self) -> None:
         if self.ratio_kind == "speedup":
@@ -249,9 +255,10 @@ def decode_step(cache: Sequence[Any]) -> None:
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Flush a file or directory as the store flushes its own (:func:`full_fsync`)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        full_fsync(fd)
     finally:
         os.close(fd)
 
@@ -317,7 +324,7 @@ def machine(scratch: Path) -> dict[str, Any]:
     """What the figures were measured on (no paths of the machine)."""
     import mlx_lm
 
-    from ..store._fs import filesystem_type
+    from ..store.local.filesystem import filesystem_type
 
     return {
         "nproc": os.cpu_count(),

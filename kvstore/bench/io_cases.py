@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shutil
@@ -14,12 +15,12 @@ import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 
 from ..blocks import LocalBlockStore, hash_bytes
-from ..blocks.local import io_pool
+from ..blocks.pools import io_pool
+from ..catalog.settings import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK
 from ..codecs import snapshot
 from ..schema import Namespace
 from ..store import Store
-from ..store.root import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK
-from ..store.writer import place
+from ..store.data.writer import place
 from .common import (
     Config,
     Row,
@@ -87,7 +88,7 @@ def _save_parts(scratch: Path, n: int, cache: list[Any]) -> tuple[Callable[[], f
         bstore = LocalBlockStore(root, "blake3", durable=False)
         try:
             t = _clock()
-            list(pool.map(bstore.write_tmp, blocks))
+            list(pool.map(bstore.stage, blocks))
             return _clock() - t
         finally:
             shutil.rmtree(root)
@@ -182,12 +183,18 @@ class SavedPair:
         self.bytes = cache_bytes(cache)
         self.store = Store.open(self.root, namespace=NS, create=False)
 
-    def kv_restore(self, *, verify: bool = False) -> float:
+    def kv_restore(self, *, verify: bool = False, parts: list[float] | None = None) -> float:
+        """Seconds to a cache ready to decode; ``parts`` gets the ``Store.restore`` call's
+        share of them (the limit rows compare that share with the machine's reads)."""
         t = _clock()
         cache, length = self.store.restore(self.tokens, verify=verify)
+        restored = _clock()
         assert cache is not None and length == self.n, "the benchmark entry went missing"
         decode_step(cache)
-        return _clock() - t
+        done = _clock()
+        if parts is not None:
+            parts.append(restored - t)
+        return done - t
 
     def mlx_restore(self) -> float:
         t = _clock()
@@ -210,25 +217,41 @@ class SavedPair:
 
 def restore_rows(cfg: Config, pair: SavedPair) -> list[Row]:
     """Restore to ready-to-decode, verified (the default) and with verification off, from
-    the page cache and after eviction, each interleaved with ``load_prompt_cache``."""
+    the page cache and after eviction, each interleaved with ``load_prompt_cache``; and,
+    from the same runs, the limit rows: the ``Store.restore`` share of each (the decode
+    step left out) against ``preadv`` of its block files in the same rounds (one case,
+    one measurement: the limit rows never time a restore of their own)."""
+    from .limits import RawRead, restore_limit_rows
+
     lab = _label(pair.n)
     gb = pair.bytes / 1e9
-    pair.warm()
-    sides = {"kv": lambda: pair.kv_restore(verify=True),
-             "kv_raw": lambda: pair.kv_restore(verify=False), "ml": pair.mlx_restore}
-    warm = interleave(sides, cfg.reps)
-    cold = interleave(sides, cfg.reps, before=pair.drop)
-    pair.warm()
+    raw = RawRead(pair.root)
     rows = []
-    for where, res in (("page cache", warm), ("after eviction", cold)):
+    for where in ("page cache", "after eviction"):
+        parts: dict[str, list[float]] = {"kv": [], "kv_raw": []}
+        sides: dict[str, Callable[[], float]] = {
+            "kv": functools.partial(pair.kv_restore, verify=True, parts=parts["kv"]),
+            "kv_raw": functools.partial(pair.kv_restore, verify=False, parts=parts["kv_raw"]),
+            "ml": pair.mlx_restore, "raw": raw}
+        if where == "page cache":
+            sides["raw_v"] = lambda: raw(hash=True)
+        pair.warm()
+        res = interleave(sides, cfg.reps, before=pair.drop if where != "page cache" else None)
+        names = {"kv": f"restore {lab} {where}", "kv_raw": f"restore {lab} {where}, "
+                 "verify_reads=False"}
         rows += [
-            Row("restore", f"restore {lab} {where}", "s", median(res["kv"]),
+            Row("restore", names["kv"], "s", median(res["kv"]),
                 median(res["ml"]), MLX_LOAD + " (no verification)", "speedup",
                 extra={"gb": gb, "verified": True}),
-            Row("restore", f"restore {lab} {where}, verify_reads=False", "s",
+            Row("restore", names["kv_raw"], "s",
                 median(res["kv_raw"]), median(res["ml"]), MLX_LOAD, "speedup",
                 extra={"gb": gb, "verified": False}),
         ]
+        # interleave runs each side once to warm up first: that run is not a sample
+        shares = {k: v[1:] for k, v in parts.items()}
+        rows += restore_limit_rows(names, shares, res, raw.threads,
+                                   verified=where == "page cache")
+    pair.warm()
     return rows
 
 

@@ -23,15 +23,15 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from .._vio import pwritev_all
 from ..blocks import new_hasher
 from ..blocks.hashing import chain_hashes
-from ..blocks.local import _write_all, io_pool
-from ..store.reader import _THREADS as READ_THREADS
-from .common import Config, Row, block_files, fsync_path, interleave, median
+from ..blocks.pools import READ_WORKERS, balanced, io_pool
+from .common import Row, block_files, fsync_path, median
 
 if TYPE_CHECKING:
     import numpy as np
@@ -42,27 +42,17 @@ TARGET = 0.8  # issue 16: kvstore within 0.8x of the machine's limit
 
 
 def limit_row(name: str, kv: float, limit: float, label: str, *,
-              target: float | None = TARGET, extra: dict[str, float] | None = None) -> Row:
+              target: float | None = TARGET, extra: dict[str, float] | None = None,
+              part_of: str = "") -> Row:
     """A row of group ``limit``: kvstore's seconds against the limit's; ratio = limit / kvstore."""
     ext = dict(extra or {})
     if target is not None:
         ext["target"] = target
-    return Row("limit", name, "s", kv, limit, label, "speedup", extra=ext)
+    return Row("limit", name, "s", kv, limit, label, "speedup", extra=ext, part_of=part_of)
 
 
 def _clock() -> float:
     return time.perf_counter()
-
-
-def _balanced(sizes: Sequence[int], n: int) -> list[list[int]]:
-    """Indexes of ``sizes`` in ``n`` groups of about equal bytes (biggest first, to the least)."""
-    groups: list[list[int]] = [[] for _ in range(max(1, n))]
-    loads = [0] * len(groups)
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        k = loads.index(min(loads))
-        groups[k].append(i)
-        loads[k] += sizes[i]
-    return [g for g in groups if g]
 
 
 class RawRead:
@@ -80,7 +70,7 @@ class RawRead:
         self.arrays = [mx.zeros((s,), dtype=mx.uint8) for s in self.sizes]
         mx.eval(self.arrays)
         self.views = [memoryview(a).cast("B") for a in self.arrays]  # type: ignore[arg-type]
-        self.threads = READ_THREADS
+        self.threads = READ_WORKERS
 
     def _job(self, idx: list[int], hash: bool) -> None:
         for i in idx:
@@ -97,7 +87,7 @@ class RawRead:
                 h.digest()
 
     def __call__(self, *, hash: bool = False) -> float:
-        groups = _balanced(self.sizes, self.threads)
+        groups = balanced(self.sizes, self.threads)
         t = _clock()
         futures = [io_pool().submit(self._job, g, hash) for g in groups[1:]]
         self._job(groups[0], hash)
@@ -120,14 +110,14 @@ def raw_durable_write(scratch: Path, blocks: Sequence[Sequence[memoryview]],
         for i in idx:
             fd = os.open(names[i], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                _write_all(fd, blocks[i])
+                pwritev_all(fd, list(blocks[i]), 0)
             finally:
                 os.close(fd)
 
     sizes = [sum(len(p) for p in b) for b in blocks]
     try:
         t = _clock()
-        groups = _balanced(sizes, parallel)
+        groups = balanced(sizes, parallel)
         futures = [io_pool().submit(write, g) for g in groups[1:]]
         write(groups[0])
         for f in futures:
@@ -139,30 +129,24 @@ def raw_durable_write(scratch: Path, blocks: Sequence[Sequence[memoryview]],
         shutil.rmtree(d, ignore_errors=True)
 
 
-def restore_limit_rows(cfg: Config, pair: Any, label: str) -> list[Row]:
-    """Restore (unverified, verified, after eviction) vs raw preadv of the same block files."""
-    raw = RawRead(pair.root)
-
-    def kv(verify: bool) -> float:
-        t = _clock()
-        cache, length = pair.store.restore(pair.tokens, verify=verify)
-        assert cache is not None and length == pair.n
-        return _clock() - t
-
-    pair.warm()
-    warm = interleave({"kv": lambda: kv(False), "raw": raw,
-                       "kv_v": lambda: kv(True), "raw_v": lambda: raw(hash=True)}, cfg.reps)
-    cold = interleave({"kv": lambda: kv(False), "raw": raw}, cfg.reps, before=pair.drop)
-    pair.warm()
-    th = f"{raw.threads} threads"
-    return [
-        limit_row(f"limit: restore {label} page cache (verify=False)", median(warm["kv"]),
-                  median(warm["raw"]), f"preadv of its block files into preallocated arrays, {th}"),
-        limit_row(f"limit: restore {label} verify=True (page cache)", median(warm["kv_v"]),
-                  median(warm["raw_v"]), f"the same preadv + BLAKE3 of every block, {th}"),
-        limit_row(f"limit: restore {label} after eviction (verify=False)", median(cold["kv"]),
-                  median(cold["raw"]), f"the same preadv after eviction, {th}"),
-    ]
+def restore_limit_rows(names: dict[str, str], shares: dict[str, list[float]],
+                       res: dict[str, list[float]], threads: int, *,
+                       verified: bool) -> list[Row]:
+    """The limit rows of the restore rows ``names`` (``kv``: verified, ``kv_raw``: not), from
+    the same runs: ``shares`` holds each run's ``Store.restore`` seconds, ``res`` the raw
+    reads timed in the same rounds (``raw``, and ``raw_v`` with BLAKE3). Each row names the
+    restore row it is a part of, so one case is measured once."""
+    th = f"{threads} threads"
+    pairs = [("kv_raw", "raw", f"preadv of its block files into preallocated arrays, {th}")]
+    if verified:
+        pairs.append(("kv", "raw_v", f"the same preadv + BLAKE3 of every block, {th}"))
+    rows = []
+    for side, limit, label in pairs:
+        row = names[side]
+        rows.append(limit_row(
+            f"limit: {row}: Store.restore alone", median(shares[side]), median(res[limit]),
+            label, extra={"decode_s": median(res[side]) - median(shares[side])}, part_of=row))
+    return rows
 
 
 def lookup_limit_rows(store: Store, queries: Sequence[np.ndarray], label: str) -> list[Row]:

@@ -12,6 +12,9 @@
    (what plain ``mlx_lm.server`` keeps) and no cache; and the share of each turn's
    prompt that came from a cache. The three run turn by turn, in a rotating order,
    so the machine's noise falls on them alike.
+3. The same conversation through ``kvstore serve`` (a subprocess, as users run it): the
+   bytes written per request and against the final conversation's KV bytes, with the
+   default write-behind and with every snapshot written at once (:mod:`.write_cost`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from mlx_lm.models import cache as _mlx_cache
 from ..demo import REAL_SYSTEM
 from ..store import Store
 from .common import Config, Row, block_files, drop_from_page_cache, median
+from .write_cost import write_cost_rows
 
 Log = Callable[[str], None]
 
@@ -116,6 +120,8 @@ def model_rows(cfg: Config, scratch: Path, model_dir: Path, log: Log = print) ->
     try:
         rows = ttft_rows(cfg, root / "ttft", model, tok, model_dir, label, log)
         rows += conversation_rows(root / "conversation", model, tok, model_dir, label, log)
+        rows += write_cost_rows(root / "write-cost", model_dir, label, SYSTEM, TURNS,
+                                REPLY_TOKENS, log)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for r in rows:

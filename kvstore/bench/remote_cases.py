@@ -17,8 +17,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..blocks.s3 import S3Client, parse_s3_url
 from ..remote import Remote
+from ..remote.s3 import S3Client, parse_s3_url
 from ..schema import Namespace
 from ..store import Store
 from .common import Config, Row, interleave, make_cache, median

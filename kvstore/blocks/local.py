@@ -16,23 +16,21 @@ import os
 import secrets
 import stat
 import sys
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .._vio import full_fsync, pwritev_all
 from ..errors import (
     BlockNotFoundError,
     CorruptBlockError,
-    ReadOnlyStoreError,
     StoreFullError,
     UnsafeRootError,
 )
 from . import base
 from .hashing import Digest, check_digest, new_hasher
+from .pools import io_pool
 
 Buffer = bytes | memoryview
-_IOV_MAX = 1024
 _counter = itertools.count()
 # Block files are opened without following a symlink and without blocking on a FIFO;
 # what is opened is then checked to be a regular file (see LocalBlockStore.open).
@@ -54,27 +52,6 @@ def file_kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _write_all(fd: int, pieces: Sequence[Buffer]) -> int:
-    """``writev`` every piece, coping with IOV_MAX and short writes."""
-    total = 0
-    pending = [memoryview(p).cast("B") for p in pieces if len(p)]
-    while pending:
-        batch = pending[:_IOV_MAX]
-        n = os.writev(fd, batch)
-        total += n
-        # drop what was written, keep the rest (a short write leaves a tail)
-        rest: list[memoryview] = []
-        for i, p in enumerate(batch):
-            if n >= len(p):
-                n -= len(p)
-                continue
-            rest.append(p[n:])
-            rest.extend(batch[i + 1 :])
-            break
-        pending = rest + pending[_IOV_MAX:]
-    return total
-
-
 def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
@@ -89,46 +66,6 @@ def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
 
 
 _sync_file_range = _load_sync_file_range()
-#: Worker threads of the two pools (docs/BENCHMARKS.md, "Pool sizes"; tools/probe_io.py).
-#: Hashing and page-cache writes keep a core busy each: one thread a core. On 2
-#: cores BLAKE3 went 5.3 -> 10.0 GB/s from 1 to 2 threads and no higher at 4-32,
-#: writes 4.1 -> 6.8; the fsync round gains 10% from 2 to 8 threads, within the
-#: disk's run-to-run noise. The cap of 8, measured on 16 cores: saves of 4k and 16k
-#: tokens with 8, 16 and 32 threads took 40-45 / 44-45 / 43-46 ms and 134-160 /
-#: 174-177 / 199 ms (non-durable); a save has few blocks (16 at 4k tokens) and memory,
-#: not cores, bounds the rest.
-#: Reads mostly wait on the device, and a verified read hashes what it has just
-#: read: three in flight a core let one thread hash while the others wait (a 16k
-#: restore after eviction: 1.00x of load_prompt_cache with 2 threads, 1.23x with 6,
-#: on 2 cores; reads after eviction 1.49 GB/s at 1 in flight, 1.77 at 16). The cap
-#: of 16: one a core on 16 cores, where hashing, not waiting, fills the cores.
-IO_WORKERS = max(2, min(8, os.cpu_count() or 2))
-READ_WORKERS = max(4, min(16, 3 * (os.cpu_count() or 2)))
-_POOLS: dict[str, tuple[int, ThreadPoolExecutor]] = {}
-_POOL_LOCK = threading.Lock()
-
-
-def _pool(name: str, workers: int) -> ThreadPoolExecutor:
-    with _POOL_LOCK:
-        got = _POOLS.get(name)
-        if got is None or got[0] != os.getpid():
-            got = _POOLS[name] = (os.getpid(), ThreadPoolExecutor(
-                workers, thread_name_prefix=f"kvstore-{name}"))
-        return got[1]
-
-
-def io_pool() -> ThreadPoolExecutor:
-    """The process's block write/hash threads (hashing, pwritev and fsync release the GIL).
-
-    One pool per process, made again after a fork: creating threads per save
-    costs more than a small one's work.
-    """
-    return _pool("io", IO_WORKERS)
-
-
-def read_pool() -> ThreadPoolExecutor:
-    """The process's block read threads (``preadv`` and hashing release the GIL)."""
-    return _pool("read", READ_WORKERS)
 
 
 _SYNC_FILE_RANGE_WRITE = 2
@@ -193,6 +130,7 @@ class LocalBlockStore(base.BlockStore):
         Only a regular file is freshened (and so reused by a save): a symlink is
         never followed to touch the file it points at.
         """
+        self.check_writable()
         path = self._path(digest)
         try:
             if not stat.S_ISREG(os.lstat(path).st_mode):
@@ -204,28 +142,27 @@ class LocalBlockStore(base.BlockStore):
 
     # --- writes ----------------------------------------------------------
 
-    def _check_writable(self) -> None:
-        if self.read_only:
-            raise ReadOnlyStoreError(f"{self.root} is open read-only")
+    def where_all(self) -> str:
+        return str(self.root)
 
-    def write_tmp(self, pieces: Sequence[Buffer], *, sync: bool | None = None) -> Path:
-        """Write ``pieces`` to a new temp file; returns its path.
+    def stage(self, pieces: Sequence[Buffer], *, sync: bool = False) -> base.Staged:
+        """Write ``pieces`` to a new temp file in ``tmp/``.
 
-        With ``sync`` (default: the root's durability) the file is fsynced
-        before this returns. ``sync=False`` on a durable root starts the
-        file's writeback without waiting for it, so a caller writing many
-        blocks can fsync them together afterwards (:meth:`sync_file`).
+        With ``sync`` the file is fsynced before this returns. Without it, on a
+        durable root, the file's writeback is started without waiting for it, so a
+        caller writing many blocks can fsync them together afterwards
+        (:meth:`sync_staged`).
         """
-        self._check_writable()
-        sync = self.durable if sync is None else sync
+        self.check_writable()
         name = f"{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}.tmp"
         tmp = self.tmp_dir / name
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                _write_all(fd, pieces)
+                views = [memoryview(p) for p in pieces]
+                pwritev_all(fd, views, 0)
                 if sync:
-                    os.fsync(fd)
+                    full_fsync(fd)
                 elif self.durable:
                     _start_writeback(fd)
             finally:
@@ -235,21 +172,23 @@ class LocalBlockStore(base.BlockStore):
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StoreFullError(f"{self.root}: no space left writing a block") from e
             raise
-        return tmp
+        return base.Staged(path=str(tmp), size=sum(v.nbytes for v in views))
 
-    def sync_file(self, path: Path) -> None:
-        """fsync a file written with ``write_tmp(..., sync=False)``."""
-        fd = os.open(path, os.O_RDONLY)
+    def sync_staged(self, staged: base.Staged) -> None:
+        """fsync a temp file staged without ``sync``."""
+        fd = os.open(staged.path, os.O_RDONLY)
         try:
-            os.fsync(fd)
+            full_fsync(fd)
         finally:
             os.close(fd)
 
-    def publish(self, tmp: Path, digest: bytes) -> tuple[bool, Path]:
+    def publish(self, staged: base.Staged, digest: bytes) -> bool:
         """Link a temp file into place as ``digest``; never replaces an existing block.
 
-        Returns (True, fan-out dir) when this call created the block.
+        True when this call created the block; the temp file is removed either way.
         """
+        self.check_writable()
+        tmp = staged.path
         final = self._path(digest)
         try:
             try:
@@ -268,28 +207,57 @@ class LocalBlockStore(base.BlockStore):
                 except FileExistsError:
                     pass
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        return created, Path(os.path.dirname(final))
+            self.discard(staged)
+        return created
 
-    def sync_dirs(self, dirs: Iterable[Path]) -> None:
-        """fsync directories so new names survive a crash (no-op when not durable)."""
+    def discard(self, staged: base.Staged) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staged.path)
+
+    def sync_published(self, digests: Iterable[bytes]) -> None:
+        """fsync the fan-out directories of these blocks, so their names survive a crash
+        (nothing when the root is not durable)."""
         if not self.durable:
             return
-        for d in set(dirs):
+        for d in sorted({os.path.dirname(self._path(d)) for d in digests}):
             fd = os.open(d, os.O_RDONLY)
             try:
-                os.fsync(fd)
+                full_fsync(fd)
             finally:
                 os.close(fd)
 
-    def put(self, digest: bytes, pieces: Sequence[Buffer]) -> bool:
+    def put_many(self, blocks: Iterable[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:
+        """Store the blocks not stored yet, as they come: each written to a temp file (its
+        writeback started, its bytes then let go), then, on a durable root, all fsynced
+        together on the I/O threads, linked into place and their directories fsynced once."""
+        self.check_writable()
+        out: list[bool] = []
+        staged: dict[int, tuple[bytes, base.Staged]] = {}
+        created: list[bytes] = []
+        try:
+            for d, pieces in blocks:
+                if not self.exists(d):
+                    staged[len(out)] = (d, self.stage(pieces))
+                out.append(False)
+            if self.durable:
+                list(io_pool().map(lambda x: self.sync_staged(x[1]), staged.values()))
+            for i in list(staged):
+                d, st = staged.pop(i)
+                out[i] = self.publish(st, d)
+                if out[i]:
+                    created.append(d)
+        finally:
+            for _, st in staged.values():
+                self.discard(st)
+        self.sync_published(created)
+        return out
+
+    def _put(self, digest: bytes, pieces: Sequence[Buffer]) -> bool:
         """Store one block unless it exists; True when it was written now."""
-        self._check_writable()
         if self.exists(digest):
             return False
-        created, parent = self.publish(self.write_tmp(pieces), digest)
-        self.sync_dirs([parent])
+        created = self.publish(self.stage(pieces, sync=self.durable), digest)
+        self.sync_published([digest])
         return created
 
     # --- reads -----------------------------------------------------------
@@ -380,13 +348,12 @@ class LocalBlockStore(base.BlockStore):
 
     # --- deletion and listing ----------------------------------------------
 
-    def delete(self, digest: bytes) -> bool:
+    def _delete(self, digest: bytes) -> bool:
         """Unlink the block; False when it was already gone.
 
         A directory in a block's place is moved to ``quarantine/`` instead
         (unlink cannot remove it, and GC must not stop at it).
         """
-        self._check_writable()
         try:
             self.path(digest).unlink()
             return True
@@ -395,7 +362,7 @@ class LocalBlockStore(base.BlockStore):
         except IsADirectoryError:
             return self.quarantine(digest) is not None
 
-    def quarantine(self, digest: bytes) -> Path | None:
+    def quarantine(self, digest: bytes) -> str | None:
         """Move a (corrupt) block aside into ``quarantine/``; None when it was gone.
 
         The move goes through a descriptor of ``quarantine/`` opened without
@@ -404,7 +371,7 @@ class LocalBlockStore(base.BlockStore):
         file. A block already in quarantine is replaced (a directory there is
         given a numbered name beside it).
         """
-        self._check_writable()
+        self.check_writable()
         self.quarantine_dir.mkdir(exist_ok=True)
         dfd = open_real_dir(self.quarantine_dir)
         name = digest.hex()
@@ -412,7 +379,7 @@ class LocalBlockStore(base.BlockStore):
             for i in range(100):
                 try:
                     os.replace(self._path(digest), name, dst_dir_fd=dfd)
-                    return self.quarantine_dir / name
+                    return str(self.quarantine_dir / name)
                 except FileNotFoundError:
                     return None
                 except OSError as e:  # a directory on one side of the rename, not both
@@ -422,6 +389,14 @@ class LocalBlockStore(base.BlockStore):
         finally:
             os.close(dfd)
         return None
+
+    def quarantined(self) -> int:
+        """How many names ``quarantine/`` holds (blocks moved aside as corrupt)."""
+        try:
+            with os.scandir(self.quarantine_dir) as it:
+                return sum(1 for _ in it)
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
 
     def stat(self, digest: bytes) -> base.BlockStat | None:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from .._human import SizeError, parse_size
+from .._human import SizeError, parse_budget, parse_size
 from . import render as H
 
 if TYPE_CHECKING:
@@ -25,12 +26,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _GraceDefault:
-    """compact's ``--grace`` default, kvstore.store.gc.DEFAULT_GRACE, read when click needs
+    """compact's ``--grace`` default, kvstore.store.upkeep.gc.DEFAULT_GRACE, read when click needs
     it (to run compact, or to show ``[default: …]``): importing the store when the command
     line is built would load mlx for every ``kvstore --help``."""
 
     def __call__(self) -> float:
-        from ..store.gc import DEFAULT_GRACE
+        from ..store.upkeep.gc import DEFAULT_GRACE
 
         return DEFAULT_GRACE
 
@@ -75,11 +76,19 @@ debug_option = click.option("--debug", is_flag=True, expose_value=False, is_eage
                             callback=_set("debug"), help="Show the full traceback of an error.")
 
 
-def common(f: F) -> F:
-    """``--root``, ``--quiet`` and ``--debug``, accepted by the group and every command."""
+def no_root(f: F) -> F:
+    """``--quiet`` and ``--debug`` alone: for the commands that touch no root (``inspect``,
+    ``model fetch``), whose help must not offer a ``--root`` that would do nothing."""
     f = debug_option(f)
-    f = click.option("-q", "--quiet", is_flag=True, expose_value=False, callback=_set("quiet"),
-                     help="No progress bars or chatter; errors still go to stderr.")(f)
+    return click.option("-q", "--quiet", is_flag=True, expose_value=False,
+                        callback=_set("quiet"),
+                        help="No progress bars or chatter; errors still go to stderr.")(f)
+
+
+def common(f: F) -> F:
+    """``--root``, ``--remote``, ``--quiet`` and ``--debug``, accepted by the group and by
+    every command that works on a root."""
+    f = no_root(f)
     f = click.option("--root", type=click.Path(path_type=Path), expose_value=False,
                      callback=_set("root"), metavar="DIR",
                      help="Cache root (default: $KVSTORE_ROOT, else the user cache dir).")(f)
@@ -94,15 +103,19 @@ json_option = click.option("--json", "as_json", is_flag=True,
 
 
 class ByteSize(click.ParamType):  # type: ignore[type-arg]
-    """A byte count such as ``10G``, ``500MiB``, ``1.5GB`` or ``1048576``."""
+    """A byte count such as ``10G``, ``500MiB``, ``1.5GB`` or ``1048576``; with ``budget``,
+    a bare number below 1 MiB is refused as a forgotten unit (:func:`parse_budget`)."""
 
     name = "size"
+
+    def __init__(self, *, budget: bool = False) -> None:
+        self.budget = budget
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
         try:
-            return parse_size(str(value))
+            return (parse_budget if self.budget else parse_size)(str(value))
         except SizeError as e:
             self.fail(str(e), param, ctx)
 
@@ -115,12 +128,34 @@ def emit(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2))
 
 
+class _NoReadOnlyNotice(logging.Filter):
+    """Drops the store's "opened read-only" notice: a command that must write says it in its
+    one error line instead (a user error is one line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "opened read-only" not in record.getMessage()
+
+
 @contextmanager
-def open_store(create: bool = False, **kwargs: Any) -> Iterator[Store]:
+def open_store(create: bool = False, *, writes: str | None = None,
+               **kwargs: Any) -> Iterator[Store]:
+    """The root, open; ``writes`` (what the command is about to do) makes a root that can
+    only be read one ``kvstore: error:`` line, before anything is done."""
     from ..store import Store
 
     kwargs.setdefault("remote", "")  # the commands that use the remote pass it
-    with Store.open(opts().resolved_root(), create=create, **kwargs) as store:
+    quiet = _NoReadOnlyNotice()
+    log = logging.getLogger("kvstore")
+    if writes is not None:
+        log.addFilter(quiet)
+    try:
+        store = Store.open(opts().resolved_root(), create=create, **kwargs)
+    finally:
+        log.removeFilter(quiet)
+    with store:
+        if writes is not None and store.read_only:
+            raise UserError(f"{store.root} is read-only here (a read-only filesystem, or "
+                            f"another user's root): cannot {writes}")
         yield store
 
 
@@ -153,6 +188,34 @@ def progress(total: int | None, desc: str, unit: str = "it") -> Iterator[Callabl
         yield bar.update
     finally:
         bar.close()
+
+
+@contextmanager
+def phase_progress(units: dict[str, str]) -> Iterator[Callable[[str, int, int], None]]:
+    """tqdm bars on stderr (or a no-op) for a store call's ``progress(phase, done, total)``:
+    one bar per phase, in the unit ``units`` gives it (``B`` shows sizes)."""
+    if not progress_enabled():
+        yield lambda phase, done, total: None
+        return
+    from tqdm import tqdm
+
+    bars: dict[str, Any] = {}
+
+    def update(phase: str, done: int, total: int) -> None:
+        bar = bars.get(phase)
+        if bar is None:
+            unit = units.get(phase, "it")
+            bar = bars[phase] = tqdm(total=total, desc=phase, unit=unit, leave=False,
+                                     file=sys.stderr, unit_scale=unit == "B",
+                                     dynamic_ncols=True)
+        bar.total = total
+        bar.update(done - bar.n)
+
+    try:
+        yield update
+    finally:
+        for bar in bars.values():
+            bar.close()
 
 
 # --- namespaces and entries -----------------------------------------------------------

@@ -8,7 +8,17 @@ from typing import Any, Literal
 import click
 
 from . import render as H
-from ._util import UserError, common, emit, json_option, open_store, opts, oserror_line, progress
+from ._util import (
+    UserError,
+    common,
+    emit,
+    json_option,
+    no_root,
+    open_store,
+    opts,
+    oserror_line,
+    progress,
+)
 
 __all__ = ["export", "import_", "inspect_"]
 
@@ -29,7 +39,7 @@ def import_(files: tuple[Path, ...], as_json: bool) -> None:
 
     done: list[dict[str, Any]] = []
     failed: list[dict[str, str]] = []
-    with open_store() as store, progress(len(files), "import", "file") as advance:
+    with open_store(writes="import") as store, progress(len(files), "import", "file") as advance:
         for f in files:
             try:
                 if not f.is_file():
@@ -65,13 +75,22 @@ def _import_line(d: dict[str, Any]) -> str:
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--format", "fmt", type=click.Choice(["v3", "v5"]), default="v3", show_default=True,
               help="v3: one self-contained file; v5: a manifest file plus blocks/ beside it.")
+@click.option("--force", is_flag=True, help="Overwrite PATH if it exists.")
 @json_option
 @common
-def export(entry: str, path: Path, fmt: Literal["v3", "v5"], as_json: bool) -> None:
+def export(entry: str, path: Path, fmt: Literal["v3", "v5"], force: bool, as_json: bool) -> None:
     """Write one entry as an mlx-bun cache file.
 
-    ENTRY is an id or a unique prefix of one.
+    ENTRY is an id or a unique prefix of one. An existing PATH is kept unless --force
+    is given. With --format v5 the blocks go to PATH's directory, under blocks/ (a
+    block already there is not rewritten).
     """
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory, not a file to write")
+    if (path.exists() or path.is_symlink()) and not force:
+        raise UserError(f"{path} exists; give --force to overwrite it")
+    if not path.parent.is_dir():
+        raise UserError(f"{path.parent}: no such directory")
     with open_store() as store:
         eid = store.resolve(entry)
         n_tokens = store.manifest(eid).n_tokens
@@ -79,11 +98,22 @@ def export(entry: str, path: Path, fmt: Literal["v3", "v5"], as_json: bool) -> N
             store.export(eid, path, format=fmt)
             advance(1)
     size = path.stat().st_size if path.is_file() else None
+    out: dict[str, Any] = {"root": str(store.root), "id": eid, "path": str(path), "format": fmt,
+                           "n_tokens": n_tokens, "file_bytes": size}
+    if fmt == "v5":  # the header file is the small part: say what its blocks hold
+        from ..formats.v3 import v5_blocks
+
+        blocks = v5_blocks(path)
+        out.update(blocks_dir=str(path.parent / "blocks"), block_files=len(blocks),
+                   block_bytes=sum(blocks.values()))
     if as_json:
-        emit({"root": str(store.root), "id": eid, "path": str(path), "format": fmt,
-              "n_tokens": n_tokens, "file_bytes": size})
+        emit(out)
     elif not opts().quiet:
         what = f", {H.format_bytes(size)}" if size is not None else ""
+        if fmt == "v5":
+            what = (f", a {H.format_bytes(size or 0)} header file + "
+                    f"{H.format_bytes(out['block_bytes'])} in "
+                    f"{H.plural(out['block_files'], 'block file')} under {out['blocks_dir']}/")
         click.echo(f"exported {H.short_id(eid)} to {path} ({fmt}, "
                    f"{H.plural(n_tokens, 'token')}{what})")
 
@@ -92,7 +122,7 @@ def export(entry: str, path: Path, fmt: Literal["v3", "v5"], as_json: bool) -> N
 @click.argument("file", type=click.Path(path_type=Path))
 @click.option("--tokens", "all_tokens", is_flag=True, help="Print every token, not the first 16.")
 @json_option
-@common
+@no_root  # a file, not a root
 def inspect_(file: Path, all_tokens: bool, as_json: bool) -> int:
     """Describe an mlx-bun cache file.
 
@@ -101,7 +131,7 @@ def inspect_(file: Path, all_tokens: bool, as_json: bool) -> int:
     mlx-bun's reader checks it (a malformed file is an error, exit 2); a file
     that ends before its header or tensors do is reported as truncated (exit 1).
     """
-    from ..errors import TensorOutOfBoundsError, TruncatedFileError
+    from ..formats.errors import TensorOutOfBoundsError, TruncatedFileError
     from ..formats.v3 import check_header, read_header
 
     if file.is_dir():

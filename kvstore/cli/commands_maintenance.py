@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from . import render as H
+from . import render_usage as U
 from ._util import (
     ByteSize,
     UserError,
@@ -18,6 +19,7 @@ from ._util import (
     json_option,
     open_store,
     opts,
+    phase_progress,
     resolve_all,
 )
 
@@ -49,23 +51,29 @@ def init(algo: str | None, block_tokens: int | None, as_json: bool) -> None:
 
 
 @click.command()
+@click.option("--reset", is_flag=True,
+              help="After showing them, start the since-reset request counts anew.")
 @json_option
 @common
-def stats(as_json: bool) -> None:
-    """Show sizes, dedup ratio, budget and hit rate.
+def stats(reset: bool, as_json: bool) -> None:
+    """Show sizes, dedup ratio, budget and the tokens the cache saved.
 
     Entries (and how many are checkpoints), blocks, logical vs stored bytes, the dedup
     ratio, the byte budget (when one is recorded), unreferenced blocks awaiting compact,
-    and the lookup hit rate.
+    and the requests served from this root (kvstore serve, PersistentPromptCache,
+    Store.restore): the share of their prompt tokens reused, by the tier that gave them
+    (memory, this root, the remote), over the root's lifetime and since the last --reset.
     """
-    from ..store.gc import DEFAULT_GRACE
+    from ..store.upkeep.gc import DEFAULT_GRACE
 
     with open_store() as store:
         st = store.stats()
         s = store.settings
-        zero = store.unreferenced_blocks()
+        zero = store.views.unreferenced_blocks()
+        tmp = store.temp_files()
+        usage = store.reset_usage() if reset else store.usage()
         ckpts = [e.id for e in store.entries() if e.priority == "checkpoint"]
-        ckpt_unique = sum(store.unique_bytes(store.manifests(ckpts)).values())
+        ckpt_unique = sum(store.views.unique_bytes(store.views.manifests(ckpts)).values())
     # What a plain 'kvstore compact' (default grace) would free now, and what it keeps
     cutoff = int(time.time() * 1000) - int(DEFAULT_GRACE * 1000)
     held = [(size, since) for size, since in zero if since > cutoff]
@@ -78,9 +86,13 @@ def stats(as_json: bool) -> None:
         "unreferenced_held_blocks": len(held),
         "unreferenced_held_bytes": sum(z for z, _ in held),
         "unreferenced_held_until": held_until,
+        "tmp_files": tmp.files, "tmp_bytes": tmp.bytes,
+        "tmp_abandoned_files": tmp.abandoned_files, "tmp_abandoned_bytes": tmp.abandoned_bytes,
         "budget_bytes": None,  # a root records no budget: one is given per process
         "hit_rate": st.hits / st.lookups if st.lookups else None,
         "checkpoints": len(ckpts), "checkpoint_unique_bytes": ckpt_unique,
+        "requests": usage.to_dict(),
+        "reset": reset,
     }
     if as_json:
         emit(data)
@@ -102,13 +114,37 @@ def stats(as_json: bool) -> None:
     ]
     if zero:
         rows.append(("unreferenced", _unreferenced_text(zero, held, held_until, DEFAULT_GRACE)))
-    if st.lookups:
-        rows.append(("hit rate", f"{st.hits / st.lookups:.1%} ({H.format_count(st.hits)} of "
-                                 f"{H.plural(st.lookups, 'lookup')})"))
+    if tmp.files:
+        rows.append(("temp files", _tmp_text(tmp)))
+    rows.append(("tokens saved", U.saved_text(usage.lifetime)))
+    if st.lookups:  # the store tier alone: a memory hit makes no store lookup a hit
+        rows.append(("store lookups", f"{H.plural(st.lookups, 'lookup')}, "
+                                      f"{H.format_count(st.hits)} loaded an entry "
+                                      f"({st.hits / st.lookups:.1%})"))
     else:
-        rows.append(("hit rate", "no lookups recorded"))
+        rows.append(("store lookups", "none recorded"))
     width = max(len(k) for k, _ in rows)
-    click.echo("\n".join(f"{k.ljust(width)}  {v}" for k, v in rows))
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    if usage.lifetime.requests:
+        lines += ["", *U.usage_lines(usage)]
+    if reset:
+        lines += ["", "the since-reset request counts start now"]
+    click.echo("\n".join(lines))
+
+
+def _tmp_text(tmp: Any) -> str:
+    """``tmp/``: writes in progress, and what writers that are gone left behind."""
+    def files(n: int, size: int) -> str:
+        return f"{H.plural(n, 'file')}, {H.format_bytes(size)}"
+
+    live = tmp.files - tmp.abandoned_files
+    parts = []
+    if tmp.abandoned_files:
+        parts.append(f"{files(tmp.abandoned_files, tmp.abandoned_bytes)} left by writers that "
+                     "are gone (an interrupted save): 'kvstore compact' removes them")
+    if live:
+        parts.append(f"{files(live, tmp.bytes - tmp.abandoned_bytes)} being written")
+    return "; ".join(parts)
 
 
 def _unreferenced_text(zero: list[tuple[int, int]], held: list[tuple[int, int]],
@@ -138,10 +174,10 @@ def rm(entries: tuple[str, ...], as_json: bool) -> None:
     Every ENTRY is checked before anything is removed. Blocks no longer referenced
     are deleted by 'kvstore compact' after the grace period.
     """
-    with open_store() as store:
+    with open_store(writes="remove entries") as store:
         ids = resolve_all(store, entries)  # every id checked before anything is removed
-        ms = store.manifests(ids)
-        uniq = store.unique_bytes(ms)
+        ms = store.views.manifests(ids)
+        uniq = store.views.unique_bytes(ms)
         removed = [i for i in ids if store.delete(i)]
     freed = sum(uniq[i] for i in removed)
     if as_json:
@@ -161,9 +197,9 @@ def rm(entries: tuple[str, ...], as_json: bool) -> None:
 
 
 @click.command()
-@click.option("--max-bytes", type=ByteSize(), default=None, metavar="SIZE",
+@click.option("--max-bytes", type=ByteSize(budget=True), default=None, metavar="SIZE",
               help="Evict least recently used entries until the root fits (e.g. 10G, 500MiB).")
-@click.option("--namespace-max-bytes", type=ByteSize(), default=None, metavar="SIZE",
+@click.option("--namespace-max-bytes", type=ByteSize(budget=True), default=None, metavar="SIZE",
               help="Also cap each namespace at SIZE.")
 @click.option("--grace", type=click.FloatRange(min=0), default=grace_default, show_default=True,
               metavar="SECONDS", help="Keep unreferenced blocks and temp files this long.")
@@ -178,9 +214,10 @@ def compact(max_bytes: int | None, namespace_max_bytes: int | None, grace: float
     deletes blocks unreferenced for longer than --grace, orphan block files and stale
     temp files.
     """
-    with open_store() as store:
+    with open_store(writes=None if dry_run else "compact") as store, \
+            phase_progress({"evict": "entry", "sweep": "file"}) as bar:
         report = store.compact(max_bytes=max_bytes, namespace_max_bytes=namespace_max_bytes,
-                               grace=grace, dry_run=dry_run)
+                               grace=grace, dry_run=dry_run, progress=bar)
     data = H.report_dict(report)
     if as_json:
         emit({"root": str(store.root), "dry_run": dry_run, "report": data})
@@ -193,6 +230,11 @@ def compact(max_bytes: int | None, namespace_max_bytes: int | None, grace: float
         shown["held_back"] = (f"{H.format_bytes(data['held_bytes'])} in "
                               f"{H.plural(data['held_blocks'], 'block')} "
                               f"{H.grace_hold(grace, data['held_until'])}")
+        once = data["physical_after"] - data["held_bytes"]
+        budget = "" if max_bytes is None else (
+            f", within --max-bytes {H.format_bytes(max_bytes)}" if once <= max_bytes
+            else f", still over --max-bytes {H.format_bytes(max_bytes)}")
+        shown["on_disk_then"] = f"{H.format_bytes(once)} once they are freed{budget}"
     lines = H.render_report(shown, skip_empty=True)
     if dry_run:
         click.echo("dry run: nothing was changed; compact would do this:")
@@ -215,14 +257,23 @@ def verify(read_data: bool, repair: bool, dry_run: bool, as_json: bool) -> None:
     """
     if dry_run and not repair:
         raise UserError("--dry-run goes with --repair (verify alone changes nothing)")
-    with open_store() as store:
-        report = store.verify(read_data=read_data, repair=repair, dry_run=dry_run)
+    with open_store(writes="repair" if repair and not dry_run else None) as store, \
+            phase_progress({"blocks": "B"}) as bar:
+        report = store.verify(read_data=read_data, repair=repair, dry_run=dry_run,
+                              progress=bar)
+        tmp = store.temp_files()
     data = H.report_dict(report)
     sound = report.sound
     if as_json:
-        emit({"root": str(store.root), "sound": sound, "dry_run": dry_run, "report": data})
+        emit({"root": str(store.root), "sound": sound, "dry_run": dry_run, "report": data,
+              "tmp_abandoned_files": tmp.abandoned_files,
+              "tmp_abandoned_bytes": tmp.abandoned_bytes})
     else:
         _print_verify(data, sound, repair=repair, dry_run=dry_run, root=str(store.root))
+        if tmp.abandoned_files and not opts().quiet:  # not a fault of the store: a note
+            click.echo(f"note: tmp/ holds {H.plural(tmp.abandoned_files, 'file')} "
+                       f"({H.format_bytes(tmp.abandoned_bytes)}) left by writers that are "
+                       "gone (an interrupted save); 'kvstore compact' removes them")
     if not sound:
         click.get_current_context().exit(1)
 
@@ -252,8 +303,9 @@ def _print_verify(data: dict[str, Any], sound: bool, *, repair: bool, dry_run: b
     else:
         click.echo("\n".join(H.render_report(data, skip_empty=True, skip=_VERIFY_SKIP)))
     if not quiet and not data.get("data_read"):
-        click.echo("note: block contents were not read (only presence, type and size); "
-                   "'kvstore verify --read-data' hashes every block")
+        how = ("'kvstore verify --read-data --repair' also repairs what that finds" if repair
+               else "'kvstore verify --read-data' hashes every block")
+        click.echo(f"note: block contents were not read (only presence, type and size); {how}")
     if repair and not dry_run:
         if not actions:
             if not quiet:
@@ -263,5 +315,8 @@ def _print_verify(data: dict[str, Any], sound: bool, *, repair: bool, dry_run: b
     if actions and (dry_run or repair):
         click.echo("\n".join(f"  {line}" for line in actions))
     if not sound:
-        hint = "" if repair else "; 'kvstore verify --repair' can fix it"
+        # the repair must see what this run saw: a corrupt block is only found by reading it
+        again = "kvstore verify --read-data --repair" if data.get("data_read") \
+            else "kvstore verify --repair"
+        hint = "" if repair else f"; '{again}' can fix it"
         click.echo(f"kvstore: verify found problems in {root}{hint}", err=True)

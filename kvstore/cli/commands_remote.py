@@ -62,7 +62,8 @@ def push(timeout: float | None, as_json: bool) -> None:
 @common
 def pull(entries: tuple[str, ...], as_json: bool) -> None:
     """Download remote entries (all, or the ENTRY ids or prefixes given) into this root."""
-    with open_store(create=True, remote=remote_url(), push=False) as store:
+    with open_store(create=True, writes="pull entries", remote=remote_url(),
+                    push=False) as store:
         got = store.pull(list(entries) or None)
     if as_json:
         emit({"pulled": [{"id": p.digest.hex(), "n_tokens": p.n_tokens, "blocks": p.blocks,
@@ -85,19 +86,17 @@ def remote_group() -> None:
 @common
 def remote_init(as_json: bool) -> None:
     """Record this root's settings (hash, block size) on the remote, if it has none yet."""
-    from ..remote import Remote, RemoteSettings
+    from ..remote import Remote
 
     url = remote_url()
     with open_store(create=True) as store:
         s = store.settings
     r = Remote(url)
     try:
-        got, created = r.init(RemoteSettings(hash=s.hash, block_tokens=s.block_tokens,
-                                             state_block_bytes=s.state_block_bytes,
-                                             created_at=s.created_at))
+        got, created = r.init(s)  # the root's settings, as the remote's
     finally:
         r.close()
-    diff = got.differences(s.hash, s.block_tokens, s.state_block_bytes)
+    diff = s.differences(got)
     if as_json:
         emit({"remote": str(r.url), "created": created, "hash": got.hash,
               "block_tokens": got.block_tokens, "state_block_bytes": got.state_block_bytes,
@@ -196,7 +195,7 @@ def _print_verify(rep: Any) -> None:
 
 
 @remote_group.command("compact")
-@click.option("--max-bytes", type=ByteSize(), default=None, metavar="SIZE",
+@click.option("--max-bytes", type=ByteSize(budget=True), default=None, metavar="SIZE",
               help="Evict least-recently-used entries until the blocks fit (e.g. 50G).")
 @click.option("--grace", type=click.FloatRange(min=0), default=None, metavar="S",
               help="Keep unreferenced blocks younger than S seconds (default 3600).")

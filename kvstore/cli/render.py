@@ -30,6 +30,7 @@ __all__ = [
     "format_count",
     "format_ratio",
     "format_time",
+    "format_until",
     "grace_hold",
     "header_lines",
     "manifest_json",
@@ -110,8 +111,24 @@ def format_time(ms: int) -> str:
 
 def grace_hold(grace: float, until_ms: int) -> str:
     """Why unreferenced blocks stay, and when they go: the words of compact and stats."""
-    return (f"kept by the {grace:g} s grace until {format_time(until_ms)} (a compact after "
-            "that frees them; 'kvstore compact --grace 0' frees them now)")
+    return (f"kept by the {grace:g} s grace until {format_time(until_ms)} "
+            f"({format_until(until_ms)}; a compact after that frees them; "
+            "'kvstore compact --grace 0' frees them now)")
+
+
+def format_until(ms: int, now_ms: int | None = None) -> str:
+    """How far ahead a millisecond timestamp is: ``in 40 s``, ``in 10 min``, ``now``."""
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    s = (ms - now) / 1000
+    if s <= 0:
+        return "now"
+    if s < 60:
+        return f"in {s:.0f} s"
+    if s < 3600:
+        return f"in {s / 60:.0f} min"
+    if s < 86400:
+        return f"in {s / 3600:.1f} h"
+    return f"in {s / 86400:.1f} days"
 
 
 def short_id(entry_id: str, n: int = 12) -> str:

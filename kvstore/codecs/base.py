@@ -14,8 +14,9 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import msgspec
 
-from ..errors import UnknownCacheTypeError, UnknownKindError
+from ..errors import UnknownCacheTypeError
 from ..schema import Layer, TensorSpec
+from .errors import UnknownKindError
 
 
 @dataclass(frozen=True)

@@ -19,36 +19,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..errors import ManifestError
-from ..schema import Manifest, TensorSpec
+from ..schema import DTYPES, Manifest, TensorSpec
 
-
-@dataclass(frozen=True)
-class DType:
-    """One MLX dtype and what each format calls it (None: the format cannot hold it)."""
-
-    name: str  # MLX's (``str(mx.bfloat16)`` without ``mlx.core.``), as manifests spell it
-    itemsize: int
-    safetensors: str | None  # the safetensors header's code (``BF16``)
-    mlx_bun: str | None  # the name an mlx-bun v3/v4/v5 slot's ``dtype`` holds
-
-
-#: The one dtype table; the tables below and those of formats/ derive from it.
-DTYPES: dict[str, DType] = {d.name: d for d in (
-    DType("bool", 1, "BOOL", "bool"),
-    DType("uint8", 1, "U8", "uint8"),
-    DType("uint16", 2, "U16", "uint16"),
-    DType("uint32", 4, "U32", "uint32"),
-    DType("uint64", 8, "U64", "uint64"),
-    DType("int8", 1, "I8", "int8"),
-    DType("int16", 2, "I16", "int16"),
-    DType("int32", 4, "I32", "int32"),
-    DType("int64", 8, "I64", "int64"),
-    DType("float16", 2, "F16", "float16"),
-    DType("bfloat16", 2, "BF16", "bfloat16"),
-    DType("float32", 4, "F32", "float32"),
-    DType("float64", 8, "F64", "float64"),
-    DType("complex64", 8, None, None),
-)}  # fmt: skip
 #: MLX dtype name -> safetensors code.
 SAFETENSORS_DTYPES = {d.name: d.safetensors for d in DTYPES.values() if d.safetensors}
 #: mlx-bun's dtype name -> the dtype.
@@ -113,13 +85,16 @@ def in_window_blocks(spec: TensorSpec) -> bool:
     return spec.window_start is not None
 
 
-def token_block_size(specs: Sequence[TensorSpec], b: int, n_tokens: int, T: int) -> int:
-    rows = block_rows(b, n_tokens, T)
+def token_row_bytes(specs: Sequence[TensorSpec]) -> int:
+    """The bytes one token adds to a token block: every token tensor's share of a row.
+
+    A window tensor's rows go to the window blocks, not here.
+    """
     total = 0
     for s in specs:
         if in_token_blocks(s):
             g = geometry(s.shape, s.dtype, s.token_axis)
-            total += g.outer * rows * g.row_bytes
+            total += g.outer * g.row_bytes
     return total
 
 
@@ -176,9 +151,10 @@ def manifest_block_sizes(
     specs: Sequence[TensorSpec], n_tokens: int, T: int, state_bytes: int, state_block: int
 ) -> tuple[list[int], list[int]]:
     """Expected sizes of an entry's token blocks and state blocks."""
-    tok = [token_block_size(specs, b, n_tokens, T) for b in range(n_token_blocks(n_tokens, T))]
-    if not any(in_token_blocks(s) for s in specs):
-        tok = []
+    tok: list[int] = []
+    if any(in_token_blocks(s) for s in specs):
+        row = token_row_bytes(specs)  # a block's size is its rows times this
+        tok = [block_rows(b, n_tokens, T) * row for b in range(n_token_blocks(n_tokens, T))]
     return tok, state_block_sizes(state_bytes, state_block)
 
 

@@ -1,13 +1,21 @@
-"""Codecs for mlx-lm's own cache classes (``mlx_lm.models.cache``)."""
+"""Codecs for mlx-lm's own cache classes (``mlx_lm.models.cache``).
+
+mlx-lm is imported on first use, not with this module: importing it loads
+transformers (about a second, more on a slow machine), and the commands that only
+read the index (``stats``, ``ls``, ``verify``, ``compact``, …) never need a cache
+class. A cache object can only be one of mlx-lm's classes once mlx-lm is loaded,
+so :meth:`matches` answers False before that without importing anything; a
+restore (``load``) imports it.
+"""
 
 from __future__ import annotations
 
+import sys
 from abc import abstractmethod
 from typing import Any, ClassVar
 
 import mlx.core as mx
 import msgspec
-from mlx_lm.models import cache as _cache
 
 from ..errors import CacheMismatchError
 from ..schema import (
@@ -33,8 +41,21 @@ from .base import (
     stored_snapshot,
 )
 
-C: Any = _cache  # mlx-lm ships no type hints
+_MODULE = "mlx_lm.models.cache"
 _SEQ = 2  # the token axis of [B, H, S, D] keys and values
+
+
+def _classes() -> Any:
+    """mlx-lm's cache module, imported now if it is not yet (mlx-lm ships no type hints)."""
+    import mlx_lm.models.cache as module
+
+    return module
+
+
+def _is(cache: Any, name: str) -> bool:
+    """Whether ``cache`` is exactly mlx-lm's class ``name``; never imports mlx-lm."""
+    module = sys.modules.get(_MODULE)
+    return module is not None and type(cache) is getattr(module, name, None)
 
 
 def _extra(cache: Any) -> bytes:
@@ -75,10 +96,14 @@ class _KVLike(Codec):
     to), and a restore allocates the class's step capacity.
     """
 
-    mlx_class: ClassVar[Any]  # the exact mlx-lm class
+    mlx_name: ClassVar[str]  # the exact mlx-lm class, by its name in mlx_lm.models.cache
+
+    @property
+    def mlx_class(self) -> Any:
+        return getattr(_classes(), self.mlx_name)
 
     def matches(self, cache: Any) -> bool:
-        return type(cache) is self.mlx_class
+        return _is(cache, self.mlx_name)
 
     def snapshot(self, cache: Any) -> Snapshot:
         if cache.keys is None:
@@ -138,7 +163,7 @@ class _KVLike(Codec):
 
 class KVCodec(_KVLike):
     kind = "kv"
-    mlx_class = C.KVCache
+    mlx_name = "KVCache"
 
     def record(self, cache: Any) -> Layer:
         return KVLayer(offset=int(cache.offset), extra=_extra(cache))
@@ -148,7 +173,7 @@ class QuantizedCodec(_KVLike):
     """Keys and values are each a (data, scales, biases) triple."""
 
     kind = "qkv"
-    mlx_class = C.QuantizedKVCache
+    mlx_name = "QuantizedKVCache"
 
     def arrays(self, cache: Any) -> tuple[Any, ...]:
         return (*cache.keys, *cache.values)
@@ -173,7 +198,7 @@ class RotatingCodec(_KVLike):
     """The ring is state (its rows are not in token order once it wraps)."""
 
     kind = "rotating"
-    mlx_class = C.RotatingKVCache
+    mlx_name = "RotatingKVCache"
 
     def rows(self, cache: Any) -> tuple[int, bool]:
         _check_rank(cache, cache.keys)
@@ -257,7 +282,7 @@ class WindowCodec(_KVLike):
     """
 
     kind = "window"
-    mlx_class = C.RotatingKVCache
+    mlx_name = "RotatingKVCache"
 
     def matches(self, cache: Any) -> bool:
         return False
@@ -298,7 +323,7 @@ class ChunkedCodec(_KVLike):
     """Token-aligned while nothing was dropped from the front; state after."""
 
     kind = "chunked"
-    mlx_class = C.ChunkedKVCache
+    mlx_name = "ChunkedKVCache"
 
     def rows(self, cache: Any) -> tuple[int, bool]:
         start = int(cache.start_position)
@@ -324,8 +349,9 @@ class ChunkedCodec(_KVLike):
         return bool(record.start_position == 0)
 
 
-def _arrays_classes() -> dict[str, type]:
-    classes: dict[str, type] = {"ArraysCache": C.ArraysCache}
+def _arrays_classes() -> dict[str, Any]:
+    C = _classes()
+    classes: dict[str, Any] = {"ArraysCache": C.ArraysCache}
     mamba = getattr(C, "MambaCache", None)  # gone from recent mlx-lm; kept when present
     if isinstance(mamba, type):
         classes["MambaCache"] = mamba
@@ -336,7 +362,7 @@ class ArraysCodec(Codec):
     kind = "arrays"
 
     def matches(self, cache: Any) -> bool:
-        return type(cache) in _arrays_classes().values()
+        return _MODULE in sys.modules and type(cache) in _arrays_classes().values()
 
     def snapshot(self, cache: Any) -> Snapshot:
         slots = list(cache.cache)
@@ -359,7 +385,8 @@ class ArraysCodec(Codec):
         return leaf(rec, tuple(parts))
 
     def load(self, record: Any, arrays: list[mx.array], n_tokens: int, *, drop: int = 0) -> Any:
-        cls = _arrays_classes().get(record.cls, C.ArraysCache)
+        classes = _arrays_classes()
+        cls = classes.get(record.cls, classes["ArraysCache"])
         obj = cls.__new__(cls)
         it = iter(arrays)
         obj.cache = [next(it) if p else None for p in record.present]
@@ -372,7 +399,7 @@ class ListCodec(Codec):
     kind = "list"
 
     def matches(self, cache: Any) -> bool:
-        return type(cache) is C.CacheList
+        return _is(cache, "CacheList")
 
     def snapshot(self, cache: Any) -> Snapshot:
         return self._join(cache, [snapshot(c) for c in cache.caches])
@@ -396,7 +423,7 @@ class ListCodec(Codec):
                 codec_for_record(child).load(child, arrays[pos : pos + count], n_tokens, drop=drop)
             )
             pos += count
-        return _keep_extra(C.CacheList(*children), record)
+        return _keep_extra(_classes().CacheList(*children), record)
 
     def trimmable(self, record: Any) -> bool:
         return all(codec_for_record(c).trimmable(c) for c in record.children)

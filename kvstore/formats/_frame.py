@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._vio import full_fsync
 from ..codecs.base import AttachmentData, TensorData
 from ..schema import Namespace
 from . import _v3json
@@ -144,10 +145,15 @@ def encode_prefix(header_json: bytes) -> bytes:
 
 
 def check_target(path: str | os.PathLike[str]) -> Path:
-    """``path`` as a Path, refused before any work when it names a directory."""
+    """``path`` as a Path, refused before any work when it names a directory or its
+    directory does not exist (the error names that directory, not a temp file in it)."""
     target = Path(path)
     if target.is_dir():
         raise IsADirectoryError(errno.EISDIR, "is a directory, not a file to write", str(target))
+    parent = target.parent
+    if not parent.is_dir():
+        what = "not a directory" if parent.exists() else "no such directory"
+        raise FileNotFoundError(errno.ENOENT, what, str(parent))
     return target
 
 
@@ -163,7 +169,7 @@ def atomic_file(path: str | os.PathLike[str], *, sync_dir: bool = True) -> Itera
     try:
         os.fchmod(fd, 0o644)
         yield fd
-        os.fsync(fd)
+        full_fsync(fd)
     except BaseException:
         os.close(fd)
         os.unlink(tmp)
@@ -178,6 +184,6 @@ def atomic_file(path: str | os.PathLike[str], *, sync_dir: bool = True) -> Itera
         return
     dfd = os.open(target.parent, os.O_RDONLY)
     try:
-        os.fsync(dfd)
+        full_fsync(dfd)
     finally:
         os.close(dfd)

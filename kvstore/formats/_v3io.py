@@ -19,23 +19,23 @@ from typing import Any
 
 import mlx.core as mx
 
-from .._vio import preadv_all
-from ..codecs._mxload import TensorStream, load_tensors
+from .._vio import ShortReadError, preadv_all
 from ..codecs.base import TensorData
-from ..codecs.layout import DTYPES, MLX_BUN_DTYPES
-from ..errors import (
+from ..codecs.layout import MLX_BUN_DTYPES
+from ..codecs.mxload import TensorStream, load_tensors
+from ..schema import DTYPES
+from .bunhash import BunHasher
+from .errors import (
     AllocationBoundError,
+    FileDigestMismatchError,
     FileFormatError,
     HeaderFieldError,
-    ShortReadError,
-    TensorHashMismatchError,
     TensorOutOfBoundsError,
     TensorOverlapError,
     TensorShapeError,
     TensorShapeMismatchError,
     TruncatedFileError,
 )
-from .bunhash import BunHasher
 
 _HEX16 = re.compile(r"[0-9a-f]{16}")  # fullmatch: Python's `$` would allow a final newline
 MAX_NDIM = 64  # MLX's limit on dimensions
@@ -299,7 +299,7 @@ class TensorPlan:
                 self.hasher.update(piece)
         got = self.hasher.hexdigest()
         if got != self.hash_expected:
-            raise TensorHashMismatchError(
+            raise FileDigestMismatchError(
                 self.path,
                 f"{self.where}: tensor hash mismatch at offset {self.slot['off']}: header "
                 f"{self.hash_expected}, bytes hash to {got}",

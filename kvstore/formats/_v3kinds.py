@@ -17,9 +17,10 @@ import mlx.core as mx
 
 from ..codecs.base import TensorData, codec_for_record, snapshot
 from ..codecs.raw import RawCache
-from ..errors import CacheMismatchError, LayerError
+from ..errors import CacheMismatchError
 from ..schema import ArraysLayer, KVLayer, Layer, QuantizedLayer, RawLayer, RotatingLayer
 from . import _v3json
+from .errors import LayerError
 
 # mlx-bun kinds that have no mlx-lm class, and whether a prefix of one can be served.
 RAW_KINDS: dict[str, Callable[[dict[str, Any]], bool]] = {

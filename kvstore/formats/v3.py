@@ -22,18 +22,7 @@ from typing import Any
 
 from .._vio import pwritev_all
 from ..codecs.base import AttachmentData
-from ..errors import (
-    BadMagicError,
-    CacheMismatchError,
-    CodecProviderMismatchError,
-    HeaderFieldError,
-    HeaderHashMismatchError,
-    LayerError,
-    MalformedHeaderError,
-    NamespaceMismatchError,
-    TruncatedFileError,
-    UnsupportedVersionError,
-)
+from ..errors import CacheMismatchError
 from ..schema import Namespace
 from . import _v3json
 from ._frame import (
@@ -61,6 +50,17 @@ from ._v3io import (
 )
 from ._v3kinds import KNOWN_KINDS, LayerPlan, build_layer, plan_layer
 from .bunhash import bun_hash, bun_hash_pieces_hex
+from .errors import (
+    BadMagicError,
+    CodecProviderMismatchError,
+    FileDigestMismatchError,
+    HeaderFieldError,
+    LayerError,
+    MalformedHeaderError,
+    NamespaceMismatchError,
+    TruncatedFileError,
+    UnsupportedVersionError,
+)
 from .v5file import BlockFiles, block_refs, block_source
 
 __all__ = [
@@ -73,6 +73,7 @@ __all__ = [
     "load_v3",
     "read_header",
     "save_v3",
+    "v5_blocks",
 ]
 
 SUPPORTED_VERSIONS = (3, 4, 5)
@@ -152,8 +153,9 @@ def _header_from_fd(fd: int, path: str) -> HeaderInfo:
     body = _read_exact(fd, header_len, PREFIX_LEN, path, f"{header_len}-byte header")
     got = bun_hash(body)
     if got != expect:
-        raise HeaderHashMismatchError(
-            path, f"header hash mismatch: prefix says {expect:016x}, header hashes to {got:016x}"
+        raise FileDigestMismatchError(
+            path, f"header hash mismatch: prefix says {expect:016x}, header hashes to {got:016x}",
+            f"{expect:016x}", f"{got:016x}",
         )
     try:
         header = _v3json.loads(body)
@@ -254,7 +256,7 @@ def check_header(info: HeaderInfo, *, verify: bool = False) -> CheckedHeader:
     ==========================================  ==========================================
     magic ``MLXBUNKV2\\n``                       ``_header_from_fd`` (BadMagicError)
     body of headerLen read, Bun.hash == prefix  ``_header_from_fd`` (Truncated-,
-                                                HeaderHashMismatchError), length vs file
+                                                FileDigestMismatchError), length vs file
                                                 size checked first
     JSON.parse (UTF-8 TextDecoder)              ``_v3json.loads`` (MalformedHeaderError):
                                                 NaN/Infinity, non-UTF-8, too deep refused
@@ -339,6 +341,18 @@ def _check_identity(info: HeaderInfo, namespace: Namespace | None) -> None:
             raise NamespaceMismatchError(
                 info.path, f"{key} mismatch (file {got!r}, expected {want!r})"
             )
+
+
+def v5_blocks(path: str | os.PathLike[str]) -> dict[str, int]:
+    """The block files a v5 file names, ``{sha256 hex: bytes}`` (each once), from its
+    checked header; reads no block."""
+    info = read_header(path)
+    if info.format_version != 5:
+        return {}
+    out: dict[str, int] = {}
+    for t in check_header(info).tensors:
+        out.update(block_refs(info.path, t.slot, t.where))
+    return out
 
 
 def load_v3(

@@ -19,21 +19,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._vio import preadv_all, pwritev_all
-from ..codecs._pieces import cut
+from .._vio import ShortReadError, preadv_all, pwritev_all
 from ..codecs.base import AttachmentData
-from ..errors import (
-    BlockFileTypeError,
-    BlockReferenceError,
-    CacheMismatchError,
-    CorruptFileBlockError,
-    ShortReadError,
-)
+from ..codecs.pieces import cut
+from ..errors import CacheMismatchError
 from ..schema import Namespace
 from . import _v3json
 from ._frame import PREFIX_LEN, align_up, atomic_file, check_target, encode_prefix, plan_file
 from ._v3io import PieceSource, tensor_pieces, validate_slot
 from .bunhash import bun_hash_pieces_hex
+from .errors import BlockFileTypeError, BlockReferenceError, CorruptFileBlockError
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "BlockFiles", "block_refs", "block_source", "save_v5"]
 
@@ -252,7 +247,7 @@ def save_v5(
 
     Tensor ``off`` values are the v3 layout's (mlx-bun's reader ignores them);
     ``hash`` is each tensor's Bun.hash, as in v3. ``metadata`` is kept as in
-    :func:`~kvstore.codecs.v3.save_v3`.
+    :func:`~kvstore.formats.v3.save_v3`.
     """
     if not cache:
         raise CacheMismatchError("nothing to save: the cache list is empty")

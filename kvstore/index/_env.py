@@ -9,7 +9,7 @@ from typing import Any
 
 import lmdb
 
-from ..errors import IndexStoreError
+from .errors import IndexStoreError
 
 _lock = threading.Lock()
 # path -> (pid, environment, open count, identity of its lock file or None)

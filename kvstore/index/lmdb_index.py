@@ -15,8 +15,9 @@ from typing import Any
 
 import lmdb
 
-from ..errors import IndexLockLostError, IndexStoreError, ReadOnlyStoreError, StoreFullError
+from ..errors import IndexLockLostError, ReadOnlyStoreError, StoreFullError
 from ._env import close_env, lock_identity, open_env
+from .errors import IndexStoreError
 from .records import (
     DeletePlan,
     EntryRecord,

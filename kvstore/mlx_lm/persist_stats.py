@@ -23,6 +23,15 @@ class PersistStats:
     store_hits: int
     misses: int
     tokens_from_store: int
+    deferred: int = 0  # snapshots waiting in memory (see kvstore.mlx_lm.writebehind)
+    deferred_bytes: int = 0
+    superseded: int = 0  # deferred snapshots replaced by a later one of their conversation
+    kv_bytes_added: int = 0  # the saves' logical bytes beyond what the root held before each
+
+    @property
+    def write_amplification(self) -> float | None:
+        """Bytes written over the KV bytes they added to the root (None before a save)."""
+        return self.bytes_written / self.kv_bytes_added if self.kv_bytes_added else None
 
     def summary(self) -> str:
         """One line for a log: ``saved 3 entries (… new of …), 5 hits (…), …``."""

@@ -14,27 +14,26 @@ never exchange caches and a changed model never gets a stale one.
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
-import copy
 import hashlib
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-from mlx.utils import tree_flatten
 from mlx_lm.models import cache as _cache
 
 from kvstore import Namespace, Store
+from kvstore.store.upkeep.usage import Counts, failure_reason
 
 from .fingerprint import fingerprint_model, fingerprint_model_dir, namespace_for_path
 from .persist_stats import PersistStats
 from .prefill import CHECKPOINT, parse_checkpoint_type
+from .requests import CacheObserver, RequestRecord, RequestTracker
+from .writebehind import DEFAULT_DEFER_SECONDS, SaveDone, WriteBehind
 
 __all__ = [
     "PersistStats",
@@ -45,19 +44,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("kvstore.mlx_lm")
-
-
-# --- the write-behind queue -------------------------------------------------------
-
-
-@dataclass
-class _Job:
-    namespace: Namespace
-    tokens: list[int]
-    cache: list[Any]
-    cache_type: str  # "assistant", "user", "system" (mlx-lm's server's), or "checkpoint"
-    nbytes: int
-    metadata: dict[str, str] | None = None  # default {"cache_type": cache_type}
 
 
 def _register_exit_flush(fn: Callable[[], None]) -> None:
@@ -76,14 +62,6 @@ def _register_exit_flush(fn: Callable[[], None]) -> None:
         register(fn)
     except RuntimeError:
         atexit.register(fn)
-
-
-def _cache_arrays(prompt_cache: Sequence[Any]) -> list[mx.array]:
-    arrays: list[mx.array] = []
-    for c in prompt_cache:
-        leaves: Any = tree_flatten(c.state)
-        arrays.extend(v for _, v in leaves if isinstance(v, mx.array))
-    return arrays
 
 
 def _cached_tokens(prompt_cache: Sequence[Any], n_tokens: int) -> int:
@@ -111,6 +89,13 @@ class PersistentPromptCache:
     bytes. If another process stored the same prefix from its own prefill, the
     entry gets that process's rows for it: the same tokens' state, possibly
     different in the last bits. Pass False to hash every block of every save.
+
+    A snapshot that would only rewrite the partial last block of what the store holds
+    for its leading tokens waits in memory for up to `defer_seconds` and is replaced by
+    its conversation's next one (:mod:`kvstore.mlx_lm.writebehind` says why); ``0``
+    writes every snapshot at once. Each fetch counts one request in the root's
+    per-tier counts (``kvstore stats``); `observers` hear of each request and save
+    (:class:`~kvstore.mlx_lm.requests.CacheObserver`).
     """
 
     def __init__(
@@ -124,22 +109,23 @@ class PersistentPromptCache:
         ns: str = "default",
         exit_timeout: float | None = 60.0,
         reuse_prefix: bool = True,
+        defer_seconds: float = DEFAULT_DEFER_SECONDS,
     ) -> None:
         self.store = store
         self.reuse_prefix = reuse_prefix
         self.min_tokens = min_tokens
         self.queue_bytes = queue_bytes
+        self.defer_seconds = defer_seconds
         self.ns = ns
+        self.observers: list[CacheObserver] = []
         self._memory = _cache.LRUPromptCache(max_size=max_size, max_bytes=max_bytes)
         self._namespaces: dict[Hashable, Namespace | None] = {}
-        self._cond = threading.Condition()
-        self._queue: collections.deque[_Job] = collections.deque()
-        self._queued_bytes = 0
-        self._inflight = False
-        self._writing: _Job | None = None  # the job the writer is saving
-        self._closed = False
-        self._worker: threading.Thread | None = None
-        self._counts = collections.Counter[str]()
+        self._lock = threading.Lock()  # guards the counters below
+        self._counts: dict[str, int] = {}
+        self._usage = Counts()  # this process's requests, by tier
+        self._writer = WriteBehind(store, queue_bytes=queue_bytes, reuse_prefix=reuse_prefix,
+                                   defer_seconds=defer_seconds, on_save=self._saved)
+        self._requests = RequestTracker(self._finished)
         ref = weakref.ref(self)
 
         def _flush_at_exit() -> None:
@@ -182,24 +168,47 @@ class PersistentPromptCache:
         self, model_key: Hashable, tokens: list[int]
     ) -> tuple[list[Any] | None, list[int]]:
         """Return ``(cache, rest)``: a private cache of the longest known prefix of
-        `tokens` and the tokens still to process (``(None, tokens)`` on a miss)."""
+        `tokens` and the tokens still to process (``(None, tokens)`` on a miss).
+
+        Counts one request: its prompt tokens, the tier that gave the reused ones (the
+        whole ``len(tokens) - len(rest)``, which mlx-lm's server reports as
+        ``cached_tokens``) and, when it reused nothing or less than it might have, why.
+        """
+        t0 = time.perf_counter()
         cache, rest = self._memory.fetch_nearest_cache(model_key, tokens)
-        if cache is not None and not rest:
-            self._count("memory_hits")
-            return cache, rest
         have = len(tokens) - len(rest) if cache is not None else 0
-        # A snapshot still queued is looked at before the store: one the writer
-        # commits meanwhile is then seen by one of the two.
-        pending = self._fetch_pending(model_key, tokens, have)
-        if pending is not None:
-            cache, rest = pending
-            have = len(tokens) - len(rest)
-        found = self._fetch_from_store(model_key, tokens, have)
-        if found is not None:
-            self._count("store_hits")
-            self._count("tokens_from_store", len(tokens) - len(found[1]))
-            return found
-        self._count("memory_hits" if cache is not None else "misses")
+        tier, miss = ("memory" if have else None), None
+        if cache is None or rest:
+            # A snapshot still waiting to be written (a checkpoint the writer has not
+            # reached) is looked at before the store: one the writer commits meanwhile
+            # is then seen by one of the two.
+            pending = self._fetch_pending(model_key, tokens, have)
+            if pending is not None:
+                cache, rest = pending
+                have, tier = len(tokens) - len(rest), "memory"
+            found, where, miss = self._fetch_from_store(model_key, tokens, have)
+            if found is not None:
+                (cache, rest), tier = found, where
+                self._count("store_hits")
+                self._count("tokens_from_store", len(tokens) - len(rest))
+            else:
+                self._count("memory_hits" if cache is not None else "misses")
+        else:
+            self._count("memory_hits")
+        reused = len(tokens) - len(rest) if cache is not None else 0
+        namespace = self.namespace_for(model_key)
+        rec = RequestRecord(self._requests.next_id(),
+                            namespace.model_id if namespace is not None else "-",
+                            len(tokens), tier if reused else None, reused,
+                            time.perf_counter() - t0, miss, prompt=list(tokens))
+        with self._lock:
+            self._usage.note(rec.prompt_tokens, reused, rec.tier, miss)
+        try:
+            self.store.note_request(rec.prompt_tokens, reused, rec.tier, miss=miss)
+        except Exception:  # noqa: BLE001 - counting never fails a request
+            logger.warning("kvstore: request not counted", exc_info=True)
+        self._requests.opened(rec)
+        self._notify("fetched", rec)
         return cache, rest
 
     def insert_cache(
@@ -220,10 +229,16 @@ class PersistentPromptCache:
         """
         checkpoint = parse_checkpoint_type(cache_type)
         if checkpoint is not None:
-            self._enqueue(model_key, tokens, prompt_cache, CHECKPOINT, metadata=checkpoint)
+            self._enqueue(model_key, tokens, prompt_cache, CHECKPOINT, len(tokens),
+                          metadata=checkpoint)
             return
         self._memory.insert_cache(model_key, tokens, prompt_cache, cache_type=cache_type)
-        self._enqueue(model_key, tokens, prompt_cache, cache_type)
+        rec, reply = self._requests.owner(tokens)
+        # a reply's snapshot belongs to the conversation of every later one that starts
+        # with its prompt (the next turn re-renders the reply's own tokens)
+        stem = rec.prompt_tokens if rec is not None and reply else len(tokens)
+        outcome = self._enqueue(model_key, tokens, prompt_cache, cache_type, stem)
+        self._requests.inserted(rec, reply, outcome)
 
     # --- models ----------------------------------------------------------------
 
@@ -296,148 +311,84 @@ class PersistentPromptCache:
 
     def _fetch_from_store(
         self, model_key: Hashable, tokens: list[int], have: int
-    ) -> tuple[list[Any], list[int]] | None:
+    ) -> tuple[tuple[list[Any], list[int]] | None, str | None, str | None]:
+        """``(found, tier, miss)``: the store's cache and rest when it holds more than
+        `have` tokens, the tier it came from, and else why not."""
         # Look up all but the last token: like mlx-lm, leave at least one to process.
         if len(tokens) - 1 <= max(have, 0):
-            return None
+            return None, None, None
         namespace = self.namespace_for(model_key)
         if namespace is None:
-            return None
+            return None, None, None
+        query = tokens[:-1]
         try:
-            match = self.store.lookup(tokens[:-1], namespace=namespace)
+            match = self.store.lookup(query, namespace=namespace)
             if match is None or match.length <= have:
-                return None
+                return None, None, self.store.miss_reason(query, namespace=namespace,
+                                                          reused=have)
             cache = self.store.load(match)
-        except Exception:
+        except Exception as e:
             logger.warning("kvstore: store read failed; treating it as a miss", exc_info=True)
-            return None
-        return list(cache), list(tokens[match.length :])
+            return None, None, failure_reason(e)
+        return (list(cache), list(tokens[match.length :])), match.where, None
 
     def _fetch_pending(
         self, model_key: Hashable, tokens: list[int], have: int
     ) -> tuple[list[Any], list[int]] | None:
-        """A copy of the longest snapshot still waiting to be written (a checkpoint the
-        writer has not reached) whose tokens are a prefix of ``tokens[:-1]`` longer
-        than ``have``; None when there is none."""
+        """A copy of the longest snapshot still waiting to be written whose tokens are a
+        prefix of ``tokens[:-1]`` longer than ``have``, and the tokens after it."""
         namespace = self._namespaces.get(model_key)
         if namespace is None:
             return None
-        with self._cond:
-            jobs = [*self._queue, *([self._writing] if self._writing is not None else [])]
-            best = max(
-                (j for j in jobs
-                 if j.namespace == namespace and have < len(j.tokens) < len(tokens)
-                 and tokens[: len(j.tokens)] == j.tokens),
-                key=lambda j: len(j.tokens),
-                default=None,
-            )
-            cache = copy.deepcopy(best.cache) if best is not None else None
-        if best is None or cache is None:
+        found = self._writer.pending(namespace, tokens, have)
+        if found is None:
             return None
-        return cache, list(tokens[len(best.tokens) :])
+        n, cache = found
+        return cache, list(tokens[n:])
 
-    def _enqueue(self, model_key: Hashable, tokens: list[int], prompt_cache: list[Any],
-                 cache_type: str, *, metadata: dict[str, str] | None = None) -> None:
+    def _enqueue(
+        self, model_key: Hashable, tokens: list[int], prompt_cache: list[Any], cache_type: str,
+        stem: int, *, metadata: dict[str, str] | None = None,
+    ) -> str:
+        """Hand a snapshot to the write-behind queue; what became of it (the log's ``reply``):
+        ``queued``, ``deferred``, ``short`` (under `min_tokens`), ``memory_only`` (a model
+        key that cannot be fingerprinted) or ``closed``. ``metadata`` (a checkpoint's) is
+        stored instead of ``{"cache_type": cache_type}``."""
         n = min(len(tokens), _cached_tokens(prompt_cache, len(tokens)))
         if n < max(1, self.min_tokens):
             self._count("skipped")
-            return
+            return "short"
         namespace = self.namespace_for(model_key)
         if namespace is None:
             self._count("skipped")
-            return
-        # Materialise on the caller's thread; the worker only reads finished bytes.
-        mx.eval(_cache_arrays(prompt_cache))
-        job = _Job(
-            namespace,
-            list(tokens[:n]),
-            list(prompt_cache),
-            cache_type,
-            sum(int(c.nbytes) for c in prompt_cache),
-            metadata,
-        )
-        with self._cond:
-            if cache_type == CHECKPOINT:  # memory stays bounded: one waiting at most
-                self._cond.wait_for(
-                    lambda: self._closed
-                    or not any(j.cache_type == CHECKPOINT for j in self._queue)
-                )
-            if self._closed:
-                self._counts["dropped"] += 1
-                return
-            self._queue.append(job)
-            self._queued_bytes += job.nbytes
-            while self._queue and self._queued_bytes > self.queue_bytes:
-                old = self._queue.popleft()
-                self._queued_bytes -= old.nbytes
-                self._counts["dropped"] += 1
-                logger.warning(
-                    "kvstore: write-behind queue full, dropped a %d-token snapshot", len(old.tokens)
-                )
-            if self._worker is None:
-                self._worker = threading.Thread(
-                    target=self._run, name="kvstore-write-behind", daemon=True
-                )
-                self._worker.start()
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                job = self._queue.popleft()
-                self._queued_bytes -= job.nbytes
-                self._inflight = True
-                self._writing = job
-                self._cond.notify_all()  # a checkpoint waiting for room may queue now
-            try:
-                info = self.store.save(
-                    job.tokens,
-                    job.cache,
-                    metadata=job.metadata or {"cache_type": job.cache_type},
-                    priority=job.cache_type,  # type: ignore[arg-type]
-                    namespace=job.namespace,
-                    reuse_prefix=self.reuse_prefix,
-                )
-            except Exception:
-                logger.warning(
-                    "kvstore: background save of %d tokens failed", len(job.tokens), exc_info=True
-                )
-                outcome: dict[str, int] = {"failed": 1}
-            else:
-                outcome = {
-                    "saved": 1,
-                    "bytes_written": int(info.new_bytes),
-                    "logical_bytes_saved": int(info.logical_bytes),
-                }
-            del job
-            with self._cond:
-                self._counts.update(outcome)
-                self._inflight = False
-                self._writing = None
-                self._cond.notify_all()
-
+            return "memory_only"
+        return self._writer.submit(namespace, list(tokens[:n]), prompt_cache, cache_type,
+                                   stem=min(stem, n), metadata=metadata)
     def _count(self, name: str, n: int = 1) -> None:
-        with self._cond:
-            self._counts[name] += n
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + n
+
+    def _notify(self, what: str, arg: Any) -> None:
+        for obs in list(self.observers):
+            try:
+                getattr(obs, what)(arg)
+            except Exception:  # noqa: BLE001 - an observer never fails a request
+                logger.warning("kvstore: %s observer failed", what, exc_info=True)
+
+    def _finished(self, rec: RequestRecord) -> None:
+        self._notify("finished", rec)
+
+    def _saved(self, done: SaveDone) -> None:
+        self._notify("saved", done)
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every queued snapshot is saved (or failed); False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._inflight, timeout)
+        """Write every pending snapshot (deferred ones too) and wait; False on timeout."""
+        return self._writer.drain(timeout)
 
     def close(self, timeout: float | None = None) -> bool:
         """Drain the queue, stop the worker; later inserts stay in memory only."""
-        drained = self.drain(timeout)
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-            worker = self._worker
-        if worker is not None and drained:
-            worker.join(timeout)
+        drained = self._writer.close(timeout)
+        self._requests.flush()
         with contextlib.suppress(Exception):
             atexit.unregister(self._atexit)
         return drained
@@ -452,22 +403,34 @@ class PersistentPromptCache:
 
     def persist_stats(self) -> PersistStats:
         """All counters of the disk tier at once."""
-        with self._cond:
-            c = self._counts
-            return PersistStats(
-                pending=len(self._queue) + int(self._inflight),
-                pending_bytes=self._queued_bytes,
-                saved=c["saved"],
-                dropped=c["dropped"],
-                failed=c["failed"],
-                skipped=c["skipped"],
-                bytes_written=c["bytes_written"],
-                logical_bytes_saved=c["logical_bytes_saved"],
-                memory_hits=c["memory_hits"],
-                store_hits=c["store_hits"],
-                misses=c["misses"],
-                tokens_from_store=c["tokens_from_store"],
-            )
+        pending, pending_bytes, deferred, deferred_bytes = self._writer.state()
+        w = self._writer.counters()
+        with self._lock:
+            c = dict(self._counts)
+        return PersistStats(
+            pending=pending,
+            pending_bytes=pending_bytes,
+            saved=w.get("saved", 0),
+            dropped=w.get("dropped", 0),
+            failed=w.get("failed", 0),
+            skipped=c.get("skipped", 0),
+            bytes_written=w.get("bytes_written", 0),
+            logical_bytes_saved=w.get("logical_bytes_saved", 0),
+            memory_hits=c.get("memory_hits", 0),
+            store_hits=c.get("store_hits", 0),
+            misses=c.get("misses", 0),
+            tokens_from_store=c.get("tokens_from_store", 0),
+            deferred=deferred,
+            deferred_bytes=deferred_bytes,
+            superseded=w.get("superseded", 0),
+            kv_bytes_added=w.get("kv_bytes_added", 0),
+        )
+
+    def request_counts(self) -> Counts:
+        """This process's requests by tier (a copy; the root keeps them too: Store.usage)."""
+        with self._lock:
+            return Counts(**{f: getattr(self._usage, f) for f in self._usage.__struct_fields__
+                             if f != "miss_reasons"}, miss_reasons=dict(self._usage.miss_reasons))
 
     @property
     def pending(self) -> int:

@@ -1,16 +1,17 @@
 """The remote tier: a bucket on S3-compatible object storage that many local roots share.
 
 ``Store.open(root, remote="s3://BUCKET/PREFIX")`` attaches one; ``store.remote`` is
-the :class:`Remote` (compaction, verification, stats, listing). The protocol and the
+the :class:`Remote`, a :class:`~kvstore.catalog.base.Tier` (compaction, verification,
+stats, listing). The protocol and the
 argument for its safety are in docs/FORMAT.md ("The remote tier").
 """
 
 from __future__ import annotations
 
+from ..catalog.base import PushStats
 from .gc import DEFAULT_GRACE, RemoteCompactReport, compact
-from .layout import Publication, PushStats, RemoteSettings
 from .lease import DEFAULT_LEASE, DEFAULT_MARGIN
-from .tier import DEFAULT_TIMEOUT, RemoteEntry, RemoteHit, RemoteStats, RemoteTier
+from .tier import DEFAULT_TIMEOUT, RemoteEntry, RemoteStats, RemoteTier
 from .verify import RemoteVerifyReport, verify
 
 
@@ -35,13 +36,10 @@ __all__ = [
     "DEFAULT_LEASE",
     "DEFAULT_MARGIN",
     "DEFAULT_TIMEOUT",
-    "Publication",
     "PushStats",
     "Remote",
     "RemoteCompactReport",
     "RemoteEntry",
-    "RemoteHit",
-    "RemoteSettings",
     "RemoteStats",
     "RemoteVerifyReport",
 ]

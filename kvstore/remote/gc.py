@@ -6,13 +6,14 @@ blocks meanwhile (docs/FORMAT.md, "The remote tier", has the argument): the leas
 is taken first; then markers, blocks and manifests are listed, in that order; every
 batch of deletes is preceded by a check that the lease is still ours with more than
 its margin left; the lease is released last. Evicting an entry deletes its markers
-(it stops matching), then its manifest; its blocks are then unreferenced.
+(it stops matching), then its manifest; its blocks are then unreferenced. As the local
+root's, it is a plan (:func:`plan_compact`) that does exactly what it says, once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,9 +23,11 @@ import msgspec
 
 from .._crash import crash_point
 from ..blocks.base import BlockStat
-from ..errors import KVStoreError, RemoteNotFoundError
+from ..catalog.base import Plan
+from ..errors import KVStoreError
 from ..schema import Manifest
-from .layout import ACCESS, EXACT, MANIFESTS, MARKERS, entry_of_key, manifest_key
+from .errors import RemoteLeaseError, RemoteNotFoundError
+from .layout import EXACT, MANIFESTS, MARKERS, access_key, entry_of_key, manifest_key
 from .tier import RemoteTier
 
 DEFAULT_GRACE = 3600.0  # seconds an unreferenced remote block is kept (a pull may be reading it)
@@ -54,8 +57,15 @@ class RemoteCompactReport:
 
 
 @dataclass
-class _Plan:
-    report: RemoteCompactReport
+class RemoteCompactPlan(Plan[RemoteCompactReport]):
+    """What one remote compaction will delete, listed under the GC lease (``leased``) or, for
+    a dry run, without it. :meth:`report` is the dry run; :meth:`execute` deletes exactly
+    the listed keys, checking before each batch that the lease is still held, then lets the
+    lease go. A plan not executed lets it go with :meth:`release`."""
+
+    remote: RemoteTier
+    leased: bool
+    planned: RemoteCompactReport
     evict_markers: list[str]
     evict_manifests: list[str]
     dangling: list[str]
@@ -63,32 +73,59 @@ class _Plan:
     merged: dict[str, int]
     access_keys: list[str]
 
+    def report(self) -> RemoteCompactReport:
+        return dataclasses.replace(self.planned, dry_run=True)
 
-def compact(
-    remote: RemoteTier, *, max_bytes: int | None, grace: float, dry_run: bool
-) -> RemoteCompactReport:
-    """Evict above ``max_bytes`` (None: no budget) and delete unreferenced blocks older
-    than ``grace`` seconds; ``dry_run`` lists without the lease and deletes nothing."""
+    def _execute(self) -> RemoteCompactReport:
+        if not self.leased:
+            raise RemoteLeaseError("a plan made without the lease cannot be executed",
+                                   bucket=self.remote.url.bucket, key=self.remote.lease.key)
+        try:
+            _execute(self.remote, self)
+        finally:
+            self.release()
+        return dataclasses.replace(self.planned, dry_run=False)
+
+    def release(self) -> None:
+        if self.leased:
+            self.remote.lease.release()
+
+
+def plan_compact(remote: RemoteTier, *, max_bytes: int | None, grace: float,
+                 lease: bool = True) -> RemoteCompactPlan:
+    """Plan evicting above ``max_bytes`` (None: no budget) and deleting unreferenced blocks
+    older than ``grace`` seconds. With ``lease`` (a plan to execute) the lease is taken
+    before anything is listed, and held by the plan."""
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
     if grace < 0:
         raise ValueError(f"grace must be >= 0, got {grace}")
-    if not dry_run:
+    if lease:
         remote.lease.take()
     try:
-        plan = _plan(remote, max_bytes, grace, dry_run)
-        crash_point("remote_gc_after_list")
-        if not dry_run:
-            _execute(remote, plan)
-        return plan.report
-    finally:
-        if not dry_run:
+        return _plan(remote, max_bytes, grace, lease)
+    except BaseException:
+        if lease:
             remote.lease.release()
+        raise
 
 
-def _plan(remote: RemoteTier, max_bytes: int | None, grace: float, dry_run: bool) -> _Plan:
+def compact(
+    remote: RemoteTier, *, max_bytes: int | None, grace: float, dry_run: bool
+) -> RemoteCompactReport:
+    """Plan (:func:`plan_compact`); ``dry_run``: its report (listed without the lease,
+    nothing deleted), else what executing it did."""
+    plan = plan_compact(remote, max_bytes=max_bytes, grace=grace, lease=not dry_run)
+    if dry_run:
+        return plan.report()
+    crash_point("remote_gc_after_list")
+    return plan.execute()
+
+
+def _plan(remote: RemoteTier, max_bytes: int | None, grace: float,
+          leased: bool) -> RemoteCompactPlan:
     p, c = remote.prefix, remote.client
-    rep = RemoteCompactReport(str(remote.url), dry_run)
+    rep = RemoteCompactReport(str(remote.url), not leased)
     # markers first: each was put after its manifest, so a manifest listed later covers it
     marks: dict[bytes, list[str]] = defaultdict(list)
     for o in [*c.list(p + MARKERS), *c.list(p + EXACT)]:
@@ -153,14 +190,15 @@ def _plan(remote: RemoteTier, max_bytes: int | None, grace: float, dry_run: bool
     rep.manifests_deleted = len(evict)
     merged = {d.hex(): int(t * 1000) for d, t in access.items() if d in kept}
     rep.access_merged = len(access_keys)
-    return _Plan(rep, evict_markers, [manifest_key(p, d) for d in evict], dangling, sweep,
-                 merged, access_keys)
+    return RemoteCompactPlan(remote, leased, rep, evict_markers,
+                             [manifest_key(p, d) for d in evict], dangling, sweep, merged,
+                             access_keys)
 
 
 def _gone(remote: RemoteTier, d: bytes) -> bool:
     """Whether a manifest that failed to load was deleted meanwhile (not bad)."""
     try:
-        return remote.client.head(manifest_key(remote.prefix, d)) is None
+        return not remote.catalog.has_manifest(d)
     except RemoteNotFoundError:
         return True
 
@@ -172,7 +210,7 @@ def _delete(remote: RemoteTier, keys: Sequence[str]) -> None:
         crash_point("remote_gc_after_delete")
 
 
-def _execute(remote: RemoteTier, plan: _Plan) -> None:
+def _execute(remote: RemoteTier, plan: RemoteCompactPlan) -> None:
     _delete(remote, plan.evict_markers)  # evicted entries stop matching first
     _delete(remote, plan.evict_manifests)
     for k in plan.evict_manifests:
@@ -183,6 +221,5 @@ def _execute(remote: RemoteTier, plan: _Plan) -> None:
     _delete(remote, [remote.blocks.key(b) for b in plan.sweep])
     if plan.access_keys:
         if plan.merged:
-            key = f"{remote.prefix}{ACCESS}{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:12]}"
-            remote.client.put(key, msgspec.msgpack.encode(plan.merged))
+            remote.client.put(access_key(remote.prefix), msgspec.msgpack.encode(plan.merged))
         _delete(remote, plan.access_keys)

@@ -4,7 +4,8 @@ Every object is immutable and, but for the GC lease, named by what it holds::
 
     <prefix>kvstore.json                         the settings (format, hash, block size)
     <prefix>blocks/ab/<hex>                      block bytes (the local file's bytes)
-    <prefix>manifests/<hex>                      an encoded manifest, named by its digest
+    <prefix>manifests/<hex>                      an encoded manifest, named by its digest;
+                                                 metadata ``priority``: the entry's
     <prefix>markers/<c_k>/<entry>.<n>.<t|x>      the entry reaches depth k (empty body)
     <prefix>exact/<exact key>/<entry>.<t|x>      the entry is complete (put last)
     <prefix>access/<ms>-<random>                 a batch of access times (msgpack)
@@ -17,13 +18,10 @@ it can serve a shorter prefix (docs/FORMAT.md, "The remote tier").
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import time
+import uuid
 from typing import NamedTuple
 
-import msgspec
-
-REMOTE_FORMAT = 1
 SETTINGS = "kvstore.json"
 BLOCKS = "blocks/"
 MANIFESTS = "manifests/"
@@ -33,28 +31,17 @@ ACCESS = "access/"
 LEASE = "gc/lease"
 
 
-class RemoteSettings(msgspec.Struct, frozen=True, kw_only=True):
-    """What a bucket's roots share; a local root with others cannot use it."""
-
-    format: int = REMOTE_FORMAT
-    hash: str
-    block_tokens: int
-    state_block_bytes: int
-    created_at: int
-
-    def differences(self, hash: str, block_tokens: int, state_block_bytes: int) -> list[str]:
-        """The settings of a local root that differ from these, as ``name: ours vs theirs``."""
-        pairs = (("hash", self.hash, hash), ("block_tokens", self.block_tokens, block_tokens),
-                 ("state_block_bytes", self.state_block_bytes, state_block_bytes))
-        return [f"{n}: local {b} vs remote {a}" for n, a, b in pairs if a != b]
-
-
 class Marker(NamedTuple):
     """A parsed depth marker: which entry, how long, whether it trims."""
 
     entry: bytes
     n_tokens: int
     trimmable: bool
+
+
+def access_key(prefix: str) -> str:
+    """A new access-times object: named by the time it is written, and a random suffix."""
+    return f"{prefix}{ACCESS}{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:12]}"
 
 
 def manifest_key(prefix: str, digest: bytes) -> str:
@@ -111,42 +98,3 @@ def entry_of_key(key: str) -> bytes | None:
     return _hex32(name.split(".", 1)[0])
 
 
-@dataclass(frozen=True)
-class Publication:
-    """One local entry as the remote needs it: its manifest, blocks and keys."""
-
-    digest: bytes
-    manifest: bytes
-    blocks: dict[bytes, int]  # distinct block digest -> size, in manifest order
-    depth_keys: Sequence[bytes]  # c_1 .. c_K: the entry holds K full blocks
-    exact_key: bytes
-    n_tokens: int
-    trimmable: bool
-
-
-@dataclass
-class PushStats:
-    """What pushes did: entries published, blocks and bytes uploaded, blocks already there.
-
-    ``failed``: entries whose upload failed (kept, retried by the next push);
-    ``shed``: saves not queued because the queue was full; ``pending``: still queued
-    when a push timed out.
-    """
-
-    entries: int = 0
-    blocks: int = 0
-    bytes: int = 0
-    present: int = 0
-    failed: int = 0
-    shed: int = 0
-    pending: int = 0
-    errors: list[str] = field(default_factory=list)
-
-    def add(self, other: PushStats) -> None:
-        for f in ("entries", "blocks", "bytes", "present", "failed", "shed", "pending"):
-            setattr(self, f, getattr(self, f) + getattr(other, f))
-        self.errors.extend(other.errors)
-
-    def as_dict(self) -> dict[str, object]:
-        return {f: getattr(self, f) for f in
-                ("entries", "blocks", "bytes", "present", "failed", "shed", "pending", "errors")}

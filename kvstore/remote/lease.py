@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ..blocks.s3 import S3Client
-from ..errors import RemoteError, RemoteLeaseError, RemoteNotFoundError
+from .errors import RemoteError, RemoteLeaseError, RemoteNotFoundError
 from .layout import LEASE
+from .s3 import S3Client
 
 DEFAULT_LEASE = 300.0  # seconds a compaction may hold the lease
 DEFAULT_MARGIN = 30.0  # clock skew + one request in flight

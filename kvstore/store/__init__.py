@@ -1,4 +1,4 @@
-"""The composer: Store and the root parts it puts together (lookup, writer, reader, gc)."""
+"""The composer: Store over the root (the local tier) and the tiers below it."""
 
 from .store import Entry, EntryInfo, Match, Stats, Store, default_root
 

@@ -41,11 +41,11 @@ import os
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from ..errors import FileFormatError
+from ..catalog.records import PRIORITIES, Priority
+from ..formats.errors import FileFormatError
 from ..formats.v3 import load_v3, save_v3
 from ..formats.v5file import DEFAULT_BLOCK_BYTES, save_v5
 from ..schema import Manifest, Namespace
-from .saving import PRIORITIES, Priority
 
 __all__ = [
     "BLOCK_BYTES_KEY",

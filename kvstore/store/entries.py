@@ -8,14 +8,13 @@ from dataclasses import dataclass
 import msgspec
 
 from ..blocks import from_hex
+from ..catalog.records import PRIORITY_NAMES
 from ..errors import EntryNotFoundError
 from ..index import EntryRecord
 from ..schema import Namespace
-from .saving import PRIORITIES
 
 MIN_ID_PREFIX = 4  # hex chars of an entry id that resolve() accepts
 _ns_dec = msgspec.json.Decoder(Namespace)
-_PRIORITY_NAMES = {v: k for k, v in PRIORITIES.items()}
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -75,7 +74,7 @@ def entries_of(
             created_at=rec.created_at,
             last_access=rec.last_access,
             hits=rec.hits,
-            priority=_PRIORITY_NAMES.get(rec.priority, "assistant"),
+            priority=PRIORITY_NAMES.get(rec.priority, "assistant"),
         )
 
 

@@ -1,200 +1,143 @@
-"""The Store: the one place that composes blocks, the index and the codecs."""
+"""The Store: the facade over a root, the tiers below it and the work done on them."""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .._crash import crash_point
-from ..blocks import Digest, LocalBlockStore, from_hex
+from ..blocks import LocalBlockStore, from_hex
+from ..catalog import keys as P
+from ..catalog.find import Match, find
+from ..catalog.records import Priority
+from ..catalog.settings import TierSettings
 from ..codecs import AttachmentData
 from ..errors import (
     BlockNotFoundError,
-    CorruptBlockError,
+    DigestMismatchError,
     EntryNotFoundError,
     InvalidDigestError,
+    KVStoreError,
     ManifestError,
     NamespaceRequiredError,
     ReadOnlyStoreError,
-    RemoteError,
 )
-from ..index import Index
-from ..remote import DEFAULT_TIMEOUT, PushStats, Remote, RemoteHit
-from ..schema import (
-    Manifest,
-    Namespace,
-    TensorSpec,
-    decode_manifest,
-)
-from . import keys as P
-from .access import AccessLog
+from ..index import Index, IndexRead
+from ..schema import Manifest, Namespace, TensorSpec
+from .counters import StoreCounters
+from .data.restore import read_entry
+from .data.saving import CODEC_PROVIDER, PrefixGone, check_args, draft
 from .entries import Entry, EntryInfo, Stats
-from .files import FileBridge
-from .gc import DEFAULT_GRACE, enforce_budget
-from .lookup import (
-    Match,
-    find,
-    has_reach_markers,
-)
+from .local.root import Root, default_root
 from .maintenance import Maintenance
-from .restore import read_entry
-from .root import Root, RootSettings, default_root, has_root, open_root
-from .saving import CODEC_PROVIDER, PrefixGone, Priority, check_args, draft
-from .tiered import Pulled, RemoteLink
+from .opening import open_store
+from .served import Served
+from .tiers import Pulled, Tiers
+from .upkeep.access import AccessLog
+from .upkeep.gc import DEFAULT_GRACE, CompactReport, plan_budget
+from .upkeep.sweep import TempFiles
+from .upkeep.usage import Usage, failure_reason
+from .upkeep.verify import Progress, VerifyReport
 from .views import IndexViews
+
+if TYPE_CHECKING:  # the remote tier is imported when a store has one (issue 27, item 15)
+    from ..catalog.base import PushStats
+    from ..remote import Remote
 
 _log = logging.getLogger("kvstore")
 
 _RESTORE_TRIES = 4  # lookups one restore makes when what it found went bad or away
+#: What a local restore finds gone or bad on disk: it looks up again (a lower tier's
+#: failure of any kind is a fall back to this root).
+_GONE = (BlockNotFoundError, DigestMismatchError, EntryNotFoundError, ManifestError)
 
 
-class Store(FileBridge, IndexViews, Maintenance):
-    """A cache root: save caches, find the longest stored prefix, restore it."""
+class Store:
+    """A cache root: save caches, find the longest stored prefix, restore it.
+
+    A facade over named parts: ``local`` (the root: the local tier, with its catalog,
+    block files and settings), ``tiers`` (the root and the tiers below it: lookups
+    across them, write-back, write-behind), ``maintenance`` (listing, deleting,
+    compaction, verification, totals), ``views`` (what the command line reads of the
+    index) and ``served`` (per-tier request counts, miss reasons). ``root`` is the root's
+    path; ``counters`` what this open store did, for ``/metrics``.
+    """
 
     max_bytes: int | None = None  # byte budget enforced after each save (Store.open)
     gc_grace: float = DEFAULT_GRACE  # seconds a zero-ref block waits before a budget unlinks it
 
     def __init__(
         self,
-        root: Path,
-        index: Index,
-        settings: RootSettings,
+        local: Root,
         *,
         namespace: Namespace | None,
-        durable: bool,
         verify_reads: bool,
         read_only: bool = False,
+        remote: Remote | None = None,
+        push: bool = True,
     ) -> None:
-        self.root = root
-        self.read_only = read_only
-        self.index = index
-        self.settings = settings
+        self.local = local
+        self.root: Path = local.path  # the root's directory
+        self.index: Index = local.index
+        self.blocks: LocalBlockStore = local.blocks
+        self.settings: TierSettings = local.settings
         self.namespace = namespace
-        self.durable = durable
         self.verify_reads = verify_reads
-        self.blocks = LocalBlockStore(root, settings.hash, durable=durable, read_only=read_only)
-        self.parts = Root(root, settings, index, self.blocks)  # what gc and verify work on
-        self._access = AccessLog(index, read_only=read_only)
-        self._bisect = False  # lookups bisect the chain (set by open once the root allows it)
-        self._link: RemoteLink | None = None
+        self.read_only = read_only
+        self._access = AccessLog(local.index, read_only=read_only)
+        self.tiers = Tiers(local, [remote] if remote is not None else [], write_behind=push)
+        self._remote = remote
+        self.maintenance = Maintenance(local, self._access)
+        self.views = IndexViews(local)
+        self.counters = StoreCounters()
+        self.tiers.counters = self.counters
+        self.served = Served(local, self._access, self.tiers, self._keys,
+                             lambda t, ns: self._find(t, ns, lower=False))
 
     @property
     def remote(self) -> Remote | None:
         """The remote tier (``Store.open(remote=...)``), or None."""
-        return None if self._link is None else self._link.remote
+        return self._remote
 
-    # --- opening -------------------------------------------------------------------
+    # --- opening (kvstore.store.opening) -----------------------------------------
 
-    @classmethod
-    def open(
-        cls,
-        root: str | os.PathLike[str] | None = None,
-        *,
-        namespace: Namespace | None = None,
-        hash: str | None = None,
-        block_tokens: int | None = None,
-        state_block_bytes: int | None = None,
-        durable: bool = True,
-        create: bool = True,
-        verify_reads: bool = True,
-        map_size: int | None = None,
-        max_bytes: int | None = None,
-        gc_grace: float | None = None,
-        read_only: bool | None = None,
-        remote: str | None = None,
-        remote_timeout: float = DEFAULT_TIMEOUT,
-        push: bool = True,
-    ) -> Store:
-        """Open (and, with ``create``, make) the root.
+    if TYPE_CHECKING:  # the signature of open_store, for the type checker
 
-        ``hash`` and ``block_tokens`` are fixed when a root is created; passing
-        other values for an existing root is a :class:`RootSettingsError`.
-        With ``max_bytes`` every save that takes the live bytes over it evicts
-        least-recently-used entries until they fit (see :mod:`kvstore.store.gc`);
-        ``gc_grace`` (default 600 s) is the grace that eviction honours.
-
-        ``verify_reads`` (the default) checks every block a restore, load or
-        export reads against its digest, over the bytes read; ``False`` skips
-        the hashing for raw speed, and a block damaged on disk is then returned
-        as cache data (sizes and file types are still checked). See the README.
-
-        ``remote`` (default ``$KVSTORE_REMOTE``; ``""`` for none) is an
-        ``s3://BUCKET/PREFIX`` that this root shares with others: lookups consult it,
-        restores pull from it, and saves are queued for upload (``push=False``: only
-        :meth:`push` uploads). ``remote_timeout`` bounds each request and each lookup.
-        """
-        if max_bytes is not None and max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        path = Path(root) if root is not None else default_root()
-        url = os.environ.get("KVSTORE_REMOTE", "") if remote is None else remote
-        rem = Remote(url, timeout=remote_timeout) if url else None
-        if rem is not None and create and not has_root(path) and hash is None \
-                and block_tokens is None:  # a new root takes the remote's settings
-            theirs = RemoteLink.settings_for_new_root(rem)
-            if theirs is not None:
-                hash, block_tokens = theirs.hash, theirs.block_tokens
-                state_block_bytes = state_block_bytes or theirs.state_block_bytes
-        try:
-            index, settings, ro = open_root(path, hash=hash, block_tokens=block_tokens,
-                                            state_block_bytes=state_block_bytes,
-                                            durable=durable, create=create,
-                                            map_size=map_size, read_only=read_only)
-        except BaseException:
-            if rem is not None:
-                rem.close()
-            raise
-        store = cls(
-            path,
-            index,
-            settings,
-            namespace=namespace,
-            durable=durable,
-            verify_reads=verify_reads,
-            read_only=ro,
-        )
-        store.max_bytes = max_bytes
-        store._bisect = has_reach_markers(index, writable=not ro)
-        if gc_grace is not None:
-            store.gc_grace = gc_grace
-        if rem is not None:
-            try:
-                store._link = RemoteLink.attach(store.parts, rem, create=create and not ro,
-                                                push=push)
-            except BaseException:
-                rem.close()
-                store.close()
-                raise
-        return store
+        @classmethod
+        def open(cls, root: str | os.PathLike[str] | None = None, *,
+                 namespace: Namespace | None = None, hash: str | None = None,
+                 block_tokens: int | None = None, state_block_bytes: int | None = None,
+                 durable: bool = True, create: bool = True, verify_reads: bool = True,
+                 map_size: int | None = None, max_bytes: int | None = None,
+                 gc_grace: float | None = None, read_only: bool | None = None,
+                 remote: str | None = None, remote_timeout: float | None = None,
+                 push: bool = True) -> Store: ...
+    else:
+        open = classmethod(open_store)
 
     def flush_access(self) -> None:
         """Write pending access stamps and lookup counts to the index now (see
-        :mod:`kvstore.store.access`: they are also written a second after the first
+        :mod:`kvstore.store.upkeep.access`: they are also written a second after the first
         one, by :meth:`close` and at interpreter exit)."""
         self._access.flush()
 
     def close(self) -> None:
-        """Push what is queued for the remote (bounded), write the pending access stamps and
-        close the index (a second close does nothing)."""
-        if self._link is not None:
-            self._link.close()
+        """Push what is queued for the lower tiers (bounded), write the pending access stamps
+        and close the index (a second close does nothing)."""
+        self.tiers.close()
         self._access.close(self.index.close)
 
     def push(self, timeout: float | None = None, *, everything: bool = False) -> PushStats:
         """Wait until the saves queued for the remote are on it (``everything``: first queue
         every local entry the remote lacks); returns what was uploaded."""
-        return self._remote_link().push(timeout, everything=everything)
+        return self.tiers.push(timeout, everything=everything)
 
     def pull(self, entry_ids: Sequence[str] | None = None) -> list[Pulled]:
         """Download remote entries (all, or these ids or unique prefixes) into this root."""
-        return self._remote_link().pull_entries(entry_ids)
-
-    def _remote_link(self) -> RemoteLink:
-        if self._link is None:
-            raise ValueError("this store has no remote: Store.open(..., remote='s3://...')")
-        return self._link
+        return self.tiers.pull(entry_ids)
 
     def __enter__(self) -> Store:
         return self
@@ -220,8 +163,9 @@ class Store(FileBridge, IndexViews, Maintenance):
             )
         return ns
 
-    def _c0(self, ns: Namespace) -> bytes:
-        return P.root_key(ns, CODEC_PROVIDER, self.block_tokens, self.settings.hash)
+    def _keys(self, tokens: Any, ns: Namespace) -> P.TokenKeys:
+        c0 = P.root_key(ns, CODEC_PROVIDER, self.block_tokens, self.settings.hash)
+        return P.TokenKeys.of(tokens, c0, self.block_tokens, self.settings.hash)
 
     @staticmethod
     def _digest(entry_id: str | bytes) -> bytes:
@@ -272,25 +216,26 @@ class Store(FileBridge, IndexViews, Maintenance):
             rec = self.index.get_entry(existing, txn) if existing else None
         if existing and rec is not None:
             return EntryInfo(existing.hex(), n, rec.logical_bytes, 0, created=False)
-        d = draft(self.parts, ns, tk, cache, attachments, meta, priority, created_at,
-                  reuse_prefix=reuse_prefix, bisect=self._bisect)
+        d = draft(self.local, ns, tk, cache, attachments, meta, priority, created_at,
+                  reuse_prefix=reuse_prefix)
+        r = d.records
         crash_point("before_commit")
         try:
-            created = self.index.commit_save(d.plan)
+            created = self.local.catalog.commit(r, d.ensure)
         except PrefixGone:  # the transaction was aborted: save our own bytes instead
             return self.save(tk.tokens, cache, namespace=ns, metadata=meta, priority=priority,
-                             attachments=attachments, created_at=d.created_at)
+                             attachments=attachments, created_at=r.created_at)
         crash_point("after_commit")
-        if created and self._link is not None and self._link.auto_push:
-            self._link.enqueue(d.digest)
+        if created and self.tiers.write_behind:
+            self.tiers.enqueue(r.digest)
         if created and self.max_bytes is not None:
-            enforce_budget(self.parts, self.max_bytes, grace=self.gc_grace)
+            report = plan_budget(self.local, self.max_bytes, grace=self.gc_grace).execute()
+            self.counters.add(evicted_entries=len(report.evicted),
+                              freed_bytes=report.freed_bytes)
         if not created:  # a concurrent save of the same tokens won
-            with self.index.read() as txn:
-                existing = self.index.find_exact(d.plan.exact_key, txn)
-            eid = existing.hex() if existing else d.digest.hex()
-            return EntryInfo(eid, n, d.logical_bytes, d.new_bytes, created=False)
-        return EntryInfo(d.digest.hex(), n, d.logical_bytes, d.new_bytes)
+            eid = (self.local.catalog.exact(r.exact_key) or r.digest).hex()
+            return EntryInfo(eid, n, r.logical_bytes, d.new_bytes, created=False)
+        return EntryInfo(r.digest.hex(), n, r.logical_bytes, d.new_bytes)
 
     # --- lookup ----------------------------------------------------------------------------
 
@@ -305,32 +250,22 @@ class Store(FileBridge, IndexViews, Maintenance):
         self._access.note(lookup=True)
         return match
 
-    def _find(self, tokens: Any, namespace: Namespace | None, *, remote: bool = True
+    def _find(self, tokens: Any, namespace: Namespace | None, *, lower: bool = True
               ) -> Match | None:
         tk = self._keys(tokens, self._ns(namespace))
-        with self.index.read() as txn:
-            match = find(self.index, txn, tk, bisect=self._bisect)
-        if not remote or self._link is None or (match is not None and match.exact):
-            return match
-        hit = self._link.find(tk, match.length if match is not None else 0)
-        if hit is None:
-            return match
-        return Match(Digest(hit.digest), hit.length, hit.exact, hit.trimmable, hit.n_tokens,
-                     where="remote")
-
-    def _keys(self, tokens: Any, ns: Namespace) -> P.TokenKeys:
-        return P.TokenKeys.of(tokens, self._c0(ns), self.block_tokens, self.settings.hash)
+        with self.local.catalog.reader() as r:
+            match = find(r, tk)
+        return self.tiers.find(tk, match) if lower else match
 
     # --- load --------------------------------------------------------------------------------
 
     def manifest(self, entry_id: str | bytes) -> Manifest:
         """The decoded manifest of an entry."""
         digest = self._digest(entry_id)
-        with self.index.read() as txn:
-            raw = self.index.get_manifest(digest, txn)
-        if raw is None:
+        got = self.local.catalog.manifest(digest)
+        if got is None:
             raise EntryNotFoundError(f"no entry {digest.hex()}")
-        return decode_manifest(raw)
+        return got[1]
 
     def load(self, match: Match, *, verify: bool | None = None) -> list[Any]:
         """Restore the cache objects of ``match`` holding exactly ``match.length`` tokens.
@@ -342,18 +277,27 @@ class Store(FileBridge, IndexViews, Maintenance):
         block's digest over the bytes read. A missing block raises
         :class:`BlockNotFoundError`; a corrupt one (the wrong digest, the wrong
         size, not a regular file) is quarantined, the entries that need it are
-        cut back or dropped (see :mod:`kvstore.store.repair`), and
+        cut back or dropped (see :mod:`kvstore.store.upkeep.repair`), and
         :class:`CorruptBlockError` names it: a new lookup then finds the
-        longest intact prefix.
+        longest intact prefix. A match of a lower tier is first written back
+        into this root (:meth:`Tiers.write_back`).
         """
         digest: bytes = match.digest
-        if match.where == "remote":
-            got = self._remote_link().pull(RemoteHit(
-                match.digest, match.length, match.exact, match.trimmable, match.n_tokens))
+        if match.where != self.local.name:
+            try:
+                got = self.tiers.write_back(match)
+            except (KVStoreError, OSError):
+                self.counters.add(remote_errors=1)
+                raise
+            self.counters.add(remote_pulls=1, remote_pulled_bytes=got.bytes)
             digest = got.digest
             if got.fresh and verify is None:  # every block was checked as it came in
                 verify = False
-        _, cache, _ = self._read(digest, match.length, verify)
+        try:
+            _, cache, _ = self._read(digest, match.length, verify)
+        except DigestMismatchError:
+            self.counters.add(corrupt_blocks=1)
+            raise
         self._access.note(digest)
         return cache
 
@@ -368,7 +312,7 @@ class Store(FileBridge, IndexViews, Maintenance):
         self, digest: bytes, length: int | None, verify: bool | None
     ) -> tuple[Manifest, list[Any], list[AttachmentData]]:
         verify = self.verify_reads if verify is None else verify
-        return read_entry(self.parts, digest, length, verify)
+        return read_entry(self.local, digest, length, verify)
 
     def restore(
         self, tokens: Any, *, namespace: Namespace | None = None, verify: bool | None = None
@@ -379,29 +323,176 @@ class Store(FileBridge, IndexViews, Maintenance):
         Never raises for what it finds on disk: a corrupt block is quarantined (see
         :meth:`load`) and the lookup is made again, so the caller gets the longest
         prefix still stored intact; a block or entry removed meanwhile (evicted by
-        another process) is looked up again too.
+        another process) is looked up again too. A lower tier that fails is left alone
+        and the lookup made again on this root.
+
+        Counts one request of ``len(tokens)`` prompt tokens in the root's per-tier counts
+        (:meth:`note_request`): ``length`` of them from this root or a lower tier, and why
+        it missed when it did.
         """
         cache: list[Any] | None = None
         length = 0
         tried: set[tuple[bytes, int]] = set()
         self._access.note(lookup=True)  # one lookup, however many tries it takes
-        remote = True
+        lower = True
+        where, failed = self.local.name, None
         for _ in range(_RESTORE_TRIES):
-            match = self._find(tokens, namespace, remote=remote)
+            match = self._find(tokens, namespace, lower=lower)
             if match is None or (match.digest, match.length) in tried:
                 break
             tried.add((match.digest, match.length))
             try:
-                cache, length = self.load(match, verify=verify), match.length
+                cache, length, where = self.load(match, verify=verify), match.length, match.where
                 break
-            except (BlockNotFoundError, CorruptBlockError, EntryNotFoundError, ManifestError,
-                    RemoteError) as e:
-                if match.where == "remote":  # a local hit or a miss instead, never an error
-                    remote = False
-                    if self._link is not None:
-                        self._link.down(f"restore of {match.entry_id} failed: {e}")
-                continue
+            except (KVStoreError, OSError) as e:
+                if match.where == self.local.name and not isinstance(e, _GONE):
+                    raise
+                failed = failed or failure_reason(e)
+                if match.where != self.local.name:  # a local hit or a miss instead
+                    lower = False
+                    self.tiers.down(match.where, f"restore of {match.entry_id} failed: {e}")
+        # one request: the tokens it was given, what it reused and why not more
+        miss = failed or (None if cache is not None else self.miss_reason(tokens,
+                                                                          namespace=namespace))
+        self._access.note_request(len(tokens), length, where if cache is not None else None,
+                                  miss)
         return (cache, length) if cache is not None else (None, 0)
+
+    # --- files (mlx-bun v3/v4/v5, see kvstore.store.bridge) ----------------------------
+
+    def import_file(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        verify: bool = True,
+        namespace: Namespace | None = None,
+    ) -> EntryInfo:
+        """Store an mlx-bun v3/v4/v5 file as one entry (:func:`.bridge.read_file`: a
+        malformed file raises its FileFormatError and leaves the store unchanged). The
+        entry's namespace is ``namespace``, else the header's identity, else the store's."""
+        from .bridge import read_file  # the formats: imported by the calls that use them
+
+        self._check_writable("import")
+        f = read_file(path, verify=verify)
+        return self.save(f.tokens, f.cache, namespace=namespace or f.namespace,
+                         metadata=f.metadata, attachments=f.attachments, priority=f.priority,
+                         created_at=f.created_at)
+
+    def export(
+        self,
+        entry_id: str | bytes,
+        path: str | os.PathLike[str],
+        *,
+        format: Literal["v3", "v5"] = "v3",
+        verify: bool = True,
+    ) -> Path:
+        """Write one entry as an mlx-bun file (see :func:`kvstore.store.bridge.write_file`)
+        and return its path; ``entry_id`` may be a unique hex prefix.
+
+        Every block's digest is checked over the bytes read (whatever the store's
+        ``verify_reads``: a file written from damaged bytes would carry fresh hashes
+        of them); a bad block is a :class:`CorruptBlockError` naming it,
+        quarantined as a restore would, and no file is written. ``verify=False``
+        skips the check.
+        """
+        if format not in ("v3", "v5"):
+            raise ValueError(f"format must be 'v3' or 'v5', not {format!r}")
+        eid = self.resolve(entry_id) if isinstance(entry_id, str) else entry_id
+        m = self.manifest(eid)
+        tokens, cache, attachments = self.load_entry(eid, verify=verify)
+        from .bridge import write_file
+
+        return write_file(m, tokens, cache, attachments, path, format=format)
+
+    # --- maintenance (kvstore.store.maintenance) -------------------------------------
+
+    def entries(self, *, namespace: Namespace | None = None) -> Iterator[Entry]:
+        """Every entry (or those of one namespace)."""
+        return self.maintenance.entries(namespace)
+
+    def resolve(self, entry_id: str) -> str:
+        """A full entry id from a unique prefix of at least ``MIN_ID_PREFIX`` (4) hex chars."""
+        return self.maintenance.resolve(entry_id)
+
+    def delete(self, entry_id: str | bytes) -> bool:
+        """Remove an entry and drop its block references; False when it did not exist."""
+        self._check_writable("delete an entry")
+        return self.maintenance.delete(self._digest(entry_id))
+
+    def compact(self, *, max_bytes: int | None = None, namespace_max_bytes: int | None = None,
+                grace: float = DEFAULT_GRACE, dry_run: bool = False,
+                progress: Progress | None = None) -> CompactReport:
+        """Evict above the byte budgets, delete expired garbage (:mod:`kvstore.store.upkeep.gc`);
+        ``dry_run``: the plan's report, nothing done; ``progress(phase, done, total)``
+        follows the work."""
+        if not dry_run:
+            self._check_writable("compact")
+        return self.maintenance.compact(max_bytes, namespace_max_bytes, grace, dry_run,
+                                        progress)
+
+    def verify(self, *, read_data: bool = False, repair: bool = False, dry_run: bool = False,
+               progress: Progress | None = None) -> VerifyReport:
+        """Check refcounts, blocks and keys (and, with ``read_data``, every block's
+        bytes); ``repair`` fixes what it finds, ``dry_run`` only says how. See
+        :func:`kvstore.store.upkeep.verify.verify`."""
+        if repair:
+            self._check_writable("repair")
+        return self.maintenance.verify(read_data, repair, dry_run, progress)
+
+    def temp_files(self) -> TempFiles:
+        """What ``tmp/`` holds: writes in progress, and files a writer that is gone left (a
+        save killed midway), which the next compact removes whatever its grace."""
+        return self.maintenance.temp_files()
+
+    # --- served requests (kvstore.store.served) ------------------------------------------
+
+    def note_request(self, prompt_tokens: int, reused_tokens: int = 0, tier: str | None = None,
+                     *, miss: str | None = None) -> None:
+        """Count one served request in the root's per-tier request counts.
+
+        ``tier`` (``memory``, ``local`` or ``remote``) gave the ``reused_tokens`` leading
+        tokens of a prompt of ``prompt_tokens``; ``miss`` is why it reused nothing or
+        less than it might have (:data:`kvstore.store.upkeep.usage.MISS_REASONS`).
+        :meth:`restore` and :class:`~kvstore.mlx_lm.PersistentPromptCache` count their own
+        requests; a caller that serves prompts through :meth:`lookup` and :meth:`load`
+        reports its own here. The counts are written within a second (``kvstore stats``).
+        """
+        self.served.note_request(prompt_tokens, reused_tokens, tier, miss)
+
+    def usage(self) -> Usage:
+        """The root's request counts, over its lifetime and since the last reset."""
+        return self.served.usage()
+
+    def reset_usage(self) -> Usage:
+        """Start the root's since-reset request counts anew; returns them as they were."""
+        self._check_writable("reset the request counts")
+        return self.served.reset_usage()
+
+    def stored_prefix(self, tokens: Any, *, namespace: Namespace | None = None) -> int:
+        """How many leading tokens of ``tokens`` a local entry can serve (0: none); neither
+        counted as a lookup nor asked of a lower tier: for deciding what to save."""
+        return self.served.stored_prefix(tokens, namespace)
+
+    def miss_reason(self, tokens: Any, *, namespace: Namespace | None = None,
+                    reused: int = 0) -> str | None:
+        """Why the store gave no more than ``reused`` leading tokens of ``tokens``
+        (:meth:`kvstore.store.diagnose.Diagnosis.reason`); None when it holds no more."""
+        return self.served.miss_reason(tokens, self._ns(namespace), reused)
+
+    def stats(self) -> Stats:
+        """Entries, blocks, logical vs physical bytes and the dedup ratio."""
+        return self.maintenance.stats()
+
+    # --- views (kvstore.store.views) ---------------------------------------------------
+
+    def lookup_reads(self, tokens: Any, *, namespace: Namespace | None = None
+                     ) -> list[IndexRead]:
+        """The index reads a local lookup of ``tokens`` makes: each get and each cursor move."""
+        return self.views.lookup_reads(self._keys(tokens, self._ns(namespace)))
+
+    def replay_reads(self, reads: list[IndexRead]) -> int:
+        """Those reads as plain gets in one read transaction; how many found a value."""
+        return self.views.replay_reads(reads)
 
 
 __all__ = ["Entry", "EntryInfo", "Match", "Stats", "Store", "TensorSpec", "default_root"]

@@ -1,35 +1,33 @@
-"""Read-only views of the index for the command line: manifests by id, what each entry
+"""Read-only views of a root's index for the command line: manifests by id, what each entry
 holds alone, block refcounts, the garbage awaiting compaction; and for the bench, the
 index reads a lookup makes."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
 
-from ..index import Index, IndexRead
-from ..schema import Manifest, Namespace, decode_manifest
-from .lookup import find
-
-if TYPE_CHECKING:
-    from .keys import TokenKeys
+from ..catalog.base import open_manifest
+from ..catalog.find import find
+from ..catalog.keys import TokenKeys
+from ..index import IndexRead
+from ..schema import Manifest
+from .local.catalog import LocalReader
+from .local.root import Root
 
 
 class IndexViews:
-    """Mixed into :class:`~kvstore.store.Store` (whose ``index`` it reads)."""
+    """What the command line and the bench read of a root's index (a :class:`Store` part)."""
 
-    index: Index
-    if TYPE_CHECKING:
-        _bisect: bool
-
-        def _keys(self, tokens: Any, ns: Namespace) -> TokenKeys: ...
-        def _ns(self, namespace: Namespace | None) -> Namespace: ...
+    def __init__(self, root: Root) -> None:
+        self.root = root
+        self.index = root.index
 
     def manifests(self, entry_ids: Sequence[str]) -> dict[str, Manifest]:
         """The manifests of these full hex ids, in one read; an id without one is left out."""
         with self.index.read() as txn:
             raws = ((i, self.index.get_manifest(bytes.fromhex(i), txn)) for i in entry_ids)
-            return {i: decode_manifest(raw) for i, raw in raws if raw is not None}
+            return {i: open_manifest(raw, bytes.fromhex(i)) for i, raw in raws
+                    if raw is not None}
 
     def unique_bytes(self, manifests: dict[str, Manifest]) -> dict[str, int]:
         """Per entry id, the bytes of its blocks no other entry references (refcount 1)."""
@@ -53,15 +51,16 @@ class IndexViews:
             refs = self.index.iter_refs(txn)
             return [(r.size, r.zero_since) for _, r in refs if r.refcount == 0]
 
-    def lookup_reads(self, tokens: Any, *, namespace: Namespace | None = None
-                     ) -> list[IndexRead]:
-        """The index reads a local lookup of ``tokens`` makes: each get and each cursor move."""
-        tk = self._keys(tokens, self._ns(namespace))
+    def lookup_reads(self, tk: TokenKeys) -> list[IndexRead]:
+        """The index reads a local lookup of ``tk`` makes: each get and each cursor move."""
         with self.index.traced_read() as txn:
-            find(self.index, txn, tk, bisect=self._bisect)
+            find(LocalReader(self.index, txn, bisect=self.root.catalog.bisect), tk)
             return txn.reads
 
     def replay_reads(self, reads: list[IndexRead]) -> int:
         """Those reads as plain gets in one read transaction (a lookup's limit, issue 16);
         returns how many found a value."""
         return self.index.replay_reads(reads)
+
+
+__all__ = ["IndexViews"]

@@ -36,7 +36,7 @@ def test_an_existing_block_is_never_rewritten(blocks: LocalBlockStore) -> None:
     ino = blocks.path(d).stat().st_ino
     assert blocks.put(d, [b"x" * 100]) is False
     # even a racing writer that got past the existence check links nothing over it
-    created, _ = blocks.publish(blocks.write_tmp([b"other bytes"]), d)
+    created = blocks.publish(blocks.stage([b"other bytes"]), d)
     assert created is False
     assert blocks.path(d).stat().st_ino == ino and blocks.get(d) == b"x" * 100
     assert not any(blocks.tmp_dir.iterdir())
@@ -53,7 +53,7 @@ def test_corruption_carries_both_digests(blocks: LocalBlockStore) -> None:
     assert e.value.expected == d.hex()
     assert e.value.actual == hash_bytes(blocks.algo, b"paYload").hex()
     assert blocks.get(d, verify=False) == b"paYload"
-    assert blocks.quarantine(d) == blocks.root / "quarantine" / d.hex()
+    assert blocks.quarantine(d) == str(blocks.root / "quarantine" / d.hex())
     with pytest.raises(BlockNotFoundError):
         blocks.get(d)
 

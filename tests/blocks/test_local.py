@@ -21,3 +21,7 @@ class TestLocalBlockStore(BlockStoreTests):
     def corrupt(self, store: BlockStore, digest: bytes, data: bytes) -> None:
         assert isinstance(store, LocalBlockStore)
         store.path(digest).write_bytes(data)
+
+    def read_only(self, store: BlockStore) -> BlockStore:
+        assert isinstance(store, LocalBlockStore)
+        return LocalBlockStore(store.root, store.algo, durable=False, read_only=True)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import pytest
 from cli_helpers import Root, assert_user_error, run, run_here
 
 from kvstore import Store
@@ -103,7 +105,7 @@ def test_verify_sound_then_corrupt_exits_1(fresh_root: Root) -> None:
     assert bad.code == 1
     assert "corrupt blocks" in bad.out and digest.hex()[:12] in bad.out
     assert bad.err.strip() == (f"kvstore: verify found problems in {root}; "
-                               "'kvstore verify --repair' can fix it")
+                               "'kvstore verify --read-data --repair' can fix it")
     d = run("verify", "--read-data", "--json", "--root", root)
     assert d.code == 1 and d.json()["sound"] is False
     assert d.json()["report"]["corrupt_blocks"] == [digest.hex()]
@@ -111,4 +113,31 @@ def test_verify_sound_then_corrupt_exits_1(fresh_root: Root) -> None:
     assert fixed["report"]["quarantined"] == [digest.hex()]
     assert run_here("verify", "--read-data", "--root", root).code == 0
     assert fresh_root.ids["a40"] not in run_here("ls", "--json", "--root", root).out
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "missing file"])
+def test_the_command_verify_suggests_is_the_one_that_fixes_it(fresh_root: Root,
+                                                                damage: str) -> None:
+    """Issue 27, item 5: verify --read-data finds a flipped byte that verify --repair alone
+    cannot see; the hint names the command that repairs what was found, and running it
+    leaves a sound store."""
+    root = fresh_root.path
+    with Store.open(root, create=False) as s:
+        digest = s.manifest(fresh_root.ids["a40"]).token_blocks[-1]
+        path = s.blocks.path(digest)
+    if damage == "missing file":
+        path.unlink()
+        found = run_here("verify", "--root", root)
+    else:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+        found = run_here("verify", "--read-data", "--root", root)
+    assert found.code == 1
+    hint = re.fullmatch(rf"kvstore: verify found problems in {re.escape(str(root))}; "
+                        r"'kvstore (verify[^']*)' can fix it", found.err.strip())
+    assert hint is not None, found.err
+    fix = run_here(*hint.group(1).split(), "--root", root)  # exit 1: it found the problem
+    assert "repair did this:" in fix.out and "nothing needed repair" not in fix.out, fix
+    assert run_here("verify", "--read-data", "--root", root).code == 0
 

@@ -39,6 +39,19 @@ def test_serve_help_lists_kvstore_and_mlx_lm_options() -> None:
     assert "--model" in r.out and "--port" in r.out  # mlx_lm.server's own
 
 
+def test_serve_help_has_one_usage_line_as_every_command_does() -> None:
+    """Issue 27, item 13: not argparse's two usage blocks, one per option set."""
+    r = run("serve", "--help")
+    assert r.code == 0, r
+    lines = r.out.splitlines()
+    assert lines[0] == "Usage: kvstore serve [OPTIONS] [MLX_LM_SERVER_OPTIONS]..."
+    assert [line for line in lines if line.lower().startswith("usage:")] == [lines[0]]
+    assert lines.index("kvstore options:") < lines.index("mlx_lm.server options:")
+    ours = lines[lines.index("kvstore options:"):lines.index("mlx_lm.server options:")]
+    assert any(line.startswith("  --root DIR ") for line in ours)
+    assert not any("--port" in line for line in ours)
+
+
 def test_serve_rejects_a_bad_budget_without_starting() -> None:
     r = run("serve", "--max-bytes", "lots")
     assert r.code == 2

@@ -153,13 +153,16 @@ def test_stats_human_and_json(runs: Runs, shared_root: Root) -> None:
     assert re.search(r"^entries\s+6$", r.out, re.M)
     assert re.search(r"^dedup\s+\d+\.\d\dx \(saves [\d.]+ KiB\)$", r.out, re.M)
     assert re.search(rf"^settings\s+blake3, {T} tokens per block", r.out, re.M)
-    assert re.search(r"^hit rate\s+no lookups recorded$", r.out, re.M)
+    assert re.search(r"^tokens saved\s+no requests recorded$", r.out, re.M)
+    assert re.search(r"^store lookups\s+none recorded$", r.out, re.M)
     d = runs[("stats", "--root", str(shared_root.path), "--json")].json()
     assert d["entries"] == 6 and d["hash"] == "blake3" and d["block_tokens"] == T
     assert d["logical_bytes"] == (40 + 64 + 70 + 90 + 48) * 128 + 20 * 64
     assert d["physical_bytes"] < d["logical_bytes"]
     assert d["dedup_ratio"] == pytest.approx(d["logical_bytes"] / d["physical_bytes"])
     assert d["hit_rate"] is None and d["budget_bytes"] is None
+    assert d["requests"]["lifetime"]["requests"] == 0 and d["reset"] is False
+    assert d["requests"]["lifetime"]["tokens_saved_share"] is None
     assert d["unreferenced_blocks"] == 0
 
 
@@ -200,3 +203,39 @@ def test_commands_do_not_create_a_root(tmp_path: Path) -> None:
     for r in runs.values():
         assert_user_error(r, str(missing), "not a kvstore root", "kvstore init")
     assert not missing.exists()
+
+
+def test_stats_shows_the_requests_by_tier_and_reset_starts_them_anew(tmp_path: Path) -> None:
+    """Issue 28: tokens saved is the headline; each tier's requests and tokens, over the
+    root's lifetime and, after --reset, since then."""
+    from kvstore import Store
+
+    root = tmp_path / "root"
+    with Store.open(root, block_tokens=T) as s:
+        s.note_request(571, 570, "local")
+        s.note_request(300, 250, "memory")
+        s.note_request(100, 0, miss="no_entry")
+    r = run_here("stats", "--root", root)
+    assert r.code == 0 and r.err == ""
+    assert re.search(r"^tokens saved\s+84\.4% \(820 of 971 prompt tokens\)$", r.out, re.M)
+    assert re.search(r"^  from memory\s+1 request, 250 tokens$", r.out, re.M), r.out
+    assert re.search(r"^  from local\s+1 request, 570 tokens$", r.out, re.M)
+    assert re.search(r"^  computed\s+151 tokens$", r.out, re.M)
+    assert re.search(r"^  miss reasons\s+no_entry 1$", r.out, re.M)
+    assert "since reset" not in r.out
+    r = run_here("stats", "--root", root, "--reset", "--json")
+    d = r.json()
+    assert d["reset"] is True and d["requests"]["since_reset"]["requests"] == 3
+    with Store.open(root) as s:
+        s.note_request(200, 150, "remote")
+    d = run_here("stats", "--root", root, "--json").json()["requests"]
+    assert d["reset_at"] is not None and d["since_reset"]["since"] == d["reset_at"]
+    assert (d["lifetime"]["requests"], d["since_reset"]["requests"]) == (4, 1)
+    assert d["since_reset"]["tiers"]["remote"] == {"requests": 1, "tokens": 150}
+    assert d["since_reset"]["tiers"]["local"] == {"requests": 0, "tokens": 0}
+    assert d["lifetime"]["tiers"]["local"] == {"requests": 1, "tokens": 570}
+    r = run_here("stats", "--root", root)
+    assert re.search(r"^  from remote\s+1 request, 150 tokens\s+1 request, 150 tokens$",
+                     r.out, re.M), r.out
+    assert re.search(r"^requests\s+lifetime \(since .*\)\s+since reset \(just now\)$",
+                     r.out, re.M), r.out

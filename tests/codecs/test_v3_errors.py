@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvstore.errors import (
+from kvstore.formats.bunhash import bun_hash
+from kvstore.formats.errors import (
     BadMagicError,
     BlockReferenceError,
     CodecProviderMismatchError,
@@ -24,7 +25,6 @@ from kvstore.errors import (
     TruncatedFileError,
     UnsupportedVersionError,
 )
-from kvstore.formats.bunhash import bun_hash
 from kvstore.formats.v3 import load_v3, read_header
 from kvstore.schema import Namespace
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from kvstore.errors import (
+from kvstore.formats.bunhash import bun_hash
+from kvstore.formats.errors import (
     AllocationBoundError,
     BlockReferenceError,
     CodecProviderMismatchError,
@@ -30,7 +31,6 @@ from kvstore.errors import (
     TruncatedFileError,
     UnsupportedVersionError,
 )
-from kvstore.formats.bunhash import bun_hash
 from kvstore.formats.v3 import check_header, load_v3, read_header
 
 PREFIX = 26

@@ -16,7 +16,7 @@ import pytest
 from factories import kv_cache, same_bits
 
 import kvstore
-from kvstore.errors import BlockFileTypeError
+from kvstore.formats.errors import BlockFileTypeError
 from kvstore.formats.v3 import load_v3, read_header
 from kvstore.formats.v5file import save_v5
 

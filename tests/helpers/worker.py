@@ -134,8 +134,8 @@ def cmd_remote_save(a: dict[str, Any]) -> dict[str, Any]:
 
 def cmd_remote_compact(a: dict[str, Any]) -> dict[str, Any]:
     """Compact the remote (grace 0) once, or in a loop until ``until``; a short lease."""
-    from kvstore.errors import RemoteLeaseError
     from kvstore.remote import Remote
+    from kvstore.remote.errors import RemoteLeaseError
 
     r = Remote(a["remote"], lease_seconds=a.get("lease", 20.0), lease_margin=a.get("margin", 2.0))
     passes = evicted = deleted = held = 0

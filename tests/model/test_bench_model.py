@@ -68,3 +68,21 @@ def test_conversation_takes_all_but_the_new_turn_from_the_store(bench: dict[str,
     assert math.isclose(vs_none["kvstore"], x["store_total_s"])
     held = {t["name"]: t["met"] for t in bench["targets"]}
     assert held[f"real model: cached share of turns 2..{len(TURNS)}, store"] is True
+
+
+def test_a_chat_through_serve_writes_at_most_1_5x_its_kv_bytes(bench: dict[str, Any]) -> None:
+    """Issue 28: the write cost of the same conversation through kvstore serve, measured
+    with the deferred snapshots (default) and with every snapshot written at once."""
+    (vs_kv,) = _rows(bench, "bytes written vs the final conversation's KV bytes")
+    (per_request,) = _rows(bench, "bytes written per request")
+    x = vs_kv["extra"]
+    assert x == per_request["extra"] and x["turns"] == len(TURNS)
+    assert vs_kv["kvstore"] == x["written_after"] and vs_kv["baseline"] == x["unique_kv_bytes"]
+    assert vs_kv["ratio"] == x["ratio_after"] <= 1.5
+    assert x["ratio_before"] == x["written_before"] / x["unique_kv_bytes"] > 1.5
+    assert per_request["kvstore"] == x["written_after"] / len(TURNS)
+    assert per_request["baseline"] == x["written_before"] / len(TURNS)
+    # both servers reused the same tokens: the deferral costs this conversation nothing
+    assert x["cached_tokens_after"] == x["cached_tokens_before"] > 0
+    held = {t["name"]: t["met"] for t in bench["targets"]}
+    assert held[f"real model: {vs_kv['name']}"] is True

@@ -39,14 +39,15 @@ def _free_port() -> int:
 
 
 @contextmanager
-def _server(model: Path, root: Path | None, log: Path) -> Iterator[Any]:
-    """A server on 127.0.0.1: ours on `root`, or plain ``mlx_lm.server`` when `root` is None."""
+def _server(model: Path, root: Path | None, log: Path, *extra: str) -> Iterator[Any]:
+    """A server on 127.0.0.1: ours on `root` (with `extra` options), or plain
+    ``mlx_lm.server`` when `root` is None."""
     port = _free_port()
     if root is None:
         argv = [sys.executable, "-m", "mlx_lm.server"]
     else:
         argv = [sys.executable, "-m", "kvstore.serve", "--root", str(root),
-                "--min-tokens", MIN_TOKENS]
+                "--min-tokens", MIN_TOKENS, *extra]
     argv += ["--model", str(model), "--host", "127.0.0.1", "--port", str(port),
              "--log-level", "INFO"]
     with log.open("a") as out:
@@ -165,10 +166,12 @@ def test_restart_continues_from_disk(conversation: Conversation, smollm2_dir: Pa
 def test_two_servers_share_one_root(smollm2_dir: Path, tmp_path: Path) -> None:
     root = tmp_path / "root"
     history = [{"role": "system", "content": SYSTEM}]
-    with (_server(smollm2_dir, root, tmp_path / "a.log") as a,
+    # the first turn adds no whole block to the root: its snapshot waits --defer-seconds
+    # in memory (docs/CLI.md, "Write cost") before it is written
+    with (_server(smollm2_dir, root, tmp_path / "a.log", "--defer-seconds", "0.5") as a,
           _server(smollm2_dir, root, tmp_path / "b.log") as b):
         first = _converse(a, history, TURNS[:1])
-        time.sleep(1.0)  # the first server's save is written behind the reply
+        time.sleep(3.0)  # the first server's save is written behind the reply
         second = _converse(b, history, TURNS[1:2])
     _report("two servers", first + second)
     assert first[0].cached_tokens == 0

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvstore.blocks.s3 import S3Client
+from kvstore.remote.s3 import S3Client
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.bench import main
-from kvstore.blocks.s3 import S3Client
+from kvstore.remote.s3 import S3Client
 
 
 def test_remote_group_writes_its_rows_and_cleans_up(url: str, bucket: str,

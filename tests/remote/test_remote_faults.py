@@ -18,8 +18,8 @@ from helpers.kv import T, make_cache, matches, open_store, run_worker, sound_sto
 
 import kvstore
 from kvstore._crash import REMOTE_POINTS
-from kvstore.errors import RemoteAuthError, RemoteNotFoundError
 from kvstore.remote import Remote
+from kvstore.remote.errors import RemoteAuthError, RemoteNotFoundError
 
 ROOT = Path(__file__).resolve().parents[2]
 

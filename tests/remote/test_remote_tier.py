@@ -8,11 +8,15 @@ import time
 from pathlib import Path
 
 import pytest
+from catalog.catalog_suite import same_records
 from helpers.kv import T, make_cache, matches, open_store, run_worker, start_worker, tokens_for
 
 import kvstore
+from kvstore.catalog.records import records_of
 from kvstore.errors import RootSettingsError
 from kvstore.remote import Remote
+from kvstore.remote.errors import RemoteLeaseError
+from kvstore.remote.gc import plan_compact
 
 
 def count_requests(store: kvstore.Store) -> list[str]:
@@ -74,6 +78,35 @@ def test_a_prefix_pull_downloads_only_the_blocks_it_needs(tmp_path: Path, url: s
         (e,) = list(b.entries())
         assert e.n_tokens == 7 * T  # the local entry is the prefix, cut at a block boundary
         assert len(list(b.blocks.iter())) == 7
+
+
+def test_a_pulled_entry_keeps_its_records(tmp_path: Path, url: str) -> None:
+    """A system prompt saved on one machine is a system prompt on the machine that pulls it:
+    both roots record it as records_of of the same manifest, priority included (whole, and
+    cut back to the prefix a query needs)."""
+    toks = tokens_for(5, 6 * T + 4)
+    with open_store(tmp_path / "a", remote=url) as a:
+        eid = a.save(toks, make_cache(toks), priority="system").id  # no cache_type metadata
+        assert a.push(60).entries == 1
+        mine = a.local.catalog.records(bytes.fromhex(eid))
+    with open_store(tmp_path / "b", remote=url) as b:
+        cache, n = b.restore(toks)
+        assert cache is not None and n == len(toks) and matches(cache, toks, n)
+        (e,) = list(b.entries())
+        assert (e.id, e.priority) == (eid, "system")
+        theirs = b.local.catalog.records(bytes.fromhex(eid))
+        assert mine is not None and theirs is not None
+        same_records(theirs, mine)
+        assert theirs.last_access >= mine.last_access
+    with open_store(tmp_path / "c", remote=url) as c:
+        q = toks[: 3 * T + 2] + [1, 2]
+        cache, n = c.restore(q)
+        assert cache is not None and n == 3 * T + 2 and matches(cache, q, n)
+        (e,) = list(c.entries())
+        assert (e.n_tokens, e.priority) == (4 * T, "system")
+        cut = c.local.catalog.records(bytes.fromhex(e.id))
+        assert cut is not None
+        same_records(cut, records_of(c.manifest(e.id), priority=2, last_access=cut.last_access))
 
 
 def test_dedup_across_20_machines(tmp_path: Path, url: str) -> None:
@@ -155,6 +188,36 @@ def test_compact_evicts_lru_and_sweeps(tmp_path: Path, url: str) -> None:
         assert r.verify(read_data=True).sound
         rep = r.compact(grace=3600)
         assert rep.blocks_deleted == 0 and rep.evicted == []
+
+
+def test_a_remote_compaction_is_a_plan_run_once(tmp_path: Path, url: str) -> None:
+    """The plan to execute holds the lease from before its listing until its execution
+    ends; it deletes what its report says; it runs once; a dry run's plan (listed without
+    the lease) cannot be executed."""
+    with open_store(tmp_path / "a", remote=url) as a:
+        ids = []
+        for seed in (20, 21):
+            t = tokens_for(seed, 3 * T)
+            ids.append(a.save(t, make_cache(t)).id)
+            a.push(60)
+            time.sleep(1.1)  # LastModified has one-second resolution
+        r = a.remote
+        assert r is not None
+        dry = plan_compact(r, max_bytes=0, grace=0, lease=False)
+        assert dry.report().evicted == ids and r.stats().lease is None
+        with pytest.raises(RemoteLeaseError):
+            dry.execute()
+        plan = plan_compact(r, max_bytes=3 * T * 64, grace=0)
+        assert r.stats().lease is not None  # held by the plan
+        planned = plan.report()
+        assert planned.dry_run and planned.evicted == [ids[0]] and planned.blocks_deleted == 3
+        done = plan.execute()
+        assert not done.dry_run and (done.evicted, done.blocks_deleted) == ([ids[0]], 3)
+        st = r.stats()
+        assert (st.entries, st.blocks, st.lease) == (1, 3, None)
+        with pytest.raises(RuntimeError, match="once"):
+            plan.execute()
+        assert r.verify(read_data=True).sound
 
 
 def test_the_compaction_race(tmp_path: Path, url: str) -> None:

@@ -3,29 +3,42 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from blocks.blockstore_suite import BlockStoreTests, block
 
 from kvstore.blocks import hash_bytes
 from kvstore.blocks.base import BlockStore
-from kvstore.blocks.s3 import S3BlockStore, S3Client, parse_s3_url
-from kvstore.errors import (
+from kvstore.remote.blocks import S3BlockStore
+from kvstore.remote.errors import (
     RemoteAuthError,
     RemoteNotFoundError,
     RemoteUnavailableError,
     RemoteURLError,
 )
+from kvstore.remote.s3 import S3Client, parse_s3_url
 
 
 class TestS3BlockStore(BlockStoreTests):
-    @pytest.fixture(params=["blake3", "sha256"])
-    def store(self, bucket: str, request: pytest.FixtureRequest) -> BlockStore:
-        return S3BlockStore(S3Client(bucket), "team/", request.param)
+    @pytest.fixture(params=[("blake3", False), ("sha256", True)], ids=["blake3", "sha256-pool"])
+    def store(self, bucket: str, request: pytest.FixtureRequest) -> Iterator[BlockStore]:
+        algo, threads = request.param
+        pool = ThreadPoolExecutor(4) if threads else None  # get_many on the request threads
+        try:
+            yield S3BlockStore(S3Client(bucket), "team/", algo, pool=pool)
+        finally:
+            if pool is not None:
+                pool.shutdown()
 
     def corrupt(self, store: BlockStore, digest: bytes, data: bytes) -> None:
         assert isinstance(store, S3BlockStore)
         store.client.put(store.key(digest), data, if_absent=False)
+
+    def read_only(self, store: BlockStore) -> BlockStore:
+        assert isinstance(store, S3BlockStore)
+        return S3BlockStore(store.client, store.prefix, store.algo, read_only=True)
 
 
 def test_blocks_live_under_the_prefix_with_the_local_fan_out(bucket: str) -> None:

@@ -1,0 +1,281 @@
+"""The remote tier's catalog: entries by chain key as objects of a bucket.
+
+An entry is its manifest object, a marker under each chain key ``c_k`` it reaches
+(``markers/<c_k>/<entry>.<n>.<t|x>``: empty objects, so a LIST of one depth shows the
+entries that reach it) and its exact marker (``exact/<key>/<entry>.<t|x>``, put last: the
+entry is complete). A lookup is :func:`~kvstore.catalog.find.find` over depth probes
+that each LIST one depth; the entries found are judged against their manifests. The
+entry's priority travels as the manifest object's metadata (``x-amz-meta-priority``),
+which older readers ignore. The order of the puts and the GC lease are
+docs/FORMAT.md's ("The remote tier").
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from .._crash import crash_point
+from ..blocks import Digest
+from ..catalog import keys as P
+from ..catalog.base import Catalog, Ensure, open_manifest
+from ..catalog.find import DepthReader, Match
+from ..catalog.records import PRIORITY_NAMES, Records, records_of
+from ..errors import DigestMismatchError, ManifestError
+from ..schema import Manifest
+from .errors import RemoteNotFoundError
+from .layout import (
+    EXACT,
+    MANIFESTS,
+    Marker,
+    exact_dir,
+    exact_marker,
+    manifest_key,
+    marker_dir,
+    marker_key,
+    parse_exact,
+    parse_marker,
+)
+from .s3 import S3Client, run_all
+
+SCAN = 4  # manifests a lookup reads at its deepest depth
+LISTED = 16  # markers one probe lists
+CACHED = 512  # manifests kept decoded
+PRIORITY_META = "priority"  # the manifest object's metadata key: the entry's priority
+
+
+@dataclass(frozen=True)
+class _Cached:
+    raw: bytes
+    manifest: Manifest
+    priority: int | None  # None: the pusher kept none (an older kvstore)
+
+
+class RemoteReader(DepthReader):
+    """One lookup's view of the bucket: the markers listed so far, by depth."""
+
+    first_depth = 1  # entries shorter than a block have their exact marker only
+    walk = 2  # the deepest depth reached and the one above it: a LIST and GETs each
+
+    def __init__(self, catalog: RemoteCatalog) -> None:
+        self.catalog = catalog
+        self._seen: dict[int, list[Marker]] = {}
+
+    def _markers(self, k: int, chain_key: bytes) -> list[Marker]:
+        if k not in self._seen:
+            self._seen[k] = self.catalog.markers(chain_key)
+        return self._seen[k]
+
+    def reaches(self, k: int, chain_key: bytes) -> bool:
+        return bool(self._markers(k, chain_key))
+
+    def best_at(self, tk: P.TokenKeys, k: int) -> Match | None:
+        return self.catalog.judge(self._markers(k, tk.chain[k]), tk)
+
+    def exact_later(self, tk: P.TokenKeys) -> Callable[[], Match | None]:
+        fut = self.catalog.pool.submit(self.catalog.exact_entry, tk.exact_key())
+        n_q = len(tk)
+
+        def result() -> Match | None:
+            hit = fut.result()
+            if hit is None:
+                return None
+            return Match(Digest(hit[0]), n_q, True, hit[1], n_q, where=self.catalog.name)
+
+        return result
+
+
+class RemoteCatalog(Catalog):
+    """The entries of a bucket prefix (thread-safe)."""
+
+    name = "remote"
+
+    def __init__(self, client: S3Client, prefix: str, algo: str, pool: Executor, *,
+                 url: str = "", read_only: bool = False) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.check_names = algo  # a bucket is anyone's to write: every manifest is checked
+        self.read_only = read_only
+        self.url = url or f"s3://{client.bucket}/{prefix}"
+        self.pool = pool  # the remote's request threads
+        self._cache: OrderedDict[bytes, _Cached] = OrderedDict()
+        self._lock = threading.Lock()
+        #: Called with an entry whose manifest a commit found there already (the remote
+        #: tier records an access, so a compaction that starts later sees it in use).
+        self.on_reused: Callable[[bytes], None] | None = None
+
+    # --- helpers --------------------------------------------------------------------
+
+    # --- lookups --------------------------------------------------------------------
+
+    @contextmanager
+    def reader(self) -> Iterator[RemoteReader]:
+        yield RemoteReader(self)
+
+    def markers(self, chain_key: bytes) -> list[Marker]:
+        """The entries that reach the depth of ``chain_key`` (at most ``LISTED``)."""
+        listed = self.client.list(marker_dir(self.prefix, chain_key), limit=LISTED)
+        return [m for o in listed if (m := parse_marker(o.key)) is not None]
+
+    def exact_entry(self, exact_key: bytes) -> tuple[bytes, bool] | None:
+        """``(entry, trimmable)`` of the complete entry the exact key names, or None."""
+        for o in self.client.list(exact_dir(self.prefix, exact_key), limit=4):
+            got = parse_exact(o.key)
+            if got is not None:
+                return got
+        return None
+
+    def exact(self, exact_key: bytes) -> bytes | None:
+        got = self.exact_entry(exact_key)
+        return None if got is None else got[0]
+
+    def judge(self, markers: list[Marker], tk: P.TokenKeys) -> Match | None:
+        """The best of the entries ``markers`` name for the query, from their manifests
+        (read in parallel, at most ``SCAN`` of each kind)."""
+        n_q = len(tk)
+        trim = sorted((m for m in markers if m.trimmable), key=lambda m: -m.n_tokens)
+        whole = sorted((m for m in markers if not m.trimmable and m.n_tokens <= n_q),
+                       key=lambda m: -m.n_tokens)
+        cands = (trim[:SCAN] + whole[:SCAN])[: 2 * SCAN]
+
+        def one(m: Marker) -> Match | None:
+            try:
+                got = self._get(m.entry)
+            except (RemoteNotFoundError, ManifestError, DigestMismatchError):
+                return None  # evicted meanwhile, or bad: verify reports it
+            if got is None:
+                return None
+            man = got.manifest
+            lcp = P.common_tokens(man.tokens, tk.le)
+            if m.trimmable:
+                length = min(lcp, man.n_tokens, n_q)
+            elif lcp >= man.n_tokens:
+                length = man.n_tokens
+            else:
+                return None
+            exact = length == n_q == man.n_tokens
+            return (Match(Digest(m.entry), length, exact, m.trimmable, man.n_tokens,
+                          where=self.name) if length else None)
+
+        hits = [h for h in run_all(self.pool, one, cands) if h is not None]
+        return max(hits, key=lambda h: (h.length, h.exact), default=None)
+
+    # --- entries --------------------------------------------------------------------
+
+    def where(self, digest: bytes) -> str:
+        return f"{self.url}{MANIFESTS}{digest.hex()}"
+
+    def manifest_bytes(self, digest: bytes) -> bytes | None:
+        try:
+            return self.client.get(manifest_key(self.prefix, digest))
+        except RemoteNotFoundError:
+            return None
+
+    def _get(self, digest: bytes) -> _Cached | None:
+        """The manifest (checked and decoded) and the priority its object carries; cached."""
+        with self._lock:
+            hit = self._cache.get(digest)
+            if hit is not None:
+                self._cache.move_to_end(digest)
+                return hit
+        try:
+            raw, meta = self.client.get_with_metadata(manifest_key(self.prefix, digest))
+        except RemoteNotFoundError:
+            return None
+        m = open_manifest(raw, digest, algo=self.check_names, where=self.where(digest))
+        got = _Cached(raw, m, _priority(meta.get(PRIORITY_META)))
+        with self._lock:
+            self._cache[digest] = got
+            while len(self._cache) > CACHED:
+                self._cache.popitem(last=False)
+        return got
+
+    def manifest(self, digest: bytes) -> tuple[bytes, Manifest] | None:
+        got = self._get(digest)
+        return None if got is None else (got.raw, got.manifest)
+
+    def records(self, digest: bytes) -> Records | None:
+        got = self._get(digest)
+        if got is None:
+            return None
+        return records_of(got.manifest, got.raw, digest, priority=got.priority)
+
+    def forget(self, digest: bytes) -> None:
+        """Drop a cached manifest (its entry was removed)."""
+        with self._lock:
+            self._cache.pop(digest, None)
+
+    def complete(self) -> dict[bytes, bool]:
+        """Every entry whose exact marker is there (a finished push): digest -> trimmable."""
+        out: dict[bytes, bool] = {}
+        for o in self.client.list(self.prefix + EXACT):
+            got = parse_exact(o.key)
+            if got is not None:
+                out[got[0]] = got[1]
+        return out
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(list(self.complete()))
+
+    # --- writes ---------------------------------------------------------------------
+
+    def has_manifest(self, digest: bytes) -> bool:
+        return self.client.head(manifest_key(self.prefix, digest)) is not None
+
+    def put_manifest(self, rec: Records) -> bool:
+        """Put the entry's manifest (its priority in the object's metadata); False when it
+        was there."""
+        return self.client.put(manifest_key(self.prefix, rec.digest), rec.manifest,
+                               metadata={PRIORITY_META: str(rec.priority)})
+
+    def _commit(self, rec: Records, ensure: Ensure) -> bool:
+        """The manifest first, then (``ensure``) the blocks, then a marker per depth, the
+        exact marker last: the entry is visible only when everything it needs is there.
+
+        An entry whose exact key is taken (this one, pushed before, or another of the same
+        tokens) is not pushed again. Two machines pushing the same tokens at once may both
+        publish: a lookup then finds either, never a wrong one.
+        """
+        if self.exact_entry(rec.exact_key) is not None:
+            return False
+        if not self.put_manifest(rec) and self.on_reused is not None:
+            self.on_reused(rec.digest)
+        crash_point("push_after_manifest")
+        ensure(list(rec.blocks))
+        crash_point("push_before_markers")
+        run_all(self.pool, lambda ck: self.client.put(
+            marker_key(self.prefix, ck, rec.digest, rec.n_tokens, rec.trimmable), b""),
+            rec.depth_keys)
+        crash_point("push_before_exact")
+        return self.client.put(exact_marker(self.prefix, rec.exact_key, rec.digest,
+                                            rec.trimmable), b"")
+
+    def marker_keys(self, rec: Records) -> list[str]:
+        """Every marker object of an entry: its depth markers, then its exact marker."""
+        return [marker_key(self.prefix, ck, rec.digest, rec.n_tokens, rec.trimmable)
+                for ck in rec.depth_keys] + [
+            exact_marker(self.prefix, rec.exact_key, rec.digest, rec.trimmable)]
+
+    def _remove(self, digest: bytes) -> bool:
+        """The entry's markers first (it stops matching), then its manifest."""
+        rec = self.records(digest)
+        if rec is None:
+            return False
+        self.client.delete_many(self.marker_keys(rec))
+        self.client.delete(manifest_key(self.prefix, digest))
+        self.forget(digest)
+        return True
+
+
+def _priority(raw: str | None) -> int | None:
+    """A priority the metadata names (its number), or None for none or a stray value."""
+    if raw is None or not raw.isdigit() or int(raw) not in PRIORITY_NAMES:
+        return None
+    return int(raw)
+
+
+__all__ = ["RemoteCatalog", "RemoteReader"]

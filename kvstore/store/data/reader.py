@@ -1,0 +1,325 @@
+"""From blocks to arrays: restore tensors with one copy from the page cache.
+
+``mx.load`` accepts a file-like object and fills its own freshly allocated
+arrays through ``readinto``. :class:`BlockStream` serves a small safetensors
+header and then each tensor's bytes, gathered from the block files with
+``os.preadv`` straight into the array's memory. Token-axis tensors may be
+allocated with spare rows (a KVCache's step capacity); those are zeroed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..._vio import ShortReadError, preadv_all
+from ...blocks import BlockCheck
+from ...blocks.pools import READ_WORKERS, balanced, read_pool
+from ...codecs.layout import (
+    block_rows,
+    geometry,
+    in_token_blocks,
+    in_window_blocks,
+    spec_nbytes,
+    window_first_block,
+    window_rows,
+)
+from ...codecs.mxload import TensorStream, load_tensors
+from ...schema import TensorSpec
+
+_ZEROS = bytes(1 << 20)
+_IOV_MAX = 1024
+_PARALLEL_BYTES = 1 << 20  # smaller tensors are read on the caller's thread
+
+
+@dataclass(frozen=True)
+class Run:
+    """``count`` pieces of ``length`` bytes of the stream, the i-th at ``dst + i*stride``.
+
+    Piece i comes from ``fd`` at ``src + i*src_stride``, or is zeros (fd -1).
+    A run is one tensor's share of one block: its ``outer`` runs of rows sit
+    back to back in the block file, so a whole-block run is one ``preadv``.
+    ``slot`` is the block's place in the read (its :class:`BlockCheck` slot).
+    ``skip`` is how many bytes after each piece the file holds that the
+    restore does not need (the rows of a partly restored last block); a
+    verified read reads them too, into scratch memory, to hash the whole block.
+    """
+
+    dst: int
+    length: int
+    fd: int
+    src: int
+    count: int = 1
+    stride: int = 0
+    src_stride: int = 0
+    slot: int = -1
+    skip: int = 0
+
+    @property
+    def end(self) -> int:
+        """One past the last byte of the stream the run fills."""
+        return self.dst + (self.count - 1) * self.stride + self.length
+
+
+@dataclass(frozen=True)
+class Want:
+    """One tensor to restore: its spec and the rows to allocate on its token axis."""
+
+    spec: TensorSpec
+    capacity: int | None = None  # token tensors only
+
+
+def plan_runs(
+    wants: Sequence[Want],
+    *,
+    n_tokens: int,
+    length: int,
+    block_tokens: int,
+    token_fds: Sequence[int],
+    state_fds: Sequence[int],
+    state_block: int,
+    window_fds: Sequence[int] = (),
+) -> tuple[list[tuple[str, list[int]]], list[list[Run]]]:
+    """For each tensor: (dtype, shape as restored) and the runs that fill it.
+
+    ``n_tokens`` is the entry's length (it fixes the block layout); ``length``
+    the prefix restored (it fixes which token-block rows are read; window
+    tensors are read whole). Token block ``b`` is slot ``b``, window block ``i``
+    slot ``len(token_fds) + i``, state block ``j`` slot after those.
+    """
+    specs = [w.spec for w in wants]
+    window = _window_runs(specs, n_tokens, block_tokens, window_fds, len(token_fds))
+    n_slots = len(token_fds) + len(window_fds)
+    token_specs = [s for s in specs if in_token_blocks(s)]
+    geoms = {id(s): geometry(s.shape, s.dtype, s.token_axis) for s in token_specs}
+    # byte offset of each token tensor inside block b: sum of earlier tensors' share
+    n_blocks = len(token_fds)
+    before: dict[int, list[int]] = {}
+    acc = [0] * n_blocks
+    for s in token_specs:
+        g = geoms[id(s)]
+        before[id(s)] = list(acc)
+        for b in range(n_blocks):
+            acc[b] += g.outer * block_rows(b, n_tokens, block_tokens) * g.row_bytes
+    shapes: list[tuple[str, list[int]]] = []
+    plans: list[list[Run]] = []
+    for w in wants:
+        s = w.spec
+        runs: list[Run] = []
+        if in_window_blocks(s):
+            shapes.append((s.dtype, list(s.shape)))
+            plans.append(window[id(s)])
+            continue
+        if s.token_axis is not None:
+            g = geoms[id(s)]
+            cap = w.capacity if w.capacity is not None else length
+            shape = list(s.shape)
+            shape[s.token_axis] = cap
+            stride = cap * g.row_bytes
+            for b in range(n_blocks):
+                r0 = b * block_tokens
+                take = min(length - r0, block_tokens)
+                if take <= 0:
+                    break
+                rows_b = block_rows(b, n_tokens, block_tokens)
+                runs.append(Run(r0 * g.row_bytes, take * g.row_bytes, token_fds[b],
+                                before[id(s)][b], g.outer, stride, rows_b * g.row_bytes,
+                                slot=b, skip=(rows_b - take) * g.row_bytes))
+            if cap > length:
+                runs.append(Run(length * g.row_bytes, (cap - length) * g.row_bytes, -1, 0,
+                                g.outer, stride))
+        else:
+            shape = list(s.shape)
+            assert s.state_offset is not None
+            pos, end = s.state_offset, s.state_offset + spec_nbytes(s)
+            while pos < end:
+                blk, off = divmod(pos, state_block)
+                take = min(end - pos, state_block - off)
+                runs.append(Run(pos - s.state_offset, take, state_fds[blk], off,
+                                slot=n_slots + blk))
+                pos += take
+        shapes.append((s.dtype, shape))
+        plans.append(runs)
+    return shapes, plans
+
+
+def _window_runs(
+    specs: Sequence[TensorSpec], n_tokens: int, T: int, fds: Sequence[int], slot0: int
+) -> dict[int, list[Run]]:
+    """The runs that fill each window tensor (by ``id`` of its spec) from the window blocks."""
+    window = [s for s in specs if in_window_blocks(s)]
+    first = window_first_block(window, T)
+    out: dict[int, list[Run]] = {id(s): [] for s in window}
+    for i, fd in enumerate(fds):
+        b = first + i
+        pos = 0  # where the next tensor's rows start inside this block
+        for s in window:
+            assert s.window_start is not None and s.token_axis is not None
+            g = geometry(s.shape, s.dtype, s.token_axis)
+            a, z = window_rows(s.window_start, b, n_tokens, T)
+            if z <= a:
+                continue
+            piece = (z - a) * g.row_bytes
+            out[id(s)].append(Run(a * g.row_bytes, piece, fd, pos, g.outer,
+                                  g.rows * g.row_bytes, piece, slot=slot0 + i))
+            pos += g.outer * piece
+    return out
+
+
+class BlockStream(TensorStream):
+    """A read-only safetensors file assembled on the fly from block files.
+
+    MLX asks for the tensors one at a time, each from its own thread and under
+    the GIL. ``fill`` only notes where each tensor's bytes go (the memory MLX
+    allocated for it); ``finish``, called once every array exists, reads all of
+    them in one round over the read threads, so no thread waits at the end of
+    each tensor for the others (on 16 cores that barrier cost more than the
+    copies). Every byte read from a block is passed to ``check`` (which hashes
+    it when the read is verified) by the thread that read it.
+    """
+
+    def __init__(
+        self,
+        shapes: Sequence[tuple[str, list[int]]],
+        plans: Sequence[list[Run]],
+        errors: list[BaseException],
+        check: BlockCheck,
+    ) -> None:
+        super().__init__(shapes, errors)
+        self._runs: list[list[Run]] = list(plans)
+        self._check = check
+        self._reads: list[_Read] = []
+        self._zeros: list[memoryview] = []
+
+    def fill(self, index: int, offset: int, out: memoryview) -> None:
+        self._plan(index, offset, offset + len(out), out)
+
+    def finish(self) -> None:
+        reads, zeros = self._reads, self._zeros
+        self._reads, self._zeros = [], []
+        _run_reads(reads, zeros)
+
+    def _plan(self, t: int, a: int, b: int, out: memoryview) -> None:
+        """The reads of bytes ``[a, b)`` of tensor ``t`` into ``out[0 : b-a]``.
+
+        They are gathered into one ``preadv`` per (run, block) — many iovecs,
+        each straight into the array's memory. A verified read of a partly
+        restored block reads the rows it does not need into scratch memory, in
+        the same ``preadv``, so that the whole block is hashed.
+        """
+        check = self._check
+        whole = check.hashing
+        reads, zeros = self._reads, self._zeros
+        for r in self._runs[t]:
+            if r.end <= a or r.dst >= b or r.length == 0:
+                continue
+            if a <= r.dst and r.end <= b:  # the common case: the whole run
+                starts = (range(r.dst, r.dst + r.count * r.stride, r.stride)
+                          if r.count > 1 else (r.dst,))
+                views = [out[d - a : d - a + r.length] for d in starts]
+                if r.fd < 0:
+                    zeros.extend(views)
+                elif whole and r.skip:
+                    scratch = memoryview(bytearray(r.skip * len(views)))
+                    iov: list[memoryview] = []
+                    for i, v in enumerate(views):
+                        iov += (v, scratch[i * r.skip : (i + 1) * r.skip])
+                    reads.append(_Read(r.fd, r.src, iov, r.slot, check))
+                elif r.src_stride == r.length or r.count == 1:
+                    reads.append(_Read(r.fd, r.src, views, r.slot, check))
+                else:
+                    reads.extend(_Read(r.fd, r.src + i * r.src_stride, [v], r.slot, check)
+                                 for i, v in enumerate(views))
+                continue
+            for i in range(r.count):
+                d0 = r.dst + i * r.stride
+                lo, hi = max(a, d0), min(b, d0 + r.length)
+                if lo >= hi:
+                    continue
+                view = out[lo - a : hi - a]
+                if r.fd < 0:
+                    zeros.append(view)
+                    continue
+                iov = [view]
+                if whole and r.skip and hi == d0 + r.length:
+                    iov.append(memoryview(bytearray(r.skip)))
+                reads.append(_Read(r.fd, r.src + i * r.src_stride + (lo - d0), iov, r.slot, check))
+
+
+@dataclass
+class _Read:
+    """One ``preadv``: consecutive bytes of ``fd`` from ``offset`` into ``views``."""
+
+    fd: int
+    offset: int
+    views: list[memoryview]
+    slot: int
+    check: BlockCheck = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(v) for v in self.views)
+
+    def run(self) -> None:
+        """Read, then hand the bytes to the check while they are in this core's cache.
+
+        A short read (a regular file reads short only at its end: truncated
+        under us) or a read error marks the block bad instead of raising, so
+        the restore finishes and the caller decides what a bad block means.
+        """
+        pos = self.offset
+        for i in range(0, len(self.views), _IOV_MAX):
+            batch = self.views[i : i + _IOV_MAX]
+            try:
+                preadv_all(self.fd, batch, pos)
+            except ShortReadError as e:
+                self.check.fail(self.slot, f"{e.got} of {e.want} bytes at offset {pos}")
+                return
+            except OSError as e:
+                self.check.fail(self.slot, f"a read error ({e.strerror})")
+                return
+            self.check.feed(self.slot, pos, batch)
+            pos += sum(len(v) for v in batch)
+
+
+def _run_group(group: list[_Read]) -> None:
+    for job in group:
+        job.run()
+
+
+def _run_reads(reads: list[_Read], zeros: list[memoryview]) -> None:
+    """Run the reads over the read threads and this one; zero the spare rows meanwhile."""
+    total = sum(r.nbytes for r in reads)
+    futures = []
+    if len(reads) > 1 and total >= _PARALLEL_BYTES:
+        groups = [[reads[i] for i in g]
+                  for g in balanced([r.nbytes for r in reads], READ_WORKERS)]
+        pool = read_pool()
+        reads = groups[0]
+        for g in groups[1:]:
+            try:
+                futures.append(pool.submit(_run_group, g))
+            except RuntimeError:  # the interpreter is shutting down: read on this thread
+                reads = reads + g
+    try:
+        for z in zeros:
+            for off in range(0, len(z), len(_ZEROS)):
+                piece = z[off : off + len(_ZEROS)]
+                piece[:] = _ZEROS[: len(piece)]
+        _run_group(reads)
+    finally:
+        for f in futures:
+            f.result()
+
+
+def load_arrays(
+    shapes: Sequence[tuple[str, list[int]]], plans: Sequence[list[Run]], check: BlockCheck
+) -> list[mx.array]:
+    """Restore the tensors in one ``mx.load`` of a :class:`BlockStream`.
+
+    Afterwards ``check.bad()`` says which blocks did not read right (or, when
+    it hashes, did not hash to their names): the arrays then hold wrong bytes.
+    """
+    return load_tensors(lambda errors: BlockStream(shapes, plans, errors, check), len(shapes))

@@ -1,0 +1,170 @@
+"""Reading an entry back: open its blocks in one read transaction, restore the arrays,
+and deal with a block that reads bad (quarantine it, cut back or drop the entries
+that need it, name it in a :class:`CorruptBlockError`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from ...blocks import BlockCheck
+from ...catalog.base import open_manifest
+from ...codecs import AttachmentData, codec_for_record
+from ...codecs.layout import (
+    in_token_blocks,
+    manifest_block_sizes,
+    n_token_blocks,
+    window_block_sizes,
+)
+from ...errors import CacheMismatchError, CorruptBlockError, EntryNotFoundError, KVStoreError
+from ...schema import Layer, ListLayer, Manifest, iter_tensor_specs
+from ..local.root import Root
+from ..upkeep.repair import plan_for_blocks
+from .reader import Want, load_arrays, plan_runs
+
+_log = logging.getLogger("kvstore")
+
+
+def read_entry(
+    root: Root, digest: bytes, length: int | None, verify: bool
+) -> tuple[Manifest, list[Any], list[AttachmentData]]:
+    """Read an entry (its first ``length`` tokens); a bad block is dealt with here.
+
+    A block found bad is re-checked under the writer lock; if it reads right
+    by then (another process replaced it) the read is tried once more.
+    """
+    for _ in range(2):
+        try:
+            return _read_once(root, digest, length, verify)
+        except _BadBlocks as e:
+            if _repair_bad(root, e.bad):
+                d = min(e.bad)
+                raise CorruptBlockError(
+                    root.blocks.where(d), f"block {d.hex()}", e.bad[d][0], digest=d.hex()
+                ) from None
+    return _read_once(root, digest, length, verify)
+
+def _read_once(
+    root: Root, digest: bytes, length: int | None, verify: bool
+) -> tuple[Manifest, list[Any], list[AttachmentData]]:
+    """Resolve an entry and open the blocks of its first ``length`` tokens in one
+    read transaction (a GC cannot unlink them from under us), then restore."""
+    fds: dict[bytes, int] = {}
+    try:
+        with root.index.read() as txn:
+            raw = root.index.get_manifest(digest, txn)
+            if raw is None:
+                raise EntryNotFoundError(f"no entry {digest.hex()}")
+            m = open_manifest(raw, digest)
+            length = m.n_tokens if length is None else length
+            if not 0 < length <= m.n_tokens:
+                raise CacheMismatchError(f"cannot restore {length} of {m.n_tokens} tokens")
+            specs = m.tensor_specs()
+            tok_sizes, state_sizes = manifest_block_sizes(
+                specs, m.n_tokens, m.block_tokens, m.state_bytes, m.state_block_bytes
+            )
+            win_sizes = window_block_sizes(specs, m.n_tokens, m.block_tokens)
+            n_read = n_token_blocks(length, m.block_tokens) if m.token_blocks else 0
+            needed = list(zip(m.token_blocks[:n_read], tok_sizes[:n_read], strict=True))
+            needed += list(zip(m.window_blocks, win_sizes, strict=True))
+            needed += list(zip(m.state_blocks, state_sizes, strict=True))
+            for d, size in needed:
+                if d in fds:
+                    continue
+                try:
+                    fds[d] = root.blocks.open(d, size)
+                except CorruptBlockError as e:
+                    raise _BadBlocks({d: (e.actual, size)}) from None
+        check = BlockCheck(root.settings.hash, needed, hashing=verify)
+        cache, atts = _materialize(m, length, fds, check)
+        bad = check.bad()
+        if bad:
+            sizes = dict(needed)
+            raise _BadBlocks({d: (why, sizes[d]) for d, why in bad.items()})
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return m, cache, atts
+
+def _repair_bad(root: Root, bad: dict[bytes, tuple[str, int]]) -> bool:
+    """Quarantine the blocks a read found bad and cut back or drop the entries that
+    need them (one write transaction, one warning); False when every block now
+    reads right (it was replaced meanwhile: read again)."""
+    try:
+        with root.index.write() as txn:
+            confirmed: dict[bytes, str] = {}
+            gone: set[bytes] = set()
+            for d, (why, size) in bad.items():
+                state, now, _ = root.blocks.inspect(d, size, read_data=True)
+                if state == "corrupt":
+                    confirmed[d] = now or why
+                elif state == "missing":
+                    gone.add(d)
+            if not confirmed and not gone:
+                return False
+            plan = plan_for_blocks(root, txn, confirmed, gone)
+            plan.execute(root, txn)
+    except (KVStoreError, OSError) as e:
+        names = ", ".join(f"{d.hex()} ({why})" for d, (why, _) in sorted(bad.items()))
+        _log.warning("kvstore: corrupt block %s could not be quarantined: %s", names, e)
+        return True
+    if not plan.empty():
+        _log.warning("%s", plan.summary())
+    return True
+
+def _materialize(
+    m: Manifest, length: int, fds: dict[bytes, int], check: BlockCheck
+) -> tuple[list[Any], list[AttachmentData]]:
+    wants: list[Want] = []
+    for layer in _leaves(m.layers):
+        codec = codec_for_record(layer)
+        for spec in layer.tensors:
+            cap = codec.token_capacity(layer, length) if in_token_blocks(spec) else None
+            wants.append(Want(spec, cap))
+    for a in m.attachments:
+        wants.extend(Want(t) for t in a.tensors)
+    n_read = n_token_blocks(length, m.block_tokens) if m.token_blocks else 0
+    shapes, plans = plan_runs(
+        wants,
+        n_tokens=m.n_tokens,
+        length=length,
+        block_tokens=m.block_tokens,
+        token_fds=[fds[d] for d in m.token_blocks[:n_read]],
+        window_fds=[fds[d] for d in m.window_blocks],
+        state_fds=[fds[d] for d in m.state_blocks],
+        state_block=m.state_block_bytes,
+    )
+    arrays = load_arrays(shapes, plans, check)
+    out: list[Any] = []
+    pos = 0
+    for layer in m.layers:
+        count = len(iter_tensor_specs((layer,)))
+        codec = codec_for_record(layer)
+        drop = m.n_tokens - length
+        out.append(codec.load(layer, arrays[pos : pos + count], length, drop=drop))
+        pos += count
+    atts = []
+    for a in m.attachments:
+        atts.append(
+            AttachmentData(a.schema, a.metadata, tuple(arrays[pos : pos + len(a.tensors)]))
+        )
+        pos += len(a.tensors)
+    return out, atts
+
+
+class _BadBlocks(Exception):
+    """Blocks a read found bad: digest -> (what is wrong, expected size)."""
+
+    def __init__(self, bad: dict[bytes, tuple[str, int]]) -> None:
+        super().__init__(", ".join(d.hex() for d in bad))
+        self.bad = bad
+
+
+def _leaves(layers: tuple[Layer, ...]) -> Iterator[Layer]:
+    for layer in layers:
+        if isinstance(layer, ListLayer):
+            yield from _leaves(layer.children)
+        else:
+            yield layer

@@ -1,0 +1,95 @@
+"""Why a request reused less than it might have: the ``miss`` of the request log.
+
+Asked only after a lookup gave nothing (or nothing deeper than what memory gave), so a
+hit costs nothing more. The answer is one of :data:`~kvstore.store.upkeep.usage.MISS_REASONS`
+that the index alone can tell; the ones only a load can tell (a digest that failed, an
+entry gone meanwhile) are the caller's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from ..catalog import keys as P
+from ..catalog.find import deepest_reached, find
+from ..schema import Namespace
+from .local.catalog import LocalCatalog, LocalReader
+
+NAMESPACES_TTL = 60.0  # seconds a listing of the root's namespaces is reused
+
+_ns_dec = msgspec.json.Decoder(Namespace)
+
+
+def shared_blocks(reader: LocalReader, tk: P.TokenKeys) -> int:
+    """How many leading full blocks of the query some entry of its namespace holds."""
+    keys = tk.chain
+    if reader.bisect:
+        return max(deepest_reached(reader, keys), 0)
+    for k in range(len(keys) - 1, 0, -1):  # a root without reach markers: walk down
+        if reader.reaches(k, keys[k]):
+            return k
+    return 0
+
+
+class Diagnosis:
+    """The miss reasons of one store; thread-safe (it caches the root's namespaces)."""
+
+    def __init__(self, catalog: LocalCatalog,
+                 keys_for: Callable[[Any, Namespace], P.TokenKeys]) -> None:
+        self.catalog = catalog
+        self.keys_for = keys_for
+        self._lock = threading.Lock()
+        self._namespaces: tuple[float, list[Namespace]] | None = None
+
+    def reason(self, tokens: Any, ns: Namespace, reused: int, *, remote_down: bool
+               ) -> str | None:
+        """Why the root gave no more than ``reused`` leading tokens of ``tokens``.
+
+        ``shallow``: entries of ``ns`` hold more of the query's leading blocks than
+        ``reused``, but none can be cut back to serve them (a hybrid's or a sliding
+        window's entries serve only their exact length); ``remote_timeout``: the remote
+        tier was not heard (``remote_down``); with nothing reused, ``other_model`` when an
+        entry of another namespace of the same ``ns`` holds a prefix of the query, else
+        ``no_entry``. None: a partial reuse that the root could not have bettered.
+        """
+        tk = self.keys_for(tokens, ns)
+        with self.catalog.reader() as r:
+            shared = shared_blocks(r, tk) * tk.block_tokens
+        if shared > reused:
+            return "shallow"
+        if remote_down:
+            return "remote_timeout"
+        if reused > 0:
+            return None
+        for other in self.namespaces():
+            if other == ns or other.ns != ns.ns:
+                continue
+            tk2 = self.keys_for(tokens, other)
+            with self.catalog.reader() as r:
+                if shared_blocks(r, tk2) > 0 or find(r, tk2) is not None:
+                    return "other_model"
+        return "no_entry"
+
+    def namespaces(self) -> list[Namespace]:
+        """The namespaces of the root's entries (listed at most every ``NAMESPACES_TTL`` s)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._namespaces is not None and now - self._namespaces[0] < NAMESPACES_TTL:
+                return self._namespaces[1]
+        index = self.catalog.index
+        with index.read() as txn:
+            names = {rec.namespace for _, rec in index.iter_entries(txn)}
+        found = []
+        for name in sorted(names):
+            try:
+                found.append(_ns_dec.decode(name))
+            except msgspec.DecodeError:
+                continue  # a damaged record: verify reports it; here it names nothing
+        with self._lock:
+            self._namespaces = (now, found)
+        return found

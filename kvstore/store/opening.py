@@ -1,0 +1,122 @@
+"""Opening a store: the root (made with ``create``), its settings, the tiers below it
+(``Store.open``, which is :func:`open_store`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from ..blocks import LocalBlockStore
+from ..schema import Namespace
+from .local.root import Root, default_root, has_root, open_root
+from .tiers import Tiers
+
+if TYPE_CHECKING:
+    from ..remote import Remote
+
+
+class Opened(Protocol):
+    """What opening needs of the store class it makes (:class:`~kvstore.store.Store`)."""
+
+    max_bytes: int | None
+    gc_grace: float
+    tiers: Tiers
+
+    def __init__(self, local: Root, *, namespace: Namespace | None, verify_reads: bool,
+                 read_only: bool = False, remote: Remote | None = None,
+                 push: bool = True) -> None: ...
+
+    def close(self) -> None: ...
+
+
+S = TypeVar("S", bound=Opened)
+
+
+def open_store(
+    cls: type[S],
+    root: str | os.PathLike[str] | None = None,
+    *,
+    namespace: Namespace | None = None,
+    hash: str | None = None,
+    block_tokens: int | None = None,
+    state_block_bytes: int | None = None,
+    durable: bool = True,
+    create: bool = True,
+    verify_reads: bool = True,
+    map_size: int | None = None,
+    max_bytes: int | None = None,
+    gc_grace: float | None = None,
+    read_only: bool | None = None,
+    remote: str | None = None,
+    remote_timeout: float | None = None,
+    push: bool = True,
+) -> S:
+    """Open (and, with ``create``, make) the root.
+
+    ``hash`` and ``block_tokens`` are fixed when a root is created; passing
+    other values for an existing root is a :class:`RootSettingsError`.
+    With ``max_bytes`` every save that takes the live bytes over it evicts
+    least-recently-used entries until they fit (see :mod:`kvstore.store.upkeep.gc`);
+    ``gc_grace`` (default 600 s) is the grace that eviction honours.
+
+    ``verify_reads`` (the default) checks every block a restore, load or
+    export reads against its digest, over the bytes read; ``False`` skips
+    the hashing for raw speed, and a block damaged on disk is then returned
+    as cache data (sizes and file types are still checked). See the README.
+
+    ``remote`` (default ``$KVSTORE_REMOTE``; ``""`` for none) is an
+    ``s3://BUCKET/PREFIX`` that this root shares with others: lookups consult it,
+    restores pull from it, and saves are queued for upload (``push=False``: only
+    :meth:`push` uploads). ``remote_timeout`` (default 5 s,
+    ``kvstore.remote.DEFAULT_TIMEOUT``) bounds each request and each lookup. The
+    remote tier's modules (and boto3) are imported only for a store that has one.
+    """
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    path = Path(root) if root is not None else default_root()
+    url = os.environ.get("KVSTORE_REMOTE", "") if remote is None else remote
+    rem = None
+    if url:
+        from ..remote import DEFAULT_TIMEOUT, Remote
+
+        rem = Remote(url, timeout=DEFAULT_TIMEOUT if remote_timeout is None
+                     else remote_timeout)
+    try:
+        if rem is not None and create and not has_root(path) and hash is None \
+                and block_tokens is None:  # a new root takes the remote's settings
+            theirs = rem.read_settings(none_if_unreachable=True)
+            if theirs is not None:
+                hash, block_tokens = theirs.hash, theirs.block_tokens
+                state_block_bytes = state_block_bytes or theirs.state_block_bytes
+        index, settings, ro = open_root(path, hash=hash, block_tokens=block_tokens,
+                                        state_block_bytes=state_block_bytes,
+                                        durable=durable, create=create,
+                                        map_size=map_size, read_only=read_only)
+    except BaseException:
+        if rem is not None:
+            rem.close()
+        raise
+    local = Root(path, settings, index,
+                 LocalBlockStore(path, settings.hash, durable=durable, read_only=ro))
+    local.catalog.migrate(writable=not ro)
+    store = cls(local, namespace=namespace, verify_reads=verify_reads, read_only=ro,
+                remote=rem, push=push)
+    store.max_bytes = max_bytes
+    if gc_grace is not None:
+        store.gc_grace = gc_grace
+    if rem is not None:
+        try:
+            rem.attach(settings, create=create and not ro)
+        except BaseException as e:
+            from ..remote.errors import RemoteUnavailableError
+
+            if not isinstance(e, RemoteUnavailableError):
+                store.close()
+                raise
+            # works locally; the remote's settings are checked at its first use
+            store.tiers.later(rem, lambda: rem.attach(settings, create=True), e)
+    return store
+
+
+__all__ = ["open_store"]

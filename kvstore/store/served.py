@@ -1,0 +1,60 @@
+"""What the store says of the requests it serves: their per-tier counts
+(:mod:`.upkeep.usage`), why one missed (:mod:`.diagnose`), and how much of a prompt the
+root already holds. A part of :class:`~kvstore.store.Store` (``store.served``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..catalog import keys as P
+from ..catalog.find import Match
+from ..schema import Namespace
+from .diagnose import Diagnosis
+from .local.root import Root
+from .tiers import Tiers
+from .upkeep.access import AccessLog
+from .upkeep.usage import Usage, check_request, read_usage, reset_usage
+
+
+class Served:
+    """The request counts and miss reasons of one store."""
+
+    def __init__(self, root: Root, access: AccessLog, tiers: Tiers,
+                 keys_for: Callable[[Any, Namespace], P.TokenKeys],
+                 find_local: Callable[[Any, Namespace | None], Match | None]) -> None:
+        self.root = root
+        self.access = access
+        self.tiers = tiers
+        self.find_local = find_local
+        self.diagnosis = Diagnosis(root.catalog, keys_for)
+
+    def note_request(self, prompt_tokens: int, reused_tokens: int, tier: str | None,
+                     miss: str | None) -> None:
+        """Count one served request (:meth:`kvstore.store.Store.note_request`)."""
+        check_request(prompt_tokens, reused_tokens, tier, miss)
+        self.access.note_request(prompt_tokens, reused_tokens, tier if reused_tokens else None,
+                                 miss)
+
+    def usage(self) -> Usage:
+        """The root's request counts, over its lifetime and since the last reset."""
+        self.access.flush()
+        return read_usage(self.root.index)
+
+    def reset_usage(self) -> Usage:
+        """Start the root's since-reset request counts anew; returns them as they were."""
+        self.access.flush()
+        return reset_usage(self.root.index)
+
+    def stored_prefix(self, tokens: Any, namespace: Namespace | None) -> int:
+        """How many leading tokens of ``tokens`` a local entry can serve (0: none)."""
+        match = self.find_local(tokens, namespace)
+        return match.length if match is not None else 0
+
+    def miss_reason(self, tokens: Any, ns: Namespace, reused: int) -> str | None:
+        """Why the store gave no more than ``reused`` leading tokens of ``tokens``
+        (:meth:`kvstore.store.diagnose.Diagnosis.reason`); None when it holds no more."""
+        return self.diagnosis.reason(tokens, ns, reused, remote_down=self.tiers.unavailable)
+
+
+__all__ = ["Served"]

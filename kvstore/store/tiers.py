@@ -1,0 +1,302 @@
+"""A store's tiers in order: this machine's root first, then the tiers below it (a remote).
+
+As an overlay of stores (dulwich's ``OverlayObjectStore``) or a storage manager over
+backends (LMCache): a lookup asks each lower tier only for a match longer than the best
+found above it, within the tier's ``timeout``; a tier that failed or was slow is left
+alone for ``DOWN_FOR`` seconds (one warning), so a dead gateway costs a lookup nothing. A
+hit in a lower tier is **written back**: the blocks its prefix needs and its records
+(priority included) are copied into the root (:meth:`Tier.take`), so the next restore of
+it on this machine is local. A save is **written behind**: queued, then copied into each
+lower tier by worker threads, never on the caller's thread. Every copy between tiers
+goes through :meth:`Tier.take`, with the records of :func:`records_of`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from ..blocks import Digest
+from ..catalog.base import PushStats, Tier
+from ..catalog.find import Match, find
+from ..catalog.keys import TokenKeys
+from ..catalog.records import cut_manifest, encoded, records_of
+from ..errors import EntryNotFoundError, KVStoreError
+from .counters import StoreCounters
+from .entries import resolve_id
+from .errors import TierTimeoutError
+from .local.root import Root
+
+_log = logging.getLogger("kvstore")
+_T = TypeVar("_T")
+
+DEFAULT_QUEUE = 1024  # entries waiting to be written behind before saves are shed
+DEFAULT_CLOSE_TIMEOUT = 10.0  # seconds close() waits for queued copies
+DOWN_FOR = 30.0  # seconds a failed tier is not asked again by lookups
+PULL_RATE = 10e6  # bytes/s a write-back is allowed at least, on top of the tier's timeout
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """An entry of a lower tier (or its prefix) written back into the root."""
+
+    digest: bytes  # the local entry (the tier's, or its cut-back prefix)
+    n_tokens: int
+    blocks: int  # copied
+    bytes: int
+    fresh: bool = False  # every block it needs was copied (and checked) just now
+
+
+class Tiers:
+    """The root and the tiers below it, owned by a :class:`~kvstore.store.Store`;
+    thread-safe."""
+
+    def __init__(self, root: Root, lower: Sequence[Tier] = (), *, write_behind: bool = True,
+                 queue_size: int = DEFAULT_QUEUE, workers: int = 2) -> None:
+        self.root = root
+        self.lower = list(lower)
+        self.write_behind = write_behind and bool(self.lower)
+        self._pending: dict[str, Callable[[], object]] = {}  # run before a tier's first use
+        self._q: queue.Queue[bytes | None] = queue.Queue(maxsize=queue_size)
+        self._cv = threading.Condition()
+        self._outstanding = 0
+        self._stats = PushStats()
+        self._failed: dict[bytes, None] = {}
+        self._queued: set[bytes] = set()  # in the queue or being copied
+        self._workers: list[threading.Thread] = []
+        self._n_workers = workers
+        self._requests = cf.ThreadPoolExecutor(4, thread_name_prefix="kvstore-tier-lookup")
+        self._down_until: dict[str, float] = {}
+        self._closed = False
+        self.counters = StoreCounters()  # the store's own (Store.__init__ hands it over)
+
+    def later(self, tier: Tier, first: Callable[[], object], why: object) -> None:
+        """Run ``first`` before ``tier`` is used (it was unreachable: its settings are
+        checked at its first use), and leave it alone for a while."""
+        self._pending[tier.name] = first
+        self._down_until[tier.name] = time.monotonic() + DOWN_FOR
+        _log.warning("kvstore: %s %s unreachable, working locally: %s", tier.name, tier, why)
+
+    def _ready(self, tier: Tier) -> None:
+        first = self._pending.get(tier.name)
+        if first is not None:
+            first()
+            self._pending.pop(tier.name, None)
+
+    def tier(self, name: str) -> Tier:
+        for t in self.lower:
+            if t.name == name:
+                return t
+        raise ValueError(f"no tier {name!r} below this root")
+
+    # --- lookups and write-back ----------------------------------------------------
+
+    def find(self, tk: TokenKeys, best: Match | None) -> Match | None:
+        """The best match of ``tk`` given the root's ``best``: a lower tier's when longer."""
+        for tier in self.lower:
+            if best is not None and best.exact:
+                break
+            hit = self._find_in(tier, tk, best.length if best is not None else 0)
+            if hit is not None:
+                best = hit
+        return best
+
+    def _find_in(self, tier: Tier, tk: TokenKeys, floor: int) -> Match | None:
+        if time.monotonic() < self._down_until.get(tier.name, 0.0):
+            return None
+        fut = self._requests.submit(self._find_now, tier, tk, floor)
+        try:
+            return fut.result(timeout=tier.timeout)
+        except (KVStoreError, OSError, cf.TimeoutError) as e:
+            self.counters.add(remote_errors=1)
+            self.down(tier, e if not isinstance(e, cf.TimeoutError)
+                      else f"no answer in {tier.timeout} s")
+            return None
+
+    def _find_now(self, tier: Tier, tk: TokenKeys, floor: int) -> Match | None:
+        self._ready(tier)
+        with tier.catalog.reader() as r:
+            return find(r, tk, floor=floor)
+
+    @property
+    def unavailable(self) -> bool:
+        """Whether lookups leave a lower tier alone now (it failed or timed out recently)."""
+        now = time.monotonic()
+        return any(now < self._down_until.get(t.name, 0.0) for t in self.lower)
+
+    def down(self, tier: Tier | str, why: object) -> None:
+        """Leave a tier alone for a while after a failure (one warning each time)."""
+        t = self.tier(tier) if isinstance(tier, str) else tier
+        self._down_until[t.name] = time.monotonic() + DOWN_FOR
+        _log.warning("kvstore: %s %s not used for %.0f s: %s", t.name, t, DOWN_FOR, why)
+
+    def write_back(self, match: Match) -> Pulled:
+        """Copy what ``match`` needs from its tier into the root (its prefix, cut at the
+        block boundary past ``match.length``, when the entry can be cut) and commit it."""
+        tier = self.tier(match.where)
+        self._ready(tier)
+        got, rec = tier.catalog.manifest(match.digest), tier.catalog.records(match.digest)
+        if got is None or rec is None:
+            raise EntryNotFoundError(f"no entry {match.entry_id} on the {tier.name} tier")
+        m = got[1]
+        short = cut_manifest(m, -(-match.length // m.block_tokens)) if match.trimmable else None
+        if short is not None:
+            raw, digest = encoded(short)
+            rec = records_of(short, raw, digest, priority=rec.priority)
+        need = list(rec.blocks)
+        missing = [d for d in need if not self.root.blocks.exists(d)]
+        nbytes = sum(rec.blocks[d] for d in missing)
+        copied = self._bounded(tier, lambda: self.root.take(rec, tier.blocks), nbytes)
+        digest = rec.digest
+        if not copied.created:  # the same tokens were committed here meanwhile
+            digest = self.root.catalog.exact(rec.exact_key) or digest
+        tier.note_access(match.digest)
+        return Pulled(digest, rec.n_tokens, copied.blocks, copied.bytes, copied.present == 0)
+
+    def pull(self, entry_ids: Sequence[str] | None) -> list[Pulled]:
+        """Write back whole entries of the first lower tier: every complete one, or these ids
+        (unique prefixes)."""
+        tier = self._first()
+        self._ready(tier)
+        listed = {d.hex(): d for d in tier.catalog}
+        ids = list(listed) if entry_ids is None else [resolve_id(i, listed) for i in entry_ids]
+        out = []
+        for i in ids:
+            rec = tier.catalog.records(listed[i]) if i in listed else None
+            if rec is None:
+                raise EntryNotFoundError(f"no entry {i} on {tier}")
+            out.append(self.write_back(Match(Digest(listed[i]), rec.n_tokens, True, rec.trimmable,
+                                             rec.n_tokens, where=tier.name)))
+        return out
+
+    def _first(self) -> Tier:
+        if not self.lower:
+            raise ValueError("this store has no remote: Store.open(..., remote='s3://...')")
+        return self.lower[0]
+
+    def _bounded(self, tier: Tier, fn: Callable[[], _T], nbytes: int) -> _T:
+        """``fn`` within the tier's timeout twice over plus ``nbytes`` at ``PULL_RATE``."""
+        if tier.timeout is None:
+            return fn()
+        budget = tier.timeout * 2 + nbytes / PULL_RATE
+        fut = self._requests.submit(fn)
+        try:
+            return fut.result(timeout=budget)
+        except cf.TimeoutError:
+            raise TierTimeoutError(f"{tier}: a pull had no answer in {budget:.0f} s") from None
+
+    # --- write-behind ----------------------------------------------------------------
+
+    def enqueue(self, digest: bytes) -> None:
+        """Queue a root entry for the lower tiers; shed (and count) when the queue is full."""
+        if self._closed or not self.lower:
+            return
+        with self._cv:
+            if digest in self._queued:
+                return
+            try:
+                self._q.put_nowait(digest)
+            except queue.Full:
+                if not self._stats.shed:
+                    _log.warning("kvstore: remote upload queue full: saves are not pushed "
+                                 "(kvstore push uploads them later)")
+                self._stats.shed += 1
+                return
+            self._outstanding += 1
+            self._queued.add(digest)
+            if len(self._workers) < self._n_workers:
+                t = threading.Thread(target=self._work, name="kvstore-push", daemon=True)
+                self._workers.append(t)
+                t.start()
+
+    def _work(self) -> None:
+        while True:
+            d = self._q.get()
+            if d is None:
+                return
+            try:
+                st = self._push_one(d)
+            except Exception as e:  # noqa: BLE001 - counted, kept, retried by the next push
+                st = PushStats(failed=1, errors=[f"{d.hex()}: {e}"])
+                with self._cv:
+                    if not self._failed:
+                        _log.warning("kvstore: push to %s failed: %s", self._first(), e)
+                    self._failed[d] = None
+            self.counters.add(remote_pushes=st.entries, remote_pushed_bytes=st.bytes,
+                              remote_errors=st.failed)
+            with self._cv:
+                self._stats.add(st)
+                self._queued.discard(d)
+                self._outstanding -= 1
+                self._cv.notify_all()
+
+    def _push_one(self, digest: bytes) -> PushStats:
+        rec = self.root.catalog.records(digest)
+        if rec is None:
+            return PushStats()  # deleted or evicted locally meanwhile
+        st = PushStats()
+        for tier in self.lower:
+            self._ready(tier)
+            got = tier.take(rec, self.root.blocks)
+            st.add(PushStats(entries=1, blocks=got.blocks, bytes=got.bytes,
+                             present=got.present))
+        return st
+
+    def push(self, timeout: float | None = None, *, everything: bool = False) -> PushStats:
+        """Wait until what is queued (and what failed before) is on the lower tiers; with
+        ``everything``, first queue every root entry the first lower tier lacks."""
+        tier = self._first()
+        with self._cv:
+            retry, self._failed = list(self._failed), {}
+        for d in retry:
+            self.enqueue(d)
+        if everything:
+            self._ready(tier)
+            have = set(tier.catalog)
+            for d in self.root.catalog:
+                if d not in have:
+                    self.enqueue(d)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._outstanding:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._cv.wait(left)
+            st, self._stats = self._stats, PushStats()
+            st.pending = self._outstanding
+        for t in self.lower:
+            t.flush()
+        return st
+
+    def close(self, timeout: float = DEFAULT_CLOSE_TIMEOUT) -> PushStats:
+        """Push what is queued (bounded by ``timeout``), then stop the threads and close the
+        lower tiers."""
+        if self._closed or not self.lower:
+            self._closed = True
+            return PushStats()
+        st = PushStats()
+        try:
+            st = self.push(timeout)
+        except KVStoreError as e:
+            _log.warning("kvstore: push at close failed: %s", e)
+        self._closed = True
+        for _ in self._workers:
+            try:
+                self._q.put_nowait(None)
+            except queue.Full:
+                break
+        if st.pending or st.failed:
+            _log.warning("kvstore: %d entries not pushed to %s at close (kvstore push uploads "
+                         "them)", st.pending + st.failed, self._first())
+        self._requests.shutdown(wait=False, cancel_futures=True)
+        for t in self.lower:
+            t.close()
+        return st
+

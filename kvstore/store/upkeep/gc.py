@@ -1,0 +1,491 @@
+"""Garbage collection and the byte budget of a shared root.
+
+Many processes share one root, so every step here is a short LMDB write
+transaction that re-checks what it acts on; nothing relies on a snapshot taken
+earlier staying true.
+
+**Unlinking.** A block file is unlinked only inside the write transaction that
+removes its refs record (or, for an orphan, that sees it has none). LMDB has
+one writer at a time, so a save commits either before (its reference is seen
+and the block is kept) or after (it finds no record and rewrites the file in
+its own transaction, see ``Index.commit_save``). A process killed between the
+unlink and the commit leaves a zero-refcount record whose file is gone; saves
+treat a zero record like a missing one, compact drops it, verify lists it
+under ``dangling_refs``. The grace period is therefore not needed for
+correctness; it spares the rewrite of blocks a save is about to reuse, and
+gives readers holding an older snapshot time to open their files.
+
+**Budget.** Bytes are counted per block, once, however many entries share it:
+``live`` bytes are the blocks some manifest references, ``physical`` bytes add
+the zero-refcount blocks still waiting for their grace. Evicting an entry
+frees only the blocks whose refcount falls to zero, so the planner simulates
+the refcounts and keeps evicting until the *live* bytes are within the
+budget. The blocks it zeroes are unlinked in the eviction's own transaction
+when the grace allows it (grace 0), otherwise by a later compact once the
+grace has passed: with a grace ``g``, physical bytes stay within
+``max_bytes`` plus the garbage of the last ``g`` seconds, and within
+``max_bytes`` exactly with ``g = 0``. A per-namespace budget counts, for each
+namespace, the distinct blocks its own entries reference (a block shared by
+two namespaces counts in both).
+
+**Order.** Checkpoints go first, thinned (:mod:`kvstore.store.upkeep.thinning`: the
+intermediate ones by level, then the deepest of each conversation). Then victims
+are chosen as mlx-lm's ``LRUPromptCache.CacheOrder.pop`` does, so the disk tier
+behaves like the memory tier in front of it: one least-recently-used queue per
+priority (assistant, user, system); take from the lowest class whose queue is at
+least as long as the next class's, else move up. A restore counts as an access
+(``Store.load`` stamps ``last_access``).
+
+Verification and repair live in :mod:`kvstore.store.upkeep.verify` and
+:mod:`kvstore.store.upkeep.repair`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..._crash import crash_point
+from ...catalog.base import Plan, open_manifest
+from ...index import EntryRecord, RefInfo, Totals, now_ms
+from ..local.root import Root
+from .sweep import batches, stale_tmp_files, unlink_orphans, unlink_tmp
+from .thinning import checkpoint_order
+from .verify import Progress
+
+DEFAULT_GRACE = 600.0  # seconds
+
+
+@dataclass
+class CompactReport:
+    """What one compact did (or, with ``dry_run``, would do)."""
+
+    evicted: list[str] = field(default_factory=list)  # entry ids, in eviction order
+    freed_blocks: int = 0  # block files unlinked with their refs record
+    freed_bytes: int = 0
+    orphans_removed: int = 0  # block files that had no refs record
+    orphan_bytes: int = 0
+    tmp_removed: int = 0  # stale files of tmp/ (a writer that is gone left them, or too old)
+    tmp_bytes: int = 0
+    physical_before: int = 0
+    physical_after: int = 0
+    live_after: int = 0
+    # Unreferenced blocks the grace keeps after this run (the evictions' own, mostly):
+    # a compact after ``held_until`` (ms since the epoch) frees them, ``grace=0`` now.
+    held_blocks: int = 0
+    held_bytes: int = 0
+    held_until: int | None = None
+    grace: float = DEFAULT_GRACE
+    dry_run: bool = False
+
+    @property
+    def evicted_entries(self) -> int:
+        return len(self.evicted)
+
+
+# --- helpers -------------------------------------------------------------------------
+
+
+def _cutoff_ms(grace: float) -> int:
+    return now_ms() - int(grace * 1000)
+
+
+class EvictionOrder:
+    """``first`` in its order (the checkpoints, thinned), then mlx-lm's ``CacheOrder``:
+    per-priority LRU queues and its balance rule."""
+
+    def __init__(
+        self, rows: Iterable[tuple[bytes, EntryRecord]], first: Sequence[bytes] = ()
+    ) -> None:
+        self._first = deque(first)
+        early = set(first)
+        by_class: dict[int, list[tuple[int, bytes]]] = {0: [], 1: [], 2: []}
+        for d, rec in rows:
+            if d not in early:
+                by_class[min(max(rec.priority, 0), 2)].append((rec.last_access, d))
+        self._lrus = [deque(d for _, d in sorted(by_class[p])) for p in (0, 1, 2)]
+
+    def pop(self, skip: set[bytes] | None = None) -> bytes | None:
+        """The next victim, or None when every queue is empty."""
+        while True:
+            d = self._pop()
+            if d is None or skip is None or d not in skip:
+                return d
+
+    def _pop(self) -> bytes | None:
+        if self._first:
+            return self._first.popleft()
+        lrus = self._lrus
+        for i in range(len(lrus) - 1):
+            if lrus[i] and len(lrus[i]) >= len(lrus[i + 1]):
+                return lrus[i].popleft()
+        for q in reversed(lrus):  # only the last is non-empty by now, if any
+            if q:
+                return q.popleft()
+        return None
+
+
+# --- the budget ------------------------------------------------------------------------
+
+
+@dataclass
+class _Snapshot:
+    entries: dict[bytes, EntryRecord]
+    refs: dict[bytes, RefInfo]
+    totals: Totals
+
+
+def _snapshot(root: Root) -> _Snapshot:
+    with root.index.read() as txn:
+        return _Snapshot(
+            entries=dict(root.index.iter_entries(txn)),
+            refs=dict(root.index.iter_refs(txn)),
+            totals=root.index.totals(txn),
+        )
+
+
+def _order(root: Root, rows: list[tuple[bytes, EntryRecord]]) -> EvictionOrder:
+    """The eviction order of ``rows``: checkpoints thinned first (their tokens read from
+    their manifests), then mlx-lm's classes."""
+
+    def tokens_of(digest: bytes) -> bytes | None:
+        with root.index.read() as txn:
+            raw = root.index.get_manifest(digest, txn)
+        return None if raw is None else bytes(open_manifest(raw, digest).tokens)
+
+    return EvictionOrder(rows, checkpoint_order(rows, tokens_of))
+
+
+def _blocks_of(root: Root, digest: bytes) -> list[bytes]:
+    with root.index.read() as txn:
+        raw = root.index.get_manifest(digest, txn)
+    if raw is None:
+        return []
+    return open_manifest(raw, digest).block_digests()
+
+
+def plan_evictions(
+    root: Root, max_bytes: int | None, namespace_max_bytes: int | None
+) -> tuple[list[bytes], int]:
+    """Victims (in order) that bring live bytes within the budgets; and live bytes after."""
+    victims, live, _ = _plan(root, max_bytes, namespace_max_bytes)
+    return victims, live
+
+
+def _plan(
+    root: Root, max_bytes: int | None, namespace_max_bytes: int | None
+) -> tuple[list[bytes], int, dict[bytes, int]]:
+    """`plan_evictions`, and the blocks (with their sizes) the victims leave unreferenced."""
+    snap = _snapshot(root)
+    counts = {d: r.refcount for d, r in snap.refs.items()}
+    sizes = {d: r.size for d, r in snap.refs.items()}
+    live = sum(sizes[d] for d, c in counts.items() if c > 0)
+    victims: list[bytes] = []
+    chosen: set[bytes] = set()
+    zeroed: dict[bytes, int] = {}
+    blocks_cache: dict[bytes, list[bytes]] = {}
+
+    def blocks(d: bytes) -> list[bytes]:
+        if d not in blocks_cache:
+            blocks_cache[d] = _blocks_of(root, d)
+        return blocks_cache[d]
+
+    def evict(d: bytes) -> None:
+        nonlocal live
+        victims.append(d)
+        chosen.add(d)
+        for b in blocks(d):
+            if counts.get(b, 0) > 0:
+                counts[b] -= 1
+                if counts[b] == 0:
+                    live -= sizes[b]
+                    zeroed[b] = sizes[b]
+
+    if namespace_max_bytes is not None:
+        by_ns: dict[str, list[tuple[bytes, EntryRecord]]] = {}
+        for d, rec in snap.entries.items():
+            by_ns.setdefault(rec.namespace, []).append((d, rec))
+        for rows in by_ns.values():
+            ns_count: dict[bytes, int] = {}
+            for d, _ in rows:
+                for b in blocks(d):
+                    ns_count[b] = ns_count.get(b, 0) + 1
+            ns_bytes = sum(sizes.get(b, 0) for b in ns_count)
+            order = _order(root, rows)
+            while ns_bytes > namespace_max_bytes:
+                v = order.pop(chosen)
+                if v is None:
+                    break
+                evict(v)
+                for b in blocks(v):
+                    ns_count[b] -= 1
+                    if ns_count[b] == 0:
+                        ns_bytes -= sizes.get(b, 0)
+    if max_bytes is not None and live > max_bytes:
+        order = _order(root, list(snap.entries.items()))
+        while live > max_bytes:
+            v = order.pop(chosen)
+            if v is None:
+                break
+            evict(v)
+    return victims, live, zeroed
+
+
+def _evict(root: Root, victims: list[bytes], grace: float, report: CompactReport,
+           step: Callable[[int], None] | None = None) -> None:
+    """Remove the victims in short transactions; unlink what they zero if the grace allows.
+    ``step(n)`` is told of each batch of ``n`` victims done."""
+    idx = root.index
+    for batch in batches(victims, 64):
+        zeroed: list[bytes] = []
+        with idx.write() as txn:
+            for d in batch:
+                gone = root.catalog.remove_in(txn, d)
+                if gone is None:
+                    continue  # deleted meanwhile by another process
+                zeroed += gone
+                report.evicted.append(d.hex())
+            crash_point("delete_before_commit")
+        # Unlink in a transaction of its own: were it the eviction's, a crash after
+        # the unlink would abort the eviction and leave live manifests without files.
+        # The cutoff is taken after remove_entry stamped zero_since: grace 0 frees now.
+        if zeroed:
+            with idx.write() as txn:
+                _unlink_zero(root, txn, zeroed, _cutoff_ms(grace), report)
+        if step is not None:
+            step(len(batch))
+
+
+def _unlink_zero(
+    root: Root, txn: Any, digests: Iterable[bytes], cutoff: int, report: CompactReport
+) -> None:
+    """Inside ``txn``: unlink each block still at refcount zero since before ``cutoff``."""
+    idx = root.index
+    for d in digests:
+        ref = idx.get_ref(d, txn)
+        if ref is None or ref.refcount != 0 or ref.zero_since > cutoff:
+            continue
+        crash_point("gc_before_unlink")
+        if root.blocks.delete(d):
+            report.freed_blocks += 1
+            report.freed_bytes += ref.size
+        crash_point("gc_after_unlink")
+        idx.drop_ref(txn, d)
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+
+@dataclass
+class CompactPlan(Plan[CompactReport]):
+    """What one compact will do, read from the index (:func:`plan_compact`, :func:`plan_budget`).
+
+    restic's ``PlanPrune`` then ``Execute``: :meth:`report` is the dry run; :meth:`execute`
+    does the planned steps and nothing else, once. Other processes keep saving meanwhile,
+    so each step acts only on what is still garbage in its own write transaction; saves
+    that take the root over its budget again are the next plan's.
+    """
+
+    root: Root
+    max_bytes: int | None
+    namespace_max_bytes: int | None
+    grace: float
+    cutoff: int  # ms since the epoch: older than this is past the grace
+    physical_before: int
+    victims: list[bytes]  # entries to evict, in order
+    live_after: int
+    zeroed: dict[bytes, int]  # blocks the victims leave unreferenced -> size
+    zero_refs: list[tuple[bytes, RefInfo]]  # unreferenced blocks past the grace
+    orphans: list[tuple[bytes, int]]  # block files no record names, past the grace -> size
+    tmp: list[str]  # stale temp files of tmp/
+    held: dict[bytes, tuple[int, int]]  # unreferenced blocks the grace keeps: (size, since)
+    tmp_bytes: int = 0  # what the stale temp files hold
+    #: told ``(phase, done, total)`` as :meth:`execute` goes ("evict", then "sweep")
+    progress: Progress | None = None
+
+    def empty(self) -> bool:
+        return not (self.victims or self.zero_refs or self.orphans or self.tmp)
+
+    def report(self) -> CompactReport:
+        """What executing the plan would do (the dry run's report)."""
+        r = CompactReport(physical_before=self.physical_before, dry_run=True, grace=self.grace)
+        r.evicted = [v.hex() for v in self.victims]
+        r.freed_blocks = len(self.zero_refs)
+        r.freed_bytes = sum(ref.size for _, ref in self.zero_refs)
+        r.orphans_removed = len(self.orphans)
+        r.orphan_bytes = sum(size for _, size in self.orphans)
+        r.tmp_removed = len(self.tmp)
+        r.tmp_bytes = self.tmp_bytes
+        # with grace 0 every zero-ref block goes, the evictions' too: live bytes remain
+        r.physical_after = (
+            self.live_after if self.grace == 0 else self.physical_before - r.freed_bytes
+        )
+        r.live_after = self.live_after
+        held = dict(self.held)
+        if self.grace > 0:  # what the evictions would zero waits for the grace, from now
+            stamp = now_ms()
+            held.update((d, (size, stamp)) for d, size in self.zeroed.items())
+        _fill_held(r, held, self.grace)
+        return r
+
+    def _execute(self) -> CompactReport:
+        """Evict the victims, then unlink the planned garbage still garbage.
+
+        ``progress("evict"|"sweep", done, total)`` follows the evictions, then the
+        garbage (blocks, orphan files, temp files), in items.
+        """
+        root, progress = self.root, self.progress
+        report = CompactReport(physical_before=self.physical_before, grace=self.grace)
+        if self.empty():
+            report.physical_after, report.live_after = self.physical_before, self.live_after
+            return report
+        done = {"evict": 0, "sweep": 0}
+        totals = {"evict": len(self.victims),
+                  "sweep": len(self.zero_refs) + len(self.orphans) + len(self.tmp)}
+
+        def step(phase: str) -> Callable[[int], None]:
+            def advance(n: int) -> None:
+                done[phase] += n
+                if progress is not None:
+                    progress(phase, done[phase], totals[phase])
+            return advance
+
+        if self.victims:
+            _evict(root, self.victims, self.grace, report, step("evict"))
+        sweep = step("sweep")
+        for batch in batches([d for d, _ in self.zero_refs]):
+            with root.index.write() as txn:
+                _unlink_zero(root, txn, batch, self.cutoff, report)
+            sweep(len(batch))
+        report.orphans_removed, report.orphan_bytes = unlink_orphans(
+            root, self.orphans, self.cutoff
+        )
+        sweep(len(self.orphans))
+        report.tmp_removed, report.tmp_bytes = unlink_tmp(root, self.tmp)
+        sweep(len(self.tmp))
+        after = root.index.totals()
+        report.physical_after, report.live_after = after.physical_bytes, after.live_bytes
+        _fill_held(report, _held_blocks(root, self.grace), self.grace)
+        return report
+
+
+def _check(grace: float, **budgets: int | None) -> None:
+    if grace < 0:
+        raise ValueError(f"grace must be >= 0 seconds, got {grace}")
+    for name, v in budgets.items():
+        if v is not None and v < 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+
+
+def plan_compact(
+    root: Root,
+    *,
+    max_bytes: int | None = None,
+    namespace_max_bytes: int | None = None,
+    grace: float = DEFAULT_GRACE,
+) -> CompactPlan:
+    """Plan a compact: the evictions the budgets need, and the garbage past the grace (zero-ref
+    blocks, orphan block files, stale temp files)."""
+    _check(grace, max_bytes=max_bytes, namespace_max_bytes=namespace_max_bytes)
+    root.index.reader_check()
+    physical = root.index.totals().physical_bytes
+    victims, live, zeroed = _plan(root, max_bytes, namespace_max_bytes)
+    cutoff = _cutoff_ms(grace)
+    with root.index.read() as txn:
+        zero = [(d, r) for d, r in root.index.iter_refs(txn) if r.refcount == 0]
+    files = [(d, st) for d, st in root.block_files() if st.mtime * 1000 <= cutoff]
+    with root.index.read() as txn:
+        orphans = [(d, st.size) for d, st in files if root.index.get_ref(d, txn) is None]
+    tmp = stale_tmp_files(root, grace)
+    return CompactPlan(
+        root=root,
+        max_bytes=max_bytes,
+        namespace_max_bytes=namespace_max_bytes,
+        grace=grace,
+        cutoff=cutoff,
+        physical_before=physical,
+        victims=victims,
+        live_after=live,
+        zeroed=zeroed,
+        zero_refs=[(d, r) for d, r in zero if r.zero_since <= cutoff],
+        orphans=orphans,
+        tmp=[f.name for f in tmp],
+        held={d: (r.size, r.zero_since) for d, r in zero if r.zero_since > cutoff},
+        tmp_bytes=sum(f.size for f in tmp),
+    )
+
+
+def plan_budget(root: Root, max_bytes: int, *, grace: float) -> CompactPlan:
+    """The plan that brings a root within ``max_bytes`` after a save: the evictions, and the
+    zero-ref blocks past the grace (no orphan or temp file sweep). Cheap when the root is
+    within the budget (one read of the totals: an empty plan)."""
+    _check(grace, max_bytes=max_bytes)
+    t = root.index.totals()
+    cutoff = _cutoff_ms(grace)
+    if t.live_bytes <= max_bytes and t.physical_bytes <= max_bytes:
+        return CompactPlan(root, max_bytes, None, grace, cutoff, t.physical_bytes, [],
+                           t.live_bytes, {}, [], [], [], {})
+    victims, live, zeroed = _plan(root, max_bytes, None)
+    with root.index.read() as txn:
+        zero = [(d, r) for d, r in root.index.iter_refs(txn) if r.refcount == 0]
+    return CompactPlan(root, max_bytes, None, grace, cutoff, t.physical_bytes, victims, live,
+                       zeroed, [(d, r) for d, r in zero if r.zero_since <= cutoff], [], [], {})
+
+
+def compact(
+    root: Root,
+    *,
+    max_bytes: int | None = None,
+    namespace_max_bytes: int | None = None,
+    grace: float = DEFAULT_GRACE,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> CompactReport:
+    """Evict above the budgets, then delete expired garbage: zero-ref blocks, orphans, temps.
+
+    ``grace`` (seconds) protects zero-refcount blocks, orphan block files and
+    temp files younger than it. ``namespace_max_bytes`` applies to each
+    namespace separately. With ``dry_run`` nothing is written: the report is the
+    plan's (:func:`plan_compact`).
+    """
+    plan = plan_compact(
+        root, max_bytes=max_bytes, namespace_max_bytes=namespace_max_bytes, grace=grace
+    )
+    plan.progress = progress
+    return plan.report() if dry_run else plan.execute()
+
+
+# --- sweeping ------------------------------------------------------------------------------
+
+
+def _held_blocks(root: Root, grace: float) -> dict[bytes, tuple[int, int]]:
+    """The zero-ref blocks younger than the grace: digest -> (size, zero since)."""
+    cutoff = _cutoff_ms(grace)
+    with root.index.read() as txn:
+        return {
+            d: (r.size, r.zero_since)
+            for d, r in root.index.iter_refs(txn)
+            if r.refcount == 0 and r.zero_since > cutoff
+        }
+
+
+def _fill_held(report: CompactReport, held: dict[bytes, tuple[int, int]], grace: float) -> None:
+    """``report.held_*``: what the grace keeps, and when the last of it becomes free."""
+    report.held_blocks = len(held)
+    report.held_bytes = sum(size for size, _ in held.values())
+    grace_ms = int(grace * 1000)
+    report.held_until = max((z + grace_ms for _, z in held.values()), default=None)
+
+
+__all__ = [
+    "DEFAULT_GRACE",
+    "CompactPlan",
+    "CompactReport",
+    "EvictionOrder",
+    "compact",
+    "plan_budget",
+    "plan_compact",
+    "plan_evictions",
+]

@@ -1,0 +1,51 @@
+"""The local tier's catalog (the LMDB index of a root) passes the shared catalog suite, and
+what only it does: prefixes of an entry shorter than a block, the names it vouches for."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from catalog.catalog_suite import CatalogTests, Entry, T, commit, lookup
+
+from kvstore.blocks import LocalBlockStore
+from kvstore.catalog.base import Catalog, Tier
+from kvstore.index import Index
+from kvstore.store.local.catalog import LocalCatalog
+from kvstore.store.local.root import Root, open_root
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Iterator[Root]:
+    index, settings, _ = open_root(tmp_path / "r", hash="blake3", block_tokens=T,
+                                   state_block_bytes=None, durable=False, create=True,
+                                   map_size=1 << 26)
+    r = Root(tmp_path / "r", settings, index, LocalBlockStore(tmp_path / "r", "blake3",
+                                                              durable=False))
+    try:
+        yield r
+    finally:
+        index.close()
+
+
+class TestLocalCatalog(CatalogTests):
+    @pytest.fixture
+    def tier(self, root: Root) -> Tier:
+        return root
+
+    def read_only(self, tier: Tier) -> Catalog:
+        assert isinstance(tier, Root)
+        return LocalCatalog(Index(tier.path / "index", readonly=True))
+
+
+def test_a_prefix_of_an_entry_shorter_than_a_block_is_served(root: Root) -> None:
+    """The root lists trimmable entries under c_0 as well; the remote does not."""
+    e = Entry([7, 8, 9])
+    commit(root, e)
+    got = lookup(root.catalog, [7, 8, 9, 10])
+    assert got is not None and (got.digest, got.length, got.exact) == (e.digest, 3, False)
+
+
+def test_the_index_vouches_for_its_own_manifests(root: Root) -> None:
+    assert root.catalog.check_names is None  # only its commits wrote them

