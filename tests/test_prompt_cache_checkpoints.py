@@ -116,3 +116,28 @@ def test_a_waiting_checkpoint_is_found_and_the_next_one_waits_its_turn(
     assert pc.drain(30) and pc.saved == 3 and pc.dropped == 0
     assert sorted(e.n_tokens for e in store.entries() if e.priority == "checkpoint") == [64, 128]
     pc.close()
+
+
+def test_a_checkpoint_is_never_deferred_nor_replaces_a_deferred_snapshot(
+    store: kvstore.Store,
+) -> None:
+    """Issue 28's write-behind keeps a snapshot that adds no whole block in memory (deferred)
+    and drops it for its conversation's next one. A checkpoint is written at once, with
+    priority 'checkpoint', even for a cache that can be trimmed, and the deferred snapshot
+    it extends stays deferred (it is not superseded by a checkpoint)."""
+    pc = PersistentPromptCache(store, min_tokens=16, defer_seconds=300)
+    pc.register_model(KEY, nn.Linear(4, 4), model_id="ckpt")
+    t = list(range(1, 120))  # under one block of 256: nothing here adds a whole block
+    pc.insert_cache(KEY, t[:40], _hybrid(t[:40])[:1], cache_type="user")
+    assert pc.persist_stats().deferred == 1
+    pc.insert_cache(KEY, t[:100], _hybrid(t[:100])[:1], cache_type="checkpoint")
+    deadline = time.monotonic() + 30
+    while pc.saved < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    st = pc.persist_stats()
+    assert (st.saved, st.deferred, st.superseded) == (1, 1, 0)
+    assert [(e.n_tokens, e.priority) for e in store.entries()] == [(100, "checkpoint")]
+    assert pc.drain(30) and pc.saved == 2
+    assert sorted((e.n_tokens, e.priority) for e in store.entries()) == [
+        (40, "user"), (100, "checkpoint")]
+    pc.close()
