@@ -141,3 +141,32 @@ def test_a_checkpoint_is_never_deferred_nor_replaces_a_deferred_snapshot(
     assert sorted((e.n_tokens, e.priority) for e in store.entries()) == [
         (40, "user"), (100, "checkpoint")]
     pc.close()
+
+
+def test_a_checkpoint_counts_among_its_requests_saves(store: kvstore.Store) -> None:
+    """kvstore serve's request log: a checkpoint cut inside a request's prompt is one of the
+    snapshots that request queued (saves_queued), its reply another."""
+    from kvstore.mlx_lm.requests import CacheObserver, RequestRecord
+
+    class Done(CacheObserver):
+        def __init__(self) -> None:
+            self.done: list[RequestRecord] = []
+
+        def finished(self, rec: RequestRecord) -> None:
+            self.done.append(rec)
+
+    pc = _cache(store)
+    seen = Done()
+    pc.observers.append(seen)
+    prompt = list(range(1, 150))
+    pc.fetch_nearest_cache(KEY, prompt)
+    pc.insert_cache(KEY, prompt[:64], _hybrid(prompt[:64]),
+                    cache_type=checkpoint_type("ab", len(prompt), 64))
+    pc.insert_cache(KEY, prompt[:128], _hybrid(prompt[:128]),
+                    cache_type=checkpoint_type("ab", len(prompt), 64))
+    assert seen.done == []  # checkpoints never finish their request
+    pc.insert_cache(KEY, [*prompt, 7], _hybrid([*prompt, 7]))
+    (rec,) = seen.done
+    assert (rec.saves_queued, rec.saves_deferred, rec.reply) == (3, 0, "queued")
+    assert pc.drain(30) and pc.saved == 3
+    pc.close()

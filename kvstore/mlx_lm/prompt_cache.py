@@ -228,9 +228,11 @@ class PersistentPromptCache:
         write-behind queue; the next one waits for the writer to take it.
         """
         checkpoint = parse_checkpoint_type(cache_type)
-        if checkpoint is not None:
-            self._enqueue(model_key, tokens, prompt_cache, CHECKPOINT, len(tokens),
-                          metadata=checkpoint)
+        if checkpoint is not None:  # a cut inside a request's prompt: one of its saves
+            rec, _ = self._requests.owner(tokens)
+            outcome = self._enqueue(model_key, tokens, prompt_cache, CHECKPOINT, len(tokens),
+                                    metadata=checkpoint)
+            self._requests.inserted(rec, False, outcome)
             return
         self._memory.insert_cache(model_key, tokens, prompt_cache, cache_type=cache_type)
         rec, reply = self._requests.owner(tokens)
