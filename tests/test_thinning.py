@@ -126,3 +126,28 @@ def test_a_record_rebuilt_from_the_manifest_is_still_a_checkpoint(tmp_path: Path
         # every entry by its manifest's cache type (catalog.records.priority_of)
         assert got == {ckpt: "checkpoint", user: "user"}
         assert s.verify().sound
+
+
+def test_the_save_time_budget_thins_checkpoints_first(tmp_path: Path) -> None:
+    """``Store.open(max_bytes=...)`` (``kvstore serve --max-bytes``) evicts by the same plan
+    (``plan_budget``): an older assistant entry stays, the finest checkpoint goes."""
+    doc = list(range(100, 100 + 4 * 4 * T))
+    root = tmp_path / "root"
+    with kvstore.Store.open(root, namespace=NS, block_tokens=T) as s:
+        old = s.save(list(range(7000, 7000 + 2 * T)), _hybrid(list(range(7000, 7000 + 2 * T))),
+                     priority="assistant").id  # the least recently used entry of all
+        ids = {f"d{k}": s.save(doc[: 4 * T * k], _hybrid(doc[: 4 * T * k]),
+                               priority="checkpoint", reuse_prefix=True).id
+               for k in range(1, 5)}
+        live = s.stats().physical_bytes
+    end = doc + [1, 2]
+    # the end adds its state and a 2-token block: the budget has room for the block only
+    with kvstore.Store.open(root, namespace=NS, block_tokens=T, max_bytes=live + 256,
+                            gc_grace=0) as s:
+        s.save(end, _hybrid(end), priority="user", reuse_prefix=True)
+        left = {e.id for e in s.entries()}
+        assert set(ids.values()) - left == {ids["d1"]}  # level 6, least recently used
+        assert old in left
+        assert s.stats().physical_bytes <= live + 256
+        v = s.verify(read_data=True)
+        assert v.sound and v.clean and v.dangling_keys == 0
