@@ -243,10 +243,10 @@ def test_soak_many_processes_small_budget(tmp_path: Path) -> None:
     root = tmp_path / "r"
     budget = 96 << 10
     open_store(root).close()
-    until = time.time() + 22.0
     procs = [
         start_worker(
-            "soak", {"root": str(root), "worker": w, "until": until, "seeds": 40, "budget": budget}
+            "soak", {"root": str(root), "worker": w, "seconds": 22.0, "seeds": 40,
+                     "budget": budget}
         )
         for w in range(7)
     ]

@@ -194,3 +194,28 @@ def test_restore_never_raises_on_a_lying_manifest_in_the_root(
         assert (cache, n) == (None, 0)
         cache, n = s.restore(other)
         assert n == 40 and cache is not None
+
+
+def test_a_repair_beside_a_manifest_nested_100k_deep_never_raises(tmp_path: Path) -> None:
+    """A restore that finds a corrupt block looks for every entry that needs it, decoding
+    only the digest lists of each manifest: a RecursionError there escaped restore()."""
+    from helpers.hostile import nested
+
+    root = tmp_path / "root"
+    toks = tokens_for(4, 40)
+    with open_store(root) as s:
+        eid = bytes.fromhex(s.save(toks, make_cache(toks)).id)
+        m = s.manifest(eid.hex())
+        with s.index.read() as txn:
+            raw = s.index.get_manifest(eid, txn)
+        assert raw is not None
+        bad = bytes(m.token_blocks[1])
+        path = s.local.blocks.path(bad)
+    _put_manifest(root, b"\7" * 32, nested(raw))
+    path.chmod(0o644)
+    data = path.read_bytes()
+    path.write_bytes(bytes([data[0] ^ 1]) + data[1:])
+    with open_store(root) as s:
+        cache, n = s.restore(toks, verify=True)
+        assert n == 16 and cache is not None  # cut back to the block before the bad one
+        assert [p.name[:64] for p in (root / "quarantine").iterdir()] == [bad.hex()]

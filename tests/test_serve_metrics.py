@@ -162,6 +162,7 @@ def test_metrics_log_lines_and_stats_match_the_requests_made(tmp_path: Path) -> 
     assert val("kvstore_root_entries") == saved
     assert val("kvstore_quarantined_blocks") == 0 and val("kvstore_evictions_total") == 0
     assert val("kvstore_remote_errors_total") == 0
+    assert val("kvstore_remote_refused_total") == 0
 
     # one log line per request, in order, with the server's own counts
     lines = _lines(tmp_path / "first.log")

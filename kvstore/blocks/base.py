@@ -14,12 +14,12 @@ from __future__ import annotations
 import abc
 import os
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..errors import BlockNotFoundError, CorruptBlockError, ReadOnlyStoreError
-from .hashing import Digest, new_hasher
+from .hashing import Digest, hash_bytes, new_hasher
 
 Buffer = bytes | memoryview
 
@@ -164,8 +164,13 @@ class BlockStore(abc.ABC):
             raise CorruptBlockError(self.where(digest), digest.hex(), got.hex(),
                                     digest=digest.hex())
 
-    def get_many(self, digests: Sequence[bytes]) -> Iterator[tuple[bytes, bytes]]:
-        """``(digest, bytes)`` of each block, each verified (a backend may fetch them at once)."""
+    def get_many(self, digests: Sequence[bytes], sizes: Mapping[bytes, int] | None = None
+                 ) -> Iterator[tuple[bytes, bytes]]:
+        """``(digest, bytes)`` of each block, each verified (a backend may fetch them at once).
+
+        ``sizes``: what each block should hold; a backend that reads from elsewhere refuses
+        a larger object unread (a CorruptBlockError), so no one who can write it makes a
+        reader hold more than that."""
         for d in digests:
             yield d, self.get(d)
 
@@ -204,13 +209,20 @@ class BlockStore(abc.ABC):
             f.close()
 
     def inspect(self, digest: bytes, size: int, *, read_data: bool) -> tuple[str, str, int]:
-        """``(state, what is wrong, bytes hashed)`` of one block: state is 'ok', 'missing' or
+        """``(state, what is wrong, bytes hashed)`` of one block: state is 'ok', 'missing',
         'corrupt' (the wrong size, or with ``read_data`` bytes that do not hash to
-        ``digest``)."""
+        ``digest``) or 'sized': of another size than ``size`` but hashing to ``digest``, a
+        good block that a manifest misstates (a block of another size is always hashed)."""
         st = self.stat(digest)
         if st is None:
             return "missing", "no block", 0
         if st.size != size:
+            try:
+                good = hash_bytes(self.algo, self.get(digest, verify=False)) == digest
+            except (BlockNotFoundError, CorruptBlockError):
+                good = False
+            if good:
+                return "sized", f"{st.size} bytes hashing to its name, not {size}", st.size
             return "corrupt", f"{st.size} bytes, not {size}", 0
         if not read_data:
             return "ok", "", 0

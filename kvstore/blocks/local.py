@@ -85,12 +85,18 @@ class LocalBlockStore(base.BlockStore):
     """Block files by digest under ``<root>/blocks/ab/<hex>``; knows nothing of tokens or caches."""
 
     def __init__(
-        self, root: Path, algo: str, *, durable: bool = True, read_only: bool = False
+        self, root: Path, algo: str, *, durable: bool = True, read_only: bool = False,
+        file_mode: int = 0o600, dir_mode: int = 0o700,
     ) -> None:
         self.root = root
         self.algo = algo
         self.durable = durable
         self.read_only = read_only
+        # the root's modes (kvstore.store.local.modes): private by default; bits for the
+        # group (a shared root) are set again after the umask took them away
+        self.file_mode = file_mode
+        self.dir_mode = dir_mode
+        self._group_bits = bool((file_mode | dir_mode) & 0o070)
         self.blocks_dir = root / "blocks"
         self.tmp_dir = root / "tmp"
         self.quarantine_dir = root / "quarantine"
@@ -157,8 +163,10 @@ class LocalBlockStore(base.BlockStore):
         name = f"{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}.tmp"
         tmp = self.tmp_dir / name
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)
             try:
+                if self._group_bits:
+                    os.fchmod(fd, self.file_mode)
                 views = [memoryview(p) for p in pieces]
                 pwritev_all(fd, views, 0)
                 if sync:
@@ -194,7 +202,7 @@ class LocalBlockStore(base.BlockStore):
             try:
                 os.link(tmp, final)
             except FileNotFoundError:  # the first block of its fan-out directory
-                os.makedirs(os.path.dirname(final), exist_ok=True)
+                self._mkdir(os.path.dirname(final))
                 os.link(tmp, final)
             created = True
         except FileExistsError:
@@ -209,6 +217,19 @@ class LocalBlockStore(base.BlockStore):
         finally:
             self.discard(staged)
         return created
+
+    def _mkdir(self, path: str) -> None:
+        """A directory of the root with the root's mode (an existing one is left alone)."""
+        try:
+            os.mkdir(path, self.dir_mode)
+        except FileExistsError:
+            return
+        except FileNotFoundError:  # blocks/ itself (a bare block store, as in tests)
+            self._mkdir(os.path.dirname(path))
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, self.dir_mode)
+        if self._group_bits:
+            os.chmod(path, self.dir_mode)
 
     def discard(self, staged: base.Staged) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -324,8 +345,12 @@ class LocalBlockStore(base.BlockStore):
 
     def inspect(self, digest: bytes, size: int, *, read_data: bool) -> tuple[str, str, int]:
         """``(state, what is wrong, bytes hashed)`` of one block file; state is 'ok',
-        'missing' or 'corrupt' (not a regular file, the wrong size, or with
-        ``read_data`` bytes that do not hash to ``digest``)."""
+        'missing', 'corrupt' (not a regular file, the wrong size, or with ``read_data``
+        bytes that do not hash to ``digest``) or 'sized': a file whose bytes hash to
+        ``digest`` but that is not of ``size`` bytes. Such a block is good: the size is
+        the claim of a manifest, and that manifest is the bad party (docs/FORMAT.md,
+        "Trust"), so a file of another size is always hashed before it is called corrupt.
+        """
         try:
             st = os.lstat(self._path(digest))
         except FileNotFoundError:
@@ -333,6 +358,12 @@ class LocalBlockStore(base.BlockStore):
         if not stat.S_ISREG(st.st_mode):
             return "corrupt", file_kind(st.st_mode), 0
         if st.st_size != size:
+            try:
+                good = self.hash_file(digest) == digest
+            except (BlockNotFoundError, CorruptBlockError):
+                good = False
+            if good:
+                return "sized", f"{st.st_size} bytes hashing to its name, not {size}", st.st_size
             return "corrupt", f"{st.st_size} bytes, not {size}", 0
         if not read_data:
             return "ok", "", 0
@@ -372,7 +403,7 @@ class LocalBlockStore(base.BlockStore):
         given a numbered name beside it).
         """
         self.check_writable()
-        self.quarantine_dir.mkdir(exist_ok=True)
+        self._mkdir(str(self.quarantine_dir))
         dfd = open_real_dir(self.quarantine_dir)
         name = digest.hex()
         try:

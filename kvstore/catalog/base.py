@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from ..blocks import BlockStore, hash_bytes
-from ..errors import DigestMismatchError, ReadOnlyStoreError
+from ..errors import DigestMismatchError, ManifestError, ReadOnlyStoreError
 from ..schema import Manifest, decode_manifest
 from .find import DepthReader
 from .records import Records
+from .signing import Signer
 
 R = TypeVar("R")
 #: Called by a commit with blocks the catalog cannot vouch for, before the entry is
@@ -31,17 +32,33 @@ Ensure = Callable[[Sequence[bytes]], None]
 
 
 def open_manifest(raw: bytes, digest: bytes, *, algo: str | None = None,
-                  where: str = "") -> Manifest:
+                  where: str = "", signer: Signer | None = None,
+                  tag: str | None = None) -> Manifest:
     """The one place a manifest read from a tier passes: its bytes checked against its name
     (``algo``: for a tier that does not vouch for them, a
-    :class:`~kvstore.errors.DigestMismatchError` naming ``where``), then decoded and
-    validated (:func:`kvstore.schema.decode_manifest`, a ManifestError)."""
+    :class:`~kvstore.errors.DigestMismatchError` naming ``where``), then, for a reader with
+    the signing key (``signer``), the ``tag`` stored beside it (an
+    :class:`~.signing.UnsignedManifestError`, before a byte of it is decoded), then decoded
+    and validated (:func:`kvstore.schema.decode_manifest`, a ManifestError)."""
+    where = where or f"manifest {digest.hex()}"
     if algo is not None:
         got = hash_bytes(algo, raw)
         if got != digest:
-            raise DigestMismatchError(where or f"manifest {digest.hex()}", digest.hex(),
-                                      got.hex())
+            raise DigestMismatchError(where, digest.hex(), got.hex())
+    if signer is not None:
+        signer.check(raw, tag, where)
     return decode_manifest(raw)
+
+
+def check_size(rec: Records, block: bytes, size: int, where: str) -> None:
+    """A block of ``size`` bytes whose bytes hash to its name is good: when the entry's
+    manifest gives it another size, the manifest lies. A :class:`ManifestError` naming
+    both refuses the entry; the block stays (docs/FORMAT.md, "Trust")."""
+    want = rec.blocks.get(block)
+    if want is not None and want != size:
+        raise ManifestError(
+            f"manifest {rec.digest.hex()} gives block {block.hex()} {want} bytes; {where} "
+            f"holds {size} that hash to its name: the entry is refused, the block kept")
 
 
 class Catalog(abc.ABC):
@@ -79,6 +96,11 @@ class Catalog(abc.ABC):
         if raw is None:
             return None
         return raw, open_manifest(raw, digest, algo=self.check_names, where=self.where(digest))
+
+    def trusts(self, digest: bytes) -> bool:
+        """Whether this catalog's readers would use the entry it holds: for a catalog that
+        checks signatures, whether its manifest is signed with the key."""
+        return True
 
     @abc.abstractmethod
     def records(self, digest: bytes) -> Records | None:
@@ -209,4 +231,5 @@ class Plan(abc.ABC, Generic[R]):
     def _execute(self) -> R: ...
 
 
-__all__ = ["Catalog", "Copied", "Ensure", "Plan", "PushStats", "Tier", "open_manifest"]
+__all__ = ["Catalog", "Copied", "Ensure", "Plan", "PushStats", "Tier", "check_size",
+           "open_manifest"]

@@ -31,23 +31,36 @@ __all__ = ["compact", "init", "rm", "stats", "verify"]
               help="Block digest algorithm (default blake3); fixed when the root is created.")
 @click.option("--block-tokens", type=click.IntRange(min=1), default=None, metavar="N",
               help="Tokens per token block (default 256); fixed when the root is created.")
+@click.option("--shared-group", metavar="GROUP", default=None,
+              help="Share the new root with GROUP (setgid directories, group-writable files, "
+                   "nothing for others); without it a root is private to its owner.")
 @json_option
 @common
-def init(algo: str | None, block_tokens: int | None, as_json: bool) -> None:
+def init(algo: str | None, block_tokens: int | None, shared_group: str | None,
+         as_json: bool) -> None:
     """Create a cache root.
 
-    On an existing root, checks that --hash and --block-tokens match its settings.
+    A new root is private to its owner (directories 0700, files 0600); with
+    --shared-group every member of GROUP can save to it, restore from it and compact it.
+    On an existing root, checks that --hash, --block-tokens and --shared-group match it.
     """
+    from ..store.local.modes import group_name, modes_of
+
     root = opts().resolved_root()
     existed = (root / "index" / "data.mdb").exists()
-    with open_store(create=True, hash=algo, block_tokens=block_tokens) as store:
+    with open_store(create=True, hash=algo, block_tokens=block_tokens,
+                    shared_group=shared_group) as store:
         s = store.settings
+    modes = modes_of(root)
+    group = group_name(modes.group) if modes.group is not None else None
     if as_json:
         emit({"root": str(root), "created": not existed, "hash": s.hash,
-              "block_tokens": s.block_tokens, "state_block_bytes": s.state_block_bytes})
+              "block_tokens": s.block_tokens, "state_block_bytes": s.state_block_bytes,
+              "shared_group": group})
     elif not opts().quiet:
         what = "kvstore root already exists at" if existed else "Created kvstore root at"
-        click.echo(f"{what} {root} ({s.hash}, {s.block_tokens} tokens per block)")
+        who = f", shared with group {group}" if group else ""
+        click.echo(f"{what} {root} ({s.hash}, {s.block_tokens} tokens per block{who})")
 
 
 @click.command()
@@ -262,18 +275,25 @@ def verify(read_data: bool, repair: bool, dry_run: bool, as_json: bool) -> None:
         report = store.verify(read_data=read_data, repair=repair, dry_run=dry_run,
                               progress=bar)
         tmp = store.temp_files()
+    from ..store.local.modes import world_readable
+
+    exposed = world_readable(store.root)
     data = H.report_dict(report)
     sound = report.sound
     if as_json:
         emit({"root": str(store.root), "sound": sound, "dry_run": dry_run, "report": data,
               "tmp_abandoned_files": tmp.abandoned_files,
-              "tmp_abandoned_bytes": tmp.abandoned_bytes})
+              "tmp_abandoned_bytes": tmp.abandoned_bytes, "world_readable": exposed})
     else:
         _print_verify(data, sound, repair=repair, dry_run=dry_run, root=str(store.root))
         if tmp.abandoned_files and not opts().quiet:  # not a fault of the store: a note
             click.echo(f"note: tmp/ holds {H.plural(tmp.abandoned_files, 'file')} "
                        f"({H.format_bytes(tmp.abandoned_bytes)}) left by writers that are "
                        "gone (an interrupted save); 'kvstore compact' removes them")
+        if exposed and not opts().quiet:  # an old root's modes: a note, never a chmod
+            click.echo(f"note: any user of this machine can read {' and '.join(exposed)} "
+                       "(the stored prompts' tokens and KV); 'chmod -R go-rwx ROOT' makes "
+                       "the root private (see the README's Trust and security)")
     if not sound:
         click.get_current_context().exit(1)
 

@@ -64,15 +64,20 @@ def pull(entries: tuple[str, ...], as_json: bool) -> None:
     """Download remote entries (all, or the ENTRY ids or prefixes given) into this root."""
     with open_store(create=True, writes="pull entries", remote=remote_url(),
                     push=False) as store:
-        got = store.pull(list(entries) or None)
+        rep = store.pull(list(entries) or None)
+    got = rep.pulled
     if as_json:
         emit({"pulled": [{"id": p.digest.hex(), "n_tokens": p.n_tokens, "blocks": p.blocks,
-                          "bytes": p.bytes} for p in got]})
-        return
-    for p in got:
-        _say(f"{p.digest.hex()[:12]}  {p.n_tokens} tokens  {H.plural(p.blocks, 'block')} "
-             f"({H.format_bytes(p.bytes)}) downloaded")
-    _say(f"pulled {H.plural(len(got), 'entry', 'entries')}")
+                          "bytes": p.bytes} for p in got], "failed": rep.failed})
+    else:
+        for p in got:
+            _say(f"{p.digest.hex()[:12]}  {p.n_tokens} tokens  {H.plural(p.blocks, 'block')} "
+                 f"({H.format_bytes(p.bytes)}) downloaded")
+        _say(f"pulled {H.plural(len(got), 'entry', 'entries')}")
+        for i, why in rep.failed.items():
+            click.echo(f"  not pulled: {i[:12]}: {why}", err=True)
+    if rep.failed:
+        raise UserError(f"{H.plural(len(rep.failed), 'entry', 'entries')} could not be pulled")
 
 
 @click.group("remote", context_settings={"help_option_names": ["-h", "--help"]})
@@ -112,17 +117,27 @@ def remote_init(as_json: bool) -> None:
 @json_option
 @common
 def remote_ls(as_json: bool) -> None:
-    """List the remote's entries (newest first)."""
+    """List the remote's entries (newest first; with a signing key, the signed ones)."""
+    skipped: list[str] = []
+    refused: list[str] = []
     with _remote() as r:
-        rows = sorted(r.entries(), key=lambda e: -e.mtime)
+        rows = sorted(r.entries(skipped, refused=refused), key=lambda e: -e.mtime)
+    skipped.sort()
     if as_json:
-        emit({"remote": str(r.url), "entries": [e.__dict__ for e in rows]})
+        emit({"remote": str(r.url), "entries": [e.__dict__ for e in rows],
+              "skipped": skipped, "refused": refused})
         return
     for e in rows:
         flag = "" if e.complete else "  (push not finished)"
         click.echo(f"{e.id[:12]}  {e.n_tokens:>7} tokens  {H.format_bytes(e.bytes):>9}  "
                    f"{e.model_id}/{e.namespace}{flag}")
     _say(f"{H.plural(len(rows), 'entry', 'entries')} on {r.url}")
+    if skipped:
+        click.echo(f"skipped {H.plural(len(skipped), 'bad manifest')} ('kvstore remote verify' "
+                   f"says why): {', '.join(h[:12] for h in skipped)}", err=True)
+    if refused:
+        click.echo(f"refused {H.plural(len(refused), 'manifest')} not signed with the signing "
+                   f"key: {', '.join(h[:12] for h in refused)}", err=True)
 
 
 @remote_group.command("stats")
@@ -141,6 +156,8 @@ def remote_stats(as_json: bool) -> None:
     click.echo(f"markers    {st.markers}")
     click.echo(f"access     {st.access_objects} objects")
     click.echo(f"gc lease   {st.lease or 'free'}")
+    if st.refused is not None:
+        click.echo(f"refused    {st.refused} manifests not signed with the signing key")
 
 
 @remote_group.command("verify")
@@ -170,8 +187,11 @@ def _print_verify(rep: Any) -> None:
         _say(f"ok: the remote is sound (checked {checked})")
     else:
         click.echo(f"problems on {rep.url} (checked {checked}):")
-        for name, items in (("bad manifests", rep.bad_manifests), ("corrupt blocks", rep.corrupt),
-                            ("blocks of the wrong size", rep.wrong_size)):
+        for name, items in (("bad manifests", rep.bad_manifests),
+                            ("refused manifests (not signed with the signing key; kept)",
+                             rep.refused), ("corrupt blocks", rep.corrupt),
+                            ("manifests that misstate a block's size", list(rep.lying)),
+                            ("good blocks a manifest misstates (kept)", rep.wrong_size)):
             if items:
                 click.echo(f"  {name}: {', '.join(h[:12] for h in items)}")
         for e, bs in rep.missing.items():
@@ -215,3 +235,14 @@ def remote_compact(max_bytes: int | None, grace: float | None, dry_run: bool,
          f" evicted {H.plural(len(rep.evicted), 'entry', 'entries')} of {rep.entries}; "
          f"{H.format_bytes(rep.live_bytes)} live"
          + (f"; {rep.young} unreferenced blocks kept within the grace" if rep.young else ""))
+    if rep.refused:
+        click.echo(f"refused {H.plural(len(rep.refused), 'manifest')} not signed with the "
+                   "signing key: kept, with the blocks they name, and counted in no budget",
+                   err=True)
+    if rep.bad_manifests:
+        click.echo(f"skipped {H.plural(len(rep.bad_manifests), 'bad manifest')} (kept; "
+                   "'kvstore remote verify --repair' drops them): "
+                   + ", ".join(h[:12] for h in rep.bad_manifests[:5]), err=True)
+    if rep.access_ignored:
+        click.echo(f"ignored {H.plural(rep.access_ignored, 'access record')} that could not "
+                   "be parsed", err=True)

@@ -65,7 +65,7 @@ def _open_dbs(env: lmdb.Environment, readonly: bool) -> dict[str, Any]:
 
 
 def open_env(
-    path: Path, *, durable: bool, map_size: int, readonly: bool
+    path: Path, *, durable: bool, map_size: int, readonly: bool, mode: int = 0o600
 ) -> tuple[lmdb.Environment, tuple[int, int] | None, dict[str, Any]]:
     key = str(path.resolve())
     with _lock:
@@ -91,6 +91,7 @@ def open_env(
             metasync=durable,
             readonly=readonly,
             lock=True,
+            mode=mode,  # of data.mdb and lock.mdb when LMDB creates them (less the umask)
             readahead=False,
             create=not readonly,
         )

@@ -46,10 +46,11 @@ class Index:
         durable: bool = True,
         map_size: int = DEFAULT_MAP_SIZE,
         readonly: bool = False,
+        mode: int = 0o600,
     ) -> None:
         self.path = path
         self.readonly = readonly
-        self._opts = dict(durable=durable, map_size=map_size, readonly=readonly)
+        self._opts = dict(durable=durable, map_size=map_size, readonly=readonly, mode=mode)
         self._lock_id: tuple[int, int] | None = None
         self._pid = -1
         self._env: lmdb.Environment | None = None

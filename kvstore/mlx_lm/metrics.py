@@ -194,6 +194,8 @@ class _Figures(Collector):
              v.remote_pushed_bytes),
             ("kvstore_remote_errors", "Remote lookups, pulls and pushes that failed or timed "
              "out", v.remote_errors),
+            ("kvstore_remote_refused", "Remote entries refused: not signed with the signing "
+             "key (each entry once)", v.remote_refused),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 

@@ -22,11 +22,12 @@ import time
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from mlx_lm.models import cache as _cache
 
 from kvstore import Namespace, Store
+from kvstore.store.tenants import salt_tag, tenant_key, tenant_namespace
 from kvstore.store.upkeep.usage import Counts, failure_reason
 
 from .fingerprint import fingerprint_model, fingerprint_model_dir, namespace_for_path
@@ -38,6 +39,7 @@ from .writebehind import DEFAULT_DEFER_SECONDS, SaveDone, WriteBehind
 __all__ = [
     "PersistStats",
     "PersistentPromptCache",
+    "TenantKey",
     "fingerprint_model",
     "fingerprint_model_dir",
     "namespace_for_path",
@@ -73,6 +75,14 @@ def _cached_tokens(prompt_cache: Sequence[Any], n_tokens: int) -> int:
     return min(offsets) if offsets else n_tokens
 
 
+class TenantKey(NamedTuple):
+    """A model key of one tenant: ``tag`` names its salt (a keyed hash of it, see
+    :mod:`kvstore.store.tenants`). Its entries, in memory and in the store, are its own."""
+
+    model_key: Hashable
+    tag: str
+
+
 class PersistentPromptCache:
     """mlx-lm's `LRUPromptCache` with a persistent, shared disk store behind it.
 
@@ -96,6 +106,10 @@ class PersistentPromptCache:
     writes every snapshot at once. Each fetch counts one request in the root's
     per-tier counts (``kvstore stats``); `observers` hear of each request and save
     (:class:`~kvstore.mlx_lm.requests.CacheObserver`).
+
+    Tenants: after :meth:`set_tenant` (``kvstore serve`` calls it with each request's
+    ``cache_salt``) the fetches and inserts that follow use that salt's own entries,
+    in memory and in the store, until the next call; see :class:`TenantKey`.
     """
 
     def __init__(
@@ -120,6 +134,8 @@ class PersistentPromptCache:
         self.observers: list[CacheObserver] = []
         self._memory = _cache.LRUPromptCache(max_size=max_size, max_bytes=max_bytes)
         self._namespaces: dict[Hashable, Namespace | None] = {}
+        self._tag: str | None = None  # of the current tenant's salt; None: no salt
+        self._salt_key: bytes | None = None
         self._lock = threading.Lock()  # guards the counters below
         self._counts: dict[str, int] = {}
         self._usage = Counts()  # this process's requests, by tier
@@ -175,6 +191,7 @@ class PersistentPromptCache:
         ``cached_tokens``) and, when it reused nothing or less than it might have, why.
         """
         t0 = time.perf_counter()
+        model_key = self._tenant(model_key)
         cache, rest = self._memory.fetch_nearest_cache(model_key, tokens)
         have = len(tokens) - len(rest) if cache is not None else 0
         tier, miss = ("memory" if have else None), None
@@ -227,6 +244,7 @@ class PersistentPromptCache:
         hold O(n^2) bytes for a long prompt. At most one checkpoint waits in the
         write-behind queue; the next one waits for the writer to take it.
         """
+        model_key = self._tenant(model_key)
         checkpoint = parse_checkpoint_type(cache_type)
         if checkpoint is not None:  # a cut inside a request's prompt: one of its saves
             rec, _ = self._requests.owner(tokens)
@@ -241,6 +259,24 @@ class PersistentPromptCache:
         stem = rec.prompt_tokens if rec is not None and reply else len(tokens)
         outcome = self._enqueue(model_key, tokens, prompt_cache, cache_type, stem)
         self._requests.inserted(rec, reply, outcome)
+
+    # --- tenants ---------------------------------------------------------------
+
+    def set_tenant(self, salt: str | None) -> None:
+        """The salt of the requests that follow (None: none). Different salts never share
+        an entry; the salt itself is kept nowhere, only a keyed hash of it. A salt that is
+        empty or over 4 KiB is a :class:`~kvstore.KVStoreError`."""
+        if salt is None:
+            self._tag = None
+            return
+        if self._salt_key is None:
+            self._salt_key = tenant_key(self.store)
+        self._tag = salt_tag(self._salt_key, salt)
+
+    def _tenant(self, model_key: Hashable) -> Hashable:
+        if self._tag is None or isinstance(model_key, TenantKey):
+            return model_key
+        return TenantKey(model_key, self._tag)
 
     # --- models ----------------------------------------------------------------
 
@@ -295,6 +331,9 @@ class PersistentPromptCache:
         mlx-lm's ``(model_path, adapter_path, draft_model_path)`` tuple; any other
         key stays memory-only (a warning is logged once).
         """
+        if isinstance(model_key, TenantKey):  # not kept: a server may see many salts
+            base = self.namespace_for(model_key.model_key)
+            return None if base is None else tenant_namespace(base, model_key.tag)
         if model_key in self._namespaces:
             return self._namespaces[model_key]
         parts: tuple[Any, ...] = model_key if isinstance(model_key, tuple) else (model_key,)

@@ -15,6 +15,7 @@ Two more of mlx-lm's functions are swapped for the call: the HTTP server's start
 so that a port taken meanwhile stops mlx-lm's generation thread (else the process
 waits on it forever), and the Hugging Face cache scan behind ``GET /v1/models``,
 which raises when no hub cache exists (a model served from a directory needs none).
+Three more carry a request's ``cache_salt`` (see :mod:`kvstore.mlx_lm.tenants`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from kvstore.mlx_lm.prefill import segmenting_tokenize
 
 from .metrics import ServeMetrics
 from .requests import RequestLog
+from .tenants import salted_server
 from .writebehind import DEFAULT_DEFER_SECONDS
 
 __all__ = ["serve_main", "parse_size"]
@@ -413,6 +415,7 @@ def _serve(argv: list[str]) -> int:
                 _swapped(server, "scan_cache_dir",
                          _hub_scan_or_none(getattr(server, "scan_cache_dir"))),  # noqa: B009
                 _swapped(sys, "argv", ["kvstore serve", *rest]),
+                salted_server(server),
                 _sigterm_interrupts(),
             ):
                 server.main()  # type: ignore[no-untyped-call]

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 
 from ..blocks.base import BlockStat, BlockStore, Buffer
 from ..blocks.hashing import Digest, check_digest, new_hasher
-from ..errors import BlockNotFoundError
-from .errors import RemoteNotFoundError
+from ..errors import BlockNotFoundError, CorruptBlockError
+from .errors import RemoteNotFoundError, RemoteTooLargeError
 from .s3 import S3Client
 
 AHEAD = 32  # blocks a get_many downloads ahead of its caller
@@ -53,12 +53,17 @@ class S3BlockStore(BlockStore):
         key = self.key(digest)
         return self.client.put(key, b"".join(pieces), if_absent=True)
 
-    def get(self, digest: bytes, *, verify: bool = True) -> bytes:
+    def get(self, digest: bytes, *, verify: bool = True, max_bytes: int | None = None) -> bytes:
+        """The block's bytes (``max_bytes``: an object larger than that is a
+        CorruptBlockError, not read)."""
         key = self.key(digest)
         try:
-            data = self.client.get(key)
+            data = self.client.get(key, max_bytes=max_bytes)
         except RemoteNotFoundError as e:
             raise BlockNotFoundError(f"{self.url(digest)}: no such block") from e
+        except RemoteTooLargeError as e:
+            raise CorruptBlockError(self.url(digest), f"at most {e.limit} bytes",
+                                    f"{e.size} bytes (not read)", digest=digest.hex()) from None
         if verify:
             self.check(digest, data)
         return data
@@ -66,11 +71,15 @@ class S3BlockStore(BlockStore):
     def exists(self, digest: bytes) -> bool:
         return self.client.head(self.key(digest)) is not None
 
-    def get_many(self, digests: Sequence[bytes]) -> Iterator[tuple[bytes, bytes]]:
+    def get_many(self, digests: Sequence[bytes], sizes: Mapping[bytes, int] | None = None
+                 ) -> Iterator[tuple[bytes, bytes]]:
         """Each block, verified, in order, downloaded on the remote's request threads at most
-        ``AHEAD`` ahead of the one the caller takes (so memory holds no more than those)."""
+        ``AHEAD`` ahead of the one the caller takes (so memory holds no more than those);
+        one larger than ``sizes`` gives it is refused unread (CorruptBlockError)."""
+        limit = {} if sizes is None else sizes
         if self._pool is None:
-            yield from super().get_many(digests)
+            for d in digests:
+                yield d, self.get(d, max_bytes=limit.get(d))
             return
         pool = self._pool
         ahead: deque[Future[bytes]] = deque()
@@ -78,7 +87,7 @@ class S3BlockStore(BlockStore):
         try:
             for d in digests:
                 while len(ahead) < AHEAD and (nxt := next(todo, None)) is not None:
-                    ahead.append(pool.submit(self.get, nxt))
+                    ahead.append(pool.submit(self.get, nxt, max_bytes=limit.get(nxt)))
                 yield d, ahead.popleft().result()
         finally:
             for f in ahead:

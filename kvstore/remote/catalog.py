@@ -8,10 +8,17 @@ that each LIST one depth; the entries found are judged against their manifests. 
 entry's priority travels as the manifest object's metadata (``x-amz-meta-priority``),
 which older readers ignore. The order of the puts and the GC lease are
 docs/FORMAT.md's ("The remote tier").
+
+With a signing key (:class:`~kvstore.catalog.signing.Signer`), every manifest this catalog
+puts carries its tag in the same PUT (``x-amz-meta-kvstore-sig``), and every manifest it
+reads must carry a right one: a refused manifest (an
+:class:`~kvstore.catalog.signing.UnsignedManifestError`) is never judged, returned or
+cached, and is logged and reported (``on_refused``) once per entry.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -25,9 +32,10 @@ from ..catalog import keys as P
 from ..catalog.base import Catalog, Ensure, open_manifest
 from ..catalog.find import DepthReader, Match
 from ..catalog.records import PRIORITY_NAMES, Records, records_of
+from ..catalog.signing import Signer, UnsignedManifestError
 from ..errors import DigestMismatchError, ManifestError
-from ..schema import Manifest
-from .errors import RemoteNotFoundError
+from ..schema import MAX_MANIFEST_BYTES, Manifest
+from .errors import RemoteNotFoundError, RemoteTooLargeError
 from .layout import (
     EXACT,
     MANIFESTS,
@@ -46,6 +54,9 @@ SCAN = 4  # manifests a lookup reads at its deepest depth
 LISTED = 16  # markers one probe lists
 CACHED = 512  # manifests kept decoded
 PRIORITY_META = "priority"  # the manifest object's metadata key: the entry's priority
+SIG_META = "kvstore-sig"  # the manifest object's metadata key: its signature (signed entries)
+REFUSED_LOGGED = 4096  # refused entries remembered (each is logged once)
+_log = logging.getLogger("kvstore")
 
 
 @dataclass(frozen=True)
@@ -74,7 +85,13 @@ class RemoteReader(DepthReader):
         return bool(self._markers(k, chain_key))
 
     def best_at(self, tk: P.TokenKeys, k: int) -> Match | None:
-        return self.catalog.judge(self._markers(k, tk.chain[k]), tk)
+        hit = self.catalog.judge(self._markers(k, tk.chain[k]), tk)
+        # entries a reader with the key refused hide nothing: judge the depth above them
+        while hit is None and k > self.first_depth and self.catalog.all_refused(
+                self._markers(k, tk.chain[k])):
+            k -= 1
+            hit = self.catalog.judge(self._markers(k, tk.chain[k]), tk)
+        return hit
 
     def exact_later(self, tk: P.TokenKeys) -> Callable[[], Match | None]:
         fut = self.catalog.pool.submit(self.catalog.exact_entry, tk.exact_key())
@@ -95,8 +112,10 @@ class RemoteCatalog(Catalog):
     name = "remote"
 
     def __init__(self, client: S3Client, prefix: str, algo: str, pool: Executor, *,
-                 url: str = "", read_only: bool = False) -> None:
+                 url: str = "", read_only: bool = False, signer: Signer | None = None
+                 ) -> None:
         self.client = client
+        self.signer = signer  # with a key: manifests are signed, and only signed ones read
         self.prefix = prefix
         self.check_names = algo  # a bucket is anyone's to write: every manifest is checked
         self.read_only = read_only
@@ -107,6 +126,9 @@ class RemoteCatalog(Catalog):
         #: Called with an entry whose manifest a commit found there already (the remote
         #: tier records an access, so a compaction that starts later sees it in use).
         self.on_reused: Callable[[bytes], None] | None = None
+        #: Called once per entry whose manifest a reader with the key refused.
+        self.on_refused: Callable[[bytes], None] | None = None
+        self._refused: OrderedDict[bytes, None] = OrderedDict()
 
     # --- helpers --------------------------------------------------------------------
 
@@ -122,12 +144,29 @@ class RemoteCatalog(Catalog):
         return [m for o in listed if (m := parse_marker(o.key)) is not None]
 
     def exact_entry(self, exact_key: bytes) -> tuple[bytes, bool] | None:
-        """``(entry, trimmable)`` of the complete entry the exact key names, or None."""
+        """``(entry, trimmable)`` of the complete entry the exact key names, or None (with a
+        signing key: the first whose manifest is signed)."""
         for o in self.client.list(exact_dir(self.prefix, exact_key), limit=4):
             got = parse_exact(o.key)
-            if got is not None:
+            if got is not None and (self.signer is None or self.usable(got[0])):
                 return got
         return None
+
+    def all_refused(self, markers: list[Marker]) -> bool:
+        """Whether every entry the markers name was refused (only a reader with the key
+        refuses)."""
+        with self._lock:
+            return bool(markers) and all(m.entry in self._refused for m in markers)
+
+    def trusts(self, digest: bytes) -> bool:
+        return self.signer is None or self.usable(digest)
+
+    def usable(self, digest: bytes) -> bool:
+        """Whether the entry's manifest is there and passes :func:`open_manifest`."""
+        try:
+            return self._get(digest) is not None
+        except (ManifestError, DigestMismatchError):
+            return False
 
     def exact(self, exact_key: bytes) -> bytes | None:
         got = self.exact_entry(exact_key)
@@ -170,10 +209,20 @@ class RemoteCatalog(Catalog):
         return f"{self.url}{MANIFESTS}{digest.hex()}"
 
     def manifest_bytes(self, digest: bytes) -> bytes | None:
+        """The manifest object's bytes; one larger than any manifest (MAX_MANIFEST_BYTES) is
+        a ManifestError, refused before its body is read."""
+        got = self._read(digest)
+        return None if got is None else got[0]
+
+    def _read(self, digest: bytes) -> tuple[bytes, dict[str, str]] | None:
+        key = manifest_key(self.prefix, digest)
         try:
-            return self.client.get(manifest_key(self.prefix, digest))
+            return self.client.get_with_metadata(key, max_bytes=MAX_MANIFEST_BYTES)
         except RemoteNotFoundError:
             return None
+        except RemoteTooLargeError as e:
+            raise ManifestError(f"{self.where(digest)}: an object of {e.size} bytes, not a "
+                                f"manifest (at most {MAX_MANIFEST_BYTES}): not read") from None
 
     def _get(self, digest: bytes) -> _Cached | None:
         """The manifest (checked and decoded) and the priority its object carries; cached."""
@@ -182,11 +231,16 @@ class RemoteCatalog(Catalog):
             if hit is not None:
                 self._cache.move_to_end(digest)
                 return hit
-        try:
-            raw, meta = self.client.get_with_metadata(manifest_key(self.prefix, digest))
-        except RemoteNotFoundError:
+        read = self._read(digest)
+        if read is None:
             return None
-        m = open_manifest(raw, digest, algo=self.check_names, where=self.where(digest))
+        raw, meta = read
+        try:
+            m = open_manifest(raw, digest, algo=self.check_names, where=self.where(digest),
+                              signer=self.signer, tag=meta.get(SIG_META))
+        except UnsignedManifestError as e:
+            self._refuse(digest, e)
+            raise
         got = _Cached(raw, m, _priority(meta.get(PRIORITY_META)))
         with self._lock:
             self._cache[digest] = got
@@ -203,6 +257,18 @@ class RemoteCatalog(Catalog):
         if got is None:
             return None
         return records_of(got.manifest, got.raw, digest, priority=got.priority)
+
+    def _refuse(self, digest: bytes, e: UnsignedManifestError) -> None:
+        """Log and report a refused entry, the first time this catalog refuses it."""
+        with self._lock:
+            if digest in self._refused:
+                return
+            self._refused[digest] = None
+            while len(self._refused) > REFUSED_LOGGED:
+                self._refused.popitem(last=False)
+        _log.warning("kvstore: %s", e)
+        if self.on_refused is not None:
+            self.on_refused(digest)
 
     def forget(self, digest: bytes) -> None:
         """Drop a cached manifest (its entry was removed)."""
@@ -227,18 +293,37 @@ class RemoteCatalog(Catalog):
         return self.client.head(manifest_key(self.prefix, digest)) is not None
 
     def put_manifest(self, rec: Records) -> bool:
-        """Put the entry's manifest (its priority in the object's metadata); False when it
-        was there."""
-        return self.client.put(manifest_key(self.prefix, rec.digest), rec.manifest,
-                               metadata={PRIORITY_META: str(rec.priority)})
+        """Put the entry's manifest (its priority, and with a key its signature, in the
+        object's metadata); False when it was there.
+
+        With a key, a manifest there already but not signed with it (pushed before the key
+        was set, or by a machine without it) is put again, signed: its name is its digest,
+        so the bytes are the same and a reader meanwhile reads the same entry."""
+        key = manifest_key(self.prefix, rec.digest)
+        meta = {PRIORITY_META: str(rec.priority)}
+        if self.signer is not None:
+            meta[SIG_META] = self.signer.tag(rec.manifest)
+        if self.client.put(key, rec.manifest, metadata=meta):
+            return True
+        if self.signer is None:
+            return False
+        try:
+            raw, there = self.client.get_with_metadata(key)
+        except RemoteNotFoundError:
+            raw, there = b"", {}
+        if raw != rec.manifest or there.get(SIG_META) != meta[SIG_META]:
+            self.client.put(key, rec.manifest, if_absent=False, metadata=meta)
+            self.forget(rec.digest)
+        return False
 
     def _commit(self, rec: Records, ensure: Ensure) -> bool:
         """The manifest first, then (``ensure``) the blocks, then a marker per depth, the
         exact marker last: the entry is visible only when everything it needs is there.
 
         An entry whose exact key is taken (this one, pushed before, or another of the same
-        tokens) is not pushed again. Two machines pushing the same tokens at once may both
-        publish: a lookup then finds either, never a wrong one.
+        tokens; with a signing key, one whose manifest is signed) is not pushed again. Two
+        machines pushing the same tokens at once may both publish: a lookup then finds
+        either, never a wrong one.
         """
         if self.exact_entry(rec.exact_key) is not None:
             return False

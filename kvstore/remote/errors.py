@@ -32,6 +32,16 @@ class RemoteNotFoundError(RemoteError, FileNotFoundError):
     """The bucket (or a required object) does not exist on the object store."""
 
 
+class RemoteTooLargeError(RemoteError):
+    """An object is larger than what its kind may be: refused before its body is read."""
+
+    def __init__(self, message: str, *, size: int, limit: int, bucket: str = "",
+                 key: str = "") -> None:
+        super().__init__(message, bucket=bucket, key=key)
+        self.size = size
+        self.limit = limit
+
+
 class RemoteURLError(KVStoreError, ValueError):
     """A remote URL is not of the form ``s3://BUCKET[/PREFIX]``."""
 

@@ -8,6 +8,12 @@ batch of deletes is preceded by a check that the lease is still ours with more t
 its margin left; the lease is released last. Evicting an entry deletes its markers
 (it stops matching), then its manifest; its blocks are then unreferenced. As the local
 root's, it is a plan (:func:`plan_compact`) that does exactly what it says, once.
+
+A compactor with the signing key acts on signed manifests only: a refused one (unsigned,
+or signed with another key or for another store) is never evicted, its markers and
+access times are kept, its bytes count toward no budget, and the blocks it names are
+not swept (it may be a keyless machine's entry: nothing is deleted on its word, nor
+from under it). It is listed in ``refused``.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import msgspec
 
 from .._crash import crash_point
 from ..blocks.base import BlockStat
-from ..catalog.base import Plan
+from ..catalog.base import Plan, open_manifest
+from ..catalog.signing import UnsignedManifestError
 from ..errors import KVStoreError
 from ..schema import Manifest
 from .errors import RemoteLeaseError, RemoteNotFoundError
@@ -50,7 +57,9 @@ class RemoteCompactReport:
     markers_deleted: int = 0
     manifests_deleted: int = 0
     access_merged: int = 0
+    access_ignored: int = 0  # access records (or objects) that could not be parsed
     bad_manifests: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)  # manifests not signed with our key
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -134,21 +143,29 @@ def _plan(remote: RemoteTier, max_bytes: int | None, grace: float,
             marks[d].append(o.key)
     blocks: dict[bytes, BlockStat] = dict(remote.blocks.iter_stats())
     listed = {d: o.mtime for o in c.list(p + MANIFESTS) if (d := entry_of_key(o.key))}
-    access, access_keys = remote.read_access()
+    access, access_keys, rep.access_ignored = remote.read_access()
 
-    def load(d: bytes) -> tuple[bytes, Manifest | None]:
+    def load(d: bytes) -> tuple[bytes, Manifest | None, set[bytes] | None]:
         try:
-            return d, remote.manifest(d)[1]
+            return d, remote.manifest(d)[1], None
+        except UnsignedManifestError:
+            return d, None, _named_blocks(remote, d)
         except (KVStoreError, msgspec.DecodeError, ValueError):
-            return d, None
+            return d, None, None
 
     mans: dict[bytes, Manifest] = {}
-    for d, m in remote.map(load, list(listed)):
-        if m is None:
+    pinned: set[bytes] = set()  # blocks refused manifests name: not swept
+    refused: set[bytes] = set()
+    for d, m, named in remote.map(load, list(listed)):
+        if named is not None:
+            refused.add(d)
+            pinned |= named
+        elif m is None:
             if d in listed and not _gone(remote, d):
                 rep.bad_manifests.append(d.hex())
         else:
             mans[d] = m
+    rep.refused = sorted(d.hex() for d in refused)
     refs: dict[bytes, int] = defaultdict(int)
     uses = {d: set(m.block_digests()) for d, m in mans.items()}
     for bs in uses.values():
@@ -171,14 +188,14 @@ def _plan(remote: RemoteTier, max_bytes: int | None, grace: float,
     sweep: list[bytes] = []
     young = 0
     for b, st in blocks.items():
-        if refs.get(b, 0) > 0:
+        if refs.get(b, 0) > 0 or b in pinned:
             continue
         if now - st.mtime >= grace:
             sweep.append(b)
         else:
             young += 1
     gone = set(evict)
-    kept = set(mans) - gone
+    kept = (set(mans) - gone) | refused
     rep.entries, rep.blocks, rep.young, rep.live_bytes = len(mans), len(blocks), young, live
     rep.evicted = [d.hex() for d in evict]
     rep.blocks_deleted = len(sweep)
@@ -193,6 +210,17 @@ def _plan(remote: RemoteTier, max_bytes: int | None, grace: float,
     return RemoteCompactPlan(remote, leased, rep, evict_markers,
                              [manifest_key(p, d) for d in evict], dangling, sweep, merged,
                              access_keys)
+
+
+def _named_blocks(remote: RemoteTier, d: bytes) -> set[bytes]:
+    """The blocks a refused manifest names (none when it does not decode or is gone)."""
+    try:
+        raw = remote.catalog.manifest_bytes(d)
+        if raw is None:
+            return set()
+        return set(open_manifest(raw, d, algo=remote.settings.hash).block_digests())
+    except (KVStoreError, msgspec.DecodeError, ValueError):
+        return set()
 
 
 def _gone(remote: RemoteTier, d: bytes) -> bool:

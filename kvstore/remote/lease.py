@@ -10,6 +10,7 @@ clock skew between machines plus one delete request in flight (docs/FORMAT.md).
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -18,12 +19,16 @@ from dataclasses import dataclass
 
 import msgspec
 
-from .errors import RemoteError, RemoteLeaseError, RemoteNotFoundError
+from .errors import RemoteError, RemoteLeaseError, RemoteNotFoundError, RemoteTooLargeError
 from .layout import LEASE
 from .s3 import S3Client
 
 DEFAULT_LEASE = 300.0  # seconds a compaction may hold the lease
 DEFAULT_MARGIN = 30.0  # clock skew + one request in flight
+MAX_LEASE = 86400.0  # the longest lease kvstore takes: a body that claims longer is a lie
+MAX_MARGIN = 3600.0
+MAX_TEXT = 256  # characters of a lease's token and owner
+MAX_BODY = 4096  # bytes of a lease object
 
 
 class LeaseBody(msgspec.Struct, frozen=True):
@@ -31,6 +36,22 @@ class LeaseBody(msgspec.Struct, frozen=True):
     owner: str
     expires: float  # epoch seconds, by the holder's clock
     margin: float = DEFAULT_MARGIN  # the holder's: it stops deleting this long before expiry
+
+
+#: What a lease body that cannot be read, or that no kvstore wrote, counts as: expired.
+UNREADABLE = LeaseBody("?", "unreadable lease", 0.0, 0.0)
+
+
+def sane(body: LeaseBody, now: float | None = None) -> bool:
+    """Whether ``body`` is a lease some kvstore could have written: finite times, an expiry
+    at most ``MAX_LEASE`` plus the margin ahead of this clock, a margin of at most
+    ``MAX_MARGIN``, short names. Anyone who can write the bucket can write the lease: one
+    that claims to last for ages (``expires: 1e308``) would hold every push back."""
+    now = time.time() if now is None else now
+    return (math.isfinite(body.expires) and math.isfinite(body.margin)
+            and 0.0 <= body.margin <= MAX_MARGIN
+            and body.expires <= now + MAX_LEASE + MAX_MARGIN
+            and len(body.token) <= MAX_TEXT and len(body.owner) <= MAX_TEXT)
 
 
 _enc = msgspec.json.Encoder()
@@ -47,6 +68,12 @@ class Lease:
     margin: float = DEFAULT_MARGIN
     held: LeaseBody | None = None
 
+    def __post_init__(self) -> None:
+        if not 0.0 < self.duration <= MAX_LEASE:
+            raise ValueError(f"a lease lasts 0 to {MAX_LEASE:.0f} s, not {self.duration}")
+        if not 0.0 <= self.margin <= MAX_MARGIN:
+            raise ValueError(f"a lease margin is 0 to {MAX_MARGIN:.0f} s, not {self.margin}")
+
     @property
     def key(self) -> str:
         return self.prefix + LEASE
@@ -54,13 +81,16 @@ class Lease:
     def read(self) -> LeaseBody | None:
         """The lease on the remote now, or None; an unreadable body counts as expired."""
         try:
-            raw = self.client.get(self.key)
+            raw = self.client.get(self.key, max_bytes=MAX_BODY)
         except RemoteNotFoundError:
             return None
+        except RemoteTooLargeError:
+            return UNREADABLE
         try:
-            return _dec.decode(raw)
+            body = _dec.decode(raw)
         except msgspec.DecodeError:
-            return LeaseBody("?", "unreadable lease", 0.0)
+            return UNREADABLE
+        return body if sane(body) else UNREADABLE
 
     def stale(self, body: LeaseBody, now: float | None = None) -> bool:
         """Whether others may treat ``body`` as gone: its holder's margin past its expiry."""

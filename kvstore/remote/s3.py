@@ -24,6 +24,7 @@ from .errors import (
     RemoteAuthError,
     RemoteError,
     RemoteNotFoundError,
+    RemoteTooLargeError,
     RemoteUnavailableError,
     RemoteURLError,
 )
@@ -228,18 +229,39 @@ class S3Client:
                 raise self._error(e, key, "PUT") from e
         raise RemoteError("PUT failed: conflicting writers", bucket=self.bucket, key=key)
 
-    def get(self, key: str) -> bytes:
-        """GET the whole object; RemoteNotFoundError when it is missing."""
-        return self.get_with_metadata(key)[0]
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """GET the whole object; RemoteNotFoundError when it is missing (``max_bytes``: as
+        :meth:`get_with_metadata`)."""
+        return self.get_with_metadata(key, max_bytes=max_bytes)[0]
 
-    def get_with_metadata(self, key: str) -> tuple[bytes, dict[str, str]]:
-        """GET the whole object and its user metadata; RemoteNotFoundError when missing."""
+    def get_with_metadata(self, key: str, *, max_bytes: int | None = None
+                          ) -> tuple[bytes, dict[str, str]]:
+        """GET the whole object and its user metadata; RemoteNotFoundError when missing.
+
+        ``max_bytes``: an object larger than that is a :class:`RemoteTooLargeError`, raised
+        from the response's length before its body is read (the connection is dropped, and
+        at most ``max_bytes + 1`` bytes are ever read): whoever can write the bucket can put
+        a 200 MB object where a small one belongs."""
         r = self._call("GET", key, self._s3.get_object, Key=key)
+        body_stream = r["Body"]
         try:
-            body = bytes(r["Body"].read())
+            size = int(r.get("ContentLength") or 0)
+            if max_bytes is not None and size > max_bytes:
+                raise self._too_large(key, size, max_bytes)
+            body = bytes(body_stream.read() if max_bytes is None
+                         else body_stream.read(max_bytes + 1))
+            if max_bytes is not None and len(body) > max_bytes:
+                raise self._too_large(key, len(body), max_bytes)
         except (self._exc.BotoCoreError, OSError) as e:
+            if isinstance(e, RemoteTooLargeError):
+                body_stream.close()
+                raise
             raise self._error(e, key, "GET") from e
         return body, {str(k): str(v) for k, v in (r.get("Metadata") or {}).items()}
+
+    def _too_large(self, key: str, size: int, limit: int) -> RemoteTooLargeError:
+        return RemoteTooLargeError(f"an object of {size} bytes, at most {limit} expected: not "
+                                   "read", size=size, limit=limit, bucket=self.bucket, key=key)
 
     def head(self, key: str) -> ObjectInfo | None:
         """HEAD: the object's size and mtime, or None when it is missing."""

@@ -22,9 +22,11 @@ import msgspec
 
 from .._crash import crash_point
 from ..blocks import BlockStore
-from ..catalog.base import Copied, Tier
+from ..catalog import signing
+from ..catalog.base import Copied, Tier, check_size
 from ..catalog.records import Records
 from ..catalog.settings import TierSettings
+from ..catalog.signing import Signer, UnsignedManifestError
 from ..codecs.layout import manifest_blocks
 from ..errors import DigestMismatchError, ManifestError, RootSettingsError
 from ..schema import Manifest
@@ -34,6 +36,7 @@ from .errors import (
     RemoteError,
     RemoteLeaseError,
     RemoteNotFoundError,
+    RemoteTooLargeError,
     RemoteUnavailableError,
 )
 from .layout import ACCESS, BLOCKS, EXACT, MANIFESTS, MARKERS, SETTINGS, access_key, entry_of_key
@@ -46,8 +49,22 @@ _R = TypeVar("_R")
 
 DEFAULT_TIMEOUT = 5.0  # seconds: each request's connect and read timeout, and a lookup's bound
 DEFAULT_WORKERS = 16  # requests in flight at once
+MAX_SETTINGS_BYTES = 64 << 10
+MAX_ACCESS_BYTES = 64 << 20  # one access object (a record is about 80 bytes)
+ACCESS_AHEAD = 86400.0  # seconds past this clock an access time may be (skew): later is a lie
 _settings_enc = msgspec.json.Encoder()
 _settings_dec = msgspec.json.Decoder(TierSettings)
+
+
+def _entry_hex(hx: object) -> bytes | None:
+    """The entry an access record names (64 lowercase hex characters), or None."""
+    if not isinstance(hx, str) or len(hx) != 64:
+        return None
+    try:
+        d = bytes.fromhex(hx)
+    except ValueError:
+        return None
+    return d if d.hex() == hx else None
 
 
 @dataclass(frozen=True)
@@ -74,6 +91,7 @@ class RemoteStats:
     markers: int
     access_objects: int
     lease: str | None  # "owner, N s left" while a compaction holds it
+    refused: int | None = None  # manifests a reader with the signing key refused (None: no key)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -84,7 +102,10 @@ class RemoteTier(Tier):
     compaction and verification are :class:`kvstore.remote.Remote`'s).
 
     ``timeout`` bounds every request (connect and read, two tries) and each lookup.
-    Endpoint and credentials come from the standard AWS configuration.
+    Endpoint and credentials come from the standard AWS configuration. ``signing_key``
+    (None: the environment's, :func:`~kvstore.catalog.signing.signing_key`; ``""``: none)
+    signs every manifest put and refuses every manifest read that is not signed with it;
+    ``on_refused`` is called once per entry refused.
     """
 
     name = "remote"
@@ -98,8 +119,11 @@ class RemoteTier(Tier):
         lease_seconds: float = DEFAULT_LEASE,
         lease_margin: float = DEFAULT_MARGIN,
         profile: str | None = None,
+        signing_key: bytes | str | None = None,
     ) -> None:
         self.url = parse_s3_url(url)
+        self._key = signing.signing_key(signing_key)
+        self.on_refused: Callable[[bytes], None] | None = None
         self.prefix = self.url.prefix
         self.timeout = timeout
         self.client = S3Client(self.url.bucket, connect_timeout=timeout, read_timeout=timeout,
@@ -122,7 +146,10 @@ class RemoteTier(Tier):
         """The bucket's settings object, or None when the remote is not initialised (or,
         with ``none_if_unreachable``, cannot be reached)."""
         try:
-            raw = self.client.get(self.prefix + SETTINGS)
+            raw = self.client.get(self.prefix + SETTINGS, max_bytes=MAX_SETTINGS_BYTES)
+        except RemoteTooLargeError as e:
+            raise RootSettingsError(f"{self.url}{SETTINGS} is not a kvstore settings object: "
+                                    f"{e.size} bytes") from None
         except RemoteNotFoundError as e:
             if "bucket does not exist" in str(e):
                 raise
@@ -172,10 +199,21 @@ class RemoteTier(Tier):
     def _adopt(self, settings: TierSettings) -> None:
         self._settings = settings
         self._blocks = S3BlockStore(self.client, self.prefix, settings.hash, pool=self._pool)
+        signer = None if self._key is None else Signer(self._key, _store_id(self.url, settings))
         cat = RemoteCatalog(self.client, self.prefix, settings.hash, self._pool,
-                            url=str(self.url))
+                            url=str(self.url), signer=signer)
         cat.on_reused = self._reused
+        cat.on_refused = self._refused
         self._catalog = cat
+
+    @property
+    def signed(self) -> bool:
+        """Whether this tier signs its manifests and reads only signed ones."""
+        return self._key is not None
+
+    def _refused(self, digest: bytes) -> None:
+        if self.on_refused is not None:
+            self.on_refused(digest)
 
     @property
     def settings(self) -> TierSettings:
@@ -236,6 +274,7 @@ class RemoteTier(Tier):
 
             def upload(d: bytes) -> int:
                 data = source.get(d, verify=True)
+                check_size(rec, d, len(data), source.where(d))
                 wrote = blocks.put(d, [data])
                 crash_point("push_after_block")
                 return len(data) if wrote else -1
@@ -299,30 +338,50 @@ class RemoteTier(Tier):
         except RemoteError as e:
             _log.warning("kvstore: access times not written to %s: %s", self.url, e)
 
-    def read_access(self) -> tuple[dict[bytes, float], list[str]]:
-        """The latest access time (epoch seconds) of each entry, and the objects read."""
+    def read_access(self) -> tuple[dict[bytes, float], list[str], int]:
+        """The latest access time (epoch seconds) of each entry, the objects read, and how
+        many records (or whole objects) could not be parsed and were ignored.
+
+        Anyone who can write the bucket writes these: a record is an entry's hex name and
+        an int of ms since the epoch, no later than a day ahead of this clock; anything
+        else (``inf``, ``1e300``, a string, a list, an object that is no map) is ignored
+        and counted, so it can neither stop a compaction nor reach the merged record."""
         keys = [o.key for o in self.client.list(self.prefix + ACCESS)]
         out: dict[bytes, float] = {}
+        ignored = 0
+        latest = int((time.time() + ACCESS_AHEAD) * 1000)
 
-        def get(k: str) -> dict[str, int]:
+        def get(k: str) -> Any:
             try:
-                return dict(msgspec.msgpack.decode(self.client.get(k)))
-            except (RemoteNotFoundError, msgspec.DecodeError, TypeError, ValueError):
-                return {}
+                return msgspec.msgpack.decode(self.client.get(k, max_bytes=MAX_ACCESS_BYTES))
+            except RemoteNotFoundError:
+                return {}  # merged and deleted by another compaction meanwhile
+            except (RemoteTooLargeError, msgspec.DecodeError, RecursionError):
+                return None
 
         for batch in self.map(get, keys):
+            if not isinstance(batch, dict):
+                ignored += 1
+                continue
             for hx, t in batch.items():
-                try:
-                    d = bytes.fromhex(hx)
-                except (TypeError, ValueError):
+                d = _entry_hex(hx)
+                if d is None or type(t) is not int or not 0 <= t <= latest:
+                    ignored += 1
                     continue
-                out[d] = max(out.get(d, 0.0), float(t) / 1000)
-        return out, keys
+                out[d] = max(out.get(d, 0.0), t / 1000)
+        if ignored:
+            _log.warning("kvstore: %d access records on %s could not be parsed: ignored",
+                         ignored, self.url)
+        return out, keys, ignored
 
     # --- listing ---------------------------------------------------------------------
 
-    def entries(self) -> list[RemoteEntry]:
-        """Every manifest on the remote, with its tokens, model and size (one GET each)."""
+    def entries(self, skipped: list[str] | None = None, *,
+                refused: list[str] | None = None) -> list[RemoteEntry]:
+        """Every manifest on the remote, with its tokens, model and size (one GET each);
+        those that cannot be read (bad, lying, too large: ``remote verify`` says why) are
+        left out, their ids appended to ``skipped``; those a reader with the signing key
+        refuses are left out too, their ids appended to ``refused``."""
         done = self.complete_entries()
         listed = [(o, d) for o in self.client.list(self.prefix + MANIFESTS)
                   if (d := entry_of_key(o.key)) is not None]
@@ -331,7 +390,15 @@ class RemoteTier(Tier):
             o, d = item
             try:
                 _, m = self.manifest(d)
-            except (RemoteNotFoundError, ManifestError, DigestMismatchError):
+            except UnsignedManifestError:
+                if refused is not None:
+                    refused.append(d.hex())
+                return None
+            except RemoteNotFoundError:
+                return None
+            except (ManifestError, DigestMismatchError):
+                if skipped is not None:
+                    skipped.append(d.hex())
                 return None
             size = sum(manifest_blocks(m).values())
             return RemoteEntry(d.hex(), m.n_tokens, m.namespace.model_id, m.namespace.ns,
@@ -350,12 +417,26 @@ class RemoteTier(Tier):
 
         self.map(count, list(counts))
         cur = self.lease.read()
-        lease = None if cur is None else f"{cur.owner}, {cur.expires - time.time():.0f} s left"
+        lease = None if cur is None else (
+            f"{cur.owner}, expired" if self.lease.stale(cur)
+            else f"{cur.owner}, {cur.expires - time.time():.0f} s left")
+        refused: list[str] | None = None
+        if self.signed:  # reading every manifest is what tells the signed ones
+            refused = []
+            self.entries(refused=refused)
         return RemoteStats(str(self.url), self.client.endpoint, counts[EXACT][0],
                            counts[MANIFESTS][0], counts[BLOCKS][0], counts[BLOCKS][1],
-                           counts[MARKERS][0], counts[ACCESS][0], lease)
+                           counts[MARKERS][0], counts[ACCESS][0], lease,
+                           None if refused is None else len(refused))
 
     def close(self) -> None:
         self.flush_access()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
+
+
+def _store_id(url: object, settings: TierSettings) -> str:
+    """What a signature binds a manifest to: the bucket and prefix, and the settings object
+    (``created_at`` included: a prefix emptied and initialised again is another store)."""
+    return (f"{url} hash={settings.hash} block_tokens={settings.block_tokens} "
+            f"state_block_bytes={settings.state_block_bytes} created_at={settings.created_at}")

@@ -5,11 +5,19 @@ manifest matches its name and decodes, every block a finished entry needs is the
 with the size its manifest gives it, every marker names a manifest. An entry is
 visible once any marker names it (markers are put after its blocks); a manifest
 without its exact marker is an unfinished push, reported but not a problem. ``read_data``
-downloads every block and checks its digest. ``repair`` (under the GC lease, as it
-deletes) drops each entry that is bad or needs a missing or bad block (its markers
-first, then its manifest), the markers that name no manifest, and the bad blocks.
+downloads every block and checks its digest. A block whose size is not the one a
+manifest gives it is downloaded and hashed in either case: when its bytes hash to its
+name it is good and that manifest lies (``lying``); else it is corrupt. ``repair``
+(under the GC lease, as it deletes) drops each entry that is bad, lies about a block's
+size, or needs a missing or corrupt block (its markers first, then its manifest), the
+markers that name no manifest, and the corrupt blocks; never a good block, nor another
+entry because of a lying one.
 The remote keeps no cut-back entries: a machine that had the entry can push a
 shorter one again.
+
+With the signing key, a manifest not signed with it is ``refused``: listed (the remote is
+not sound), and neither checked nor repaired: what it says about blocks (their sizes, that
+they are missing) drives no deletion, and it and its markers are not dropped.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..blocks.base import BlockStat
+from ..catalog.signing import UnsignedManifestError
 from ..codecs.layout import manifest_blocks
 from ..errors import BlockNotFoundError, CorruptBlockError, KVStoreError
 from ..schema import Manifest
@@ -38,9 +47,11 @@ class RemoteVerifyReport:
     markers: int = 0
     blocks_read: int = 0
     bad_manifests: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)  # manifests not signed with our key
     missing: dict[str, list[str]] = field(default_factory=dict)  # visible entry -> blocks gone
     corrupt: list[str] = field(default_factory=list)
-    wrong_size: list[str] = field(default_factory=list)
+    wrong_size: list[str] = field(default_factory=list)  # good blocks a manifest misstates
+    lying: dict[str, list[str]] = field(default_factory=dict)  # manifest -> those blocks
     dangling: int = 0
     incomplete: list[str] = field(default_factory=list)  # manifests whose push did not finish
     dropped: list[str] = field(default_factory=list)
@@ -49,8 +60,8 @@ class RemoteVerifyReport:
 
     @property
     def sound(self) -> bool:
-        return not (self.bad_manifests or self.missing or self.corrupt or self.wrong_size
-                    or self.dangling)
+        return not (self.bad_manifests or self.refused or self.missing or self.corrupt
+                    or self.lying or self.dangling)
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -91,23 +102,29 @@ def _check(remote: RemoteTier, rep: RemoteVerifyReport
     listed = [d for o in c.list(p + MANIFESTS) if (d := entry_of_key(o.key)) is not None]
     rep.blocks, rep.manifests = len(blocks), len(listed)
 
-    def load(d: bytes) -> tuple[bytes, Manifest | None, dict[bytes, int]]:
+    def load(d: bytes) -> tuple[bytes, Manifest | None, dict[bytes, int] | None]:
         try:
             _, m = remote.manifest(d)
             return d, m, manifest_blocks(m)
+        except UnsignedManifestError:
+            return d, None, None
         except (KVStoreError, ValueError):
             return d, None, {}
 
     users: dict[bytes, set[bytes]] = {}
+    claims: dict[bytes, dict[bytes, int]] = defaultdict(dict)  # block -> manifest -> size
     for d, m, sizes in remote.map(load, listed):
+        if sizes is None:
+            rep.refused.append(d.hex())
+            continue
         if m is None:
             rep.bad_manifests.append(d.hex())
             continue
         users[d] = set(sizes)
         gone = [b for b in sizes if b not in blocks]
         for b, sz in sizes.items():
-            if b in blocks and blocks[b].size != sz and b.hex() not in rep.wrong_size:
-                rep.wrong_size.append(b.hex())
+            if b in blocks and blocks[b].size != sz:
+                claims[b][d] = sz
         if d not in done:
             rep.incomplete.append(d.hex())
         if gone and d in marks:  # visible (a marker names it) yet missing a block
@@ -115,28 +132,34 @@ def _check(remote: RemoteTier, rep: RemoteVerifyReport
     rep.entries = len(done & set(users))
     have = set(listed)
     rep.dangling = sum(len(ks) for d, ks in marks.items() if d not in have)
-    if rep.read_data:
-        def check(b: bytes) -> str | None:
-            try:
-                remote.blocks.get(b, verify=True)
-            except CorruptBlockError:
-                return b.hex()
-            except BlockNotFoundError:
-                return None  # swept meanwhile
-            return None
+    def check(b: bytes) -> str | None:
+        try:
+            remote.blocks.get(b, verify=True)
+        except CorruptBlockError:
+            return b.hex()
+        except BlockNotFoundError:
+            return None  # swept meanwhile
+        return None
 
-        bad = remote.map(check, list(blocks))
-        rep.blocks_read = len(blocks)
-        rep.corrupt = sorted(h for h in bad if h is not None)
+    read = list(blocks) if rep.read_data else list(claims)  # a size in doubt: read it
+    bad = remote.map(check, read)
+    rep.blocks_read = len(read)
+    rep.corrupt = sorted(h for h in bad if h is not None)
+    for b in sorted(claims):
+        if b.hex() in rep.corrupt:
+            continue  # its bytes are wrong: the entries that need it go with it
+        rep.wrong_size.append(b.hex())
+        for d in claims[b]:
+            rep.lying.setdefault(d.hex(), []).append(b.hex())
     return marks, users
 
 
 def _repair(remote: RemoteTier, rep: RemoteVerifyReport, marks: dict[bytes, list[str]],
             users: dict[bytes, set[bytes]], act: bool) -> None:
-    bad_blocks = {bytes.fromhex(h) for h in (*rep.corrupt, *rep.wrong_size)}
-    drop = {bytes.fromhex(h) for h in (*rep.bad_manifests, *rep.missing)}
+    bad_blocks = {bytes.fromhex(h) for h in rep.corrupt}  # never one that hashes right
+    drop = {bytes.fromhex(h) for h in (*rep.bad_manifests, *rep.missing, *rep.lying)}
     drop |= {d for d, bs in users.items() if bs & bad_blocks}
-    have = set(users) | {bytes.fromhex(h) for h in rep.bad_manifests}
+    have = set(users) | {bytes.fromhex(h) for h in (*rep.bad_manifests, *rep.refused)}
     marker_keys = [k for d in sorted(drop) for k in marks.get(d, ())]
     dangling = [k for d, ks in marks.items() if d not in have for k in ks]
     rep.dropped = sorted(d.hex() for d in drop)

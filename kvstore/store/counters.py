@@ -22,6 +22,7 @@ class CounterValues:
     remote_pushes: int = 0  # entries published to the remote
     remote_pushed_bytes: int = 0
     remote_errors: int = 0  # remote lookups, pulls and pushes that failed or timed out
+    remote_refused: int = 0  # remote entries refused: not signed with the signing key (each once)
 
 
 class StoreCounters:

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ..blocks import LocalBlockStore
 from ..schema import Namespace
+from .counters import StoreCounters
+from .local.modes import modes_of
 from .local.root import Root, default_root, has_root, open_root
 from .tiers import Tiers
 
@@ -22,6 +24,7 @@ class Opened(Protocol):
     max_bytes: int | None
     gc_grace: float
     tiers: Tiers
+    counters: StoreCounters
 
     def __init__(self, local: Root, *, namespace: Namespace | None, verify_reads: bool,
                  read_only: bool = False, remote: Remote | None = None,
@@ -51,6 +54,8 @@ def open_store(
     remote: str | None = None,
     remote_timeout: float | None = None,
     push: bool = True,
+    shared_group: str | int | None = None,
+    signing_key: bytes | str | None = None,
 ) -> S:
     """Open (and, with ``create``, make) the root.
 
@@ -71,6 +76,18 @@ def open_store(
     :meth:`push` uploads). ``remote_timeout`` (default 5 s,
     ``kvstore.remote.DEFAULT_TIMEOUT``) bounds each request and each lookup. The
     remote tier's modules (and boto3) are imported only for a store that has one.
+
+    A new root is private to its owner (directories 0700, files 0600, whatever the
+    umask); ``shared_group`` (a group name or gid) creates it shared with that group
+    instead: setgid directories of that group, group-writable files, nothing for
+    others. Every later writer keeps the root's modes; see
+    :mod:`kvstore.store.local.modes`.
+
+    ``signing_key`` (default ``$KVSTORE_SIGNING_KEY``, or the file
+    ``$KVSTORE_SIGNING_KEY_FILE`` names; ``""`` for none; at least 16 bytes) signs every
+    manifest this store puts on the remote, and makes it refuse every remote manifest not
+    signed with it (counted in ``counters.remote_refused``; docs/FORMAT.md, "Signed
+    entries"). It is never written to the root or the bucket.
     """
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
@@ -81,7 +98,7 @@ def open_store(
         from ..remote import DEFAULT_TIMEOUT, Remote
 
         rem = Remote(url, timeout=DEFAULT_TIMEOUT if remote_timeout is None
-                     else remote_timeout)
+                     else remote_timeout, signing_key=signing_key)
     try:
         if rem is not None and create and not has_root(path) and hash is None \
                 and block_tokens is None:  # a new root takes the remote's settings
@@ -92,17 +109,23 @@ def open_store(
         index, settings, ro = open_root(path, hash=hash, block_tokens=block_tokens,
                                         state_block_bytes=state_block_bytes,
                                         durable=durable, create=create,
-                                        map_size=map_size, read_only=read_only)
+                                        map_size=map_size, read_only=read_only,
+                                        shared_group=shared_group)
     except BaseException:
         if rem is not None:
             rem.close()
         raise
+    modes = modes_of(path)
     local = Root(path, settings, index,
-                 LocalBlockStore(path, settings.hash, durable=durable, read_only=ro))
+                 LocalBlockStore(path, settings.hash, durable=durable, read_only=ro,
+                                 file_mode=modes.files, dir_mode=modes.dirs))
     local.catalog.migrate(writable=not ro)
     store = cls(local, namespace=namespace, verify_reads=verify_reads, read_only=ro,
                 remote=rem, push=push)
     store.max_bytes = max_bytes
+    if rem is not None:
+        counters = store.counters
+        rem.on_refused = lambda _digest: counters.add(remote_refused=1)
     if gc_grace is not None:
         store.gc_grace = gc_grace
     if rem is not None:

@@ -35,7 +35,7 @@ from .local.root import Root, default_root
 from .maintenance import Maintenance
 from .opening import open_store
 from .served import Served
-from .tiers import Pulled, Tiers
+from .tiers import PullReport, Tiers
 from .upkeep.access import AccessLog
 from .upkeep.gc import DEFAULT_GRACE, CompactReport, plan_budget
 from .upkeep.sweep import TempFiles
@@ -114,7 +114,8 @@ class Store:
                  map_size: int | None = None, max_bytes: int | None = None,
                  gc_grace: float | None = None, read_only: bool | None = None,
                  remote: str | None = None, remote_timeout: float | None = None,
-                 push: bool = True) -> Store: ...
+                 push: bool = True, shared_group: str | int | None = None,
+                 signing_key: bytes | str | None = None) -> Store: ...
     else:
         open = classmethod(open_store)
 
@@ -135,7 +136,7 @@ class Store:
         every local entry the remote lacks); returns what was uploaded."""
         return self.tiers.push(timeout, everything=everything)
 
-    def pull(self, entry_ids: Sequence[str] | None = None) -> list[Pulled]:
+    def pull(self, entry_ids: Sequence[str] | None = None) -> PullReport:
         """Download remote entries (all, or these ids or unique prefixes) into this root."""
         return self.tiers.pull(entry_ids)
 
@@ -349,8 +350,9 @@ class Store:
                     raise
                 failed = failed or failure_reason(e)
                 if match.where != self.local.name:  # a local hit or a miss instead
-                    lower = False
-                    self.tiers.down(match.where, f"restore of {match.entry_id} failed: {e}")
+                    lower = False  # a bad entry is the entry's fault, not the tier's:
+                    if not isinstance(e, ManifestError | DigestMismatchError):
+                        self.tiers.down(match.where, f"restore of {match.entry_id} failed: {e}")
         # one request: the tokens it was given, what it reused and why not more
         miss = failed or (None if cache is not None else self.miss_reason(tokens,
                                                                           namespace=namespace))

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..blocks import Digest
@@ -27,6 +27,7 @@ from ..catalog.base import PushStats, Tier
 from ..catalog.find import Match, find
 from ..catalog.keys import TokenKeys
 from ..catalog.records import cut_manifest, encoded, records_of
+from ..catalog.signing import UnsignedManifestError
 from ..errors import EntryNotFoundError, KVStoreError
 from .counters import StoreCounters
 from .entries import resolve_id
@@ -51,6 +52,14 @@ class Pulled:
     blocks: int  # copied
     bytes: int
     fresh: bool = False  # every block it needs was copied (and checked) just now
+
+
+@dataclass
+class PullReport:
+    """What a pull did: the entries written back, and those it could not copy (id -> why)."""
+
+    pulled: list[Pulled] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class Tiers:
@@ -159,21 +168,31 @@ class Tiers:
         tier.note_access(match.digest)
         return Pulled(digest, rec.n_tokens, copied.blocks, copied.bytes, copied.present == 0)
 
-    def pull(self, entry_ids: Sequence[str] | None) -> list[Pulled]:
-        """Write back whole entries of the first lower tier: every complete one, or these ids
-        (unique prefixes)."""
+    def pull(self, entry_ids: Sequence[str] | None) -> PullReport:
+        """Write back whole entries of the first lower tier: every complete one (but those a
+        reader with the signing key refuses), or these ids (unique prefixes). An entry that
+        cannot be copied (a lying manifest, a bad or missing block, a refused signature) is
+        reported and the others are pulled; it leaves no block behind
+        (:meth:`Root.take <kvstore.store.local.root.Root.take>`)."""
         tier = self._first()
         self._ready(tier)
         listed = {d.hex(): d for d in tier.catalog}
         ids = list(listed) if entry_ids is None else [resolve_id(i, listed) for i in entry_ids]
-        out = []
+        out = PullReport()
         for i in ids:
-            rec = tier.catalog.records(listed[i]) if i in listed else None
-            if rec is None:
-                raise EntryNotFoundError(f"no entry {i} on {tier}")
-            out.append(self.write_back(Match(Digest(listed[i]), rec.n_tokens, True, rec.trimmable,
-                                             rec.n_tokens, where=tier.name)))
-        return out
+            try:
+                rec = tier.catalog.records(listed[i]) if i in listed else None
+                if rec is None:
+                    raise EntryNotFoundError(f"no entry {i} on {tier}")
+                out.pulled.append(self.write_back(Match(
+                    Digest(listed[i]), rec.n_tokens, True, rec.trimmable, rec.n_tokens,
+                    where=tier.name)))
+            except UnsignedManifestError as e:  # refused (logged and counted): never pulled
+                if entry_ids is not None:  # asked for by name: say why it was not
+                    out.failed[i] = str(e)
+            except (KVStoreError, OSError) as e:
+                out.failed[i] = str(e)
+        return out  # the caller says what failed (kvstore pull names each)
 
     def _first(self) -> Tier:
         if not self.lower:
@@ -250,7 +269,8 @@ class Tiers:
 
     def push(self, timeout: float | None = None, *, everything: bool = False) -> PushStats:
         """Wait until what is queued (and what failed before) is on the lower tiers; with
-        ``everything``, first queue every root entry the first lower tier lacks."""
+        ``everything``, first queue every root entry the first lower tier lacks, or holds
+        but does not trust (with a signing key: pushed unsigned; pushing it signs it)."""
         tier = self._first()
         with self._cv:
             retry, self._failed = list(self._failed), {}
@@ -260,7 +280,7 @@ class Tiers:
             self._ready(tier)
             have = set(tier.catalog)
             for d in self.root.catalog:
-                if d not in have:
+                if d not in have or not tier.catalog.trusts(d):
                     self.enqueue(d)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:

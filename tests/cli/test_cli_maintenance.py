@@ -20,7 +20,7 @@ def test_init_creates_a_root_with_chosen_settings(tmp_path: Path) -> None:
         assert (s.settings.hash, s.settings.block_tokens) == ("sha256", 32)
     again = run_here("init", "--root", root, "--json").json()
     assert again == {"root": str(root), "created": False, "hash": "sha256", "block_tokens": 32,
-                     "state_block_bytes": 4 << 20}
+                     "state_block_bytes": 4 << 20, "shared_group": None}
     assert run_here("init", "--root", root, "--hash", "sha256").code == 0
     assert_user_error(run_here("init", "--root", root, "--block-tokens", "64"),
                       "block_tokens=32", "64")

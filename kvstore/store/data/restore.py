@@ -18,7 +18,13 @@ from ...codecs.layout import (
     n_token_blocks,
     window_block_sizes,
 )
-from ...errors import CacheMismatchError, CorruptBlockError, EntryNotFoundError, KVStoreError
+from ...errors import (
+    CacheMismatchError,
+    CorruptBlockError,
+    EntryNotFoundError,
+    KVStoreError,
+    ManifestError,
+)
 from ...schema import Layer, ListLayer, Manifest, iter_tensor_specs
 from ..local.root import Root
 from ..upkeep.repair import plan_for_blocks
@@ -39,7 +45,7 @@ def read_entry(
         try:
             return _read_once(root, digest, length, verify)
         except _BadBlocks as e:
-            if _repair_bad(root, e.bad):
+            if _repair_bad(root, digest, e.bad):
                 d = min(e.bad)
                 raise CorruptBlockError(
                     root.blocks.where(d), f"block {d.hex()}", e.bad[d][0], digest=d.hex()
@@ -88,10 +94,16 @@ def _read_once(
             os.close(fd)
     return m, cache, atts
 
-def _repair_bad(root: Root, bad: dict[bytes, tuple[str, int]]) -> bool:
+def _repair_bad(root: Root, digest: bytes, bad: dict[bytes, tuple[str, int]]) -> bool:
     """Quarantine the blocks a read found bad and cut back or drop the entries that
     need them (one write transaction, one warning); False when every block now
-    reads right (it was replaced meanwhile: read again)."""
+    reads right (it was replaced meanwhile: read again).
+
+    A block that is not of the size the manifest of ``digest`` gives it but whose bytes
+    hash to its name is good: that manifest lies, so that entry alone is dropped (the
+    block and every other entry that shares it stay) and a :class:`ManifestError` says
+    so."""
+    sized: dict[bytes, str] = {}
     try:
         with root.index.write() as txn:
             confirmed: dict[bytes, str] = {}
@@ -102,7 +114,11 @@ def _repair_bad(root: Root, bad: dict[bytes, tuple[str, int]]) -> bool:
                     confirmed[d] = now or why
                 elif state == "missing":
                     gone.add(d)
-            if not confirmed and not gone:
+                elif state == "sized":
+                    sized[d] = now
+            if sized:
+                root.catalog.remove_in(txn, digest)
+            if not confirmed and not gone and not sized:
                 return False
             plan = plan_for_blocks(root, txn, confirmed, gone)
             plan.execute(root, txn)
@@ -112,6 +128,12 @@ def _repair_bad(root: Root, bad: dict[bytes, tuple[str, int]]) -> bool:
         return True
     if not plan.empty():
         _log.warning("%s", plan.summary())
+    if sized:
+        d = min(sized)
+        msg = (f"{root.catalog.where(digest)} lies: block {d.hex()} is {sized[d]}; the "
+               "entry is dropped, the block kept")
+        _log.warning("kvstore: %s", msg)
+        raise ManifestError(msg)
     return True
 
 def _materialize(

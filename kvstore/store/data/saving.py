@@ -14,9 +14,17 @@ from ...catalog.find import find
 from ...catalog.records import PRIORITIES, Records, encoded, records_of
 from ...codecs import AttachmentData, RawCache, snapshot, stored_snapshot
 from ...codecs.layout import in_token_blocks
-from ...errors import CacheMismatchError
+from ...errors import CacheMismatchError, ManifestError
 from ...index import now_ms
-from ...schema import Attachment, Layer, Manifest, Namespace, iter_tensor_specs
+from ...schema import (
+    MAX_TOKENS,
+    Attachment,
+    Layer,
+    Manifest,
+    Namespace,
+    iter_tensor_specs,
+    validate_manifest,
+)
 from ..local.root import Root
 from .writer import place, write_blocks
 
@@ -73,6 +81,8 @@ def draft(
     """
     s = root.settings
     n, T = len(tk), s.block_tokens
+    if n > MAX_TOKENS:  # no reader would take its manifest (kvstore.schema's bounds)
+        raise ManifestError(f"an entry of {n} tokens: at most {MAX_TOKENS} are stored")
     snaps = [stored_snapshot(c, n) for c in cache]
     snaps += [_attachment_snapshot(a) for a in attachments]
     n_layers = len(cache)
@@ -99,6 +109,9 @@ def draft(
         ),
         metadata=meta,
     )
+    # what every reader will check (an import's file included): refused now, not at restore
+    validate_manifest(manifest, hash=s.hash, block_tokens=T,
+                      state_block_bytes=s.state_block_bytes)
     raw, digest = encoded(manifest)
     pieces = blockset.by_digest()
     reused = set(known)

@@ -14,13 +14,24 @@ import msgspec
 import platformdirs
 
 from ...blocks import ALGORITHMS, BlockStat, BlockStore, LocalBlockStore
-from ...catalog.base import Copied, Tier
+from ...catalog.base import Copied, Tier, check_size
 from ...catalog.records import Records
 from ...catalog.settings import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK, TierSettings
-from ...errors import NotAStoreError, RootSettingsError, UnsafeRootError
+from ...errors import KVStoreError, NotAStoreError, RootSettingsError, UnsafeRootError
 from ...index import Index, now_ms
 from .catalog import LocalCatalog
 from .filesystem import check_filesystem
+from .modes import (
+    PRIVATE,
+    RootModes,
+    fix_file,
+    group_id,
+    group_name,
+    make_dir,
+    make_root_dir,
+    modes_of,
+    shared_modes,
+)
 
 _LAYOUT = ("index", "blocks", "tmp", "quarantine")
 # kvstore 0.1.0's `model fetch` put its model cache in <user cache>/kvstore/models, inside
@@ -52,25 +63,60 @@ class Root(Tier):
     def take(self, rec: Records, source: BlockStore) -> Copied:
         """Copy an entry in from another tier: the blocks this root lacks, downloaded and
         verified before the commit (never inside its write transaction), then the records;
-        a block a local GC took meanwhile is fetched again in the commit."""
-        need = list(rec.blocks)
-        missing = [d for d in need if not self.blocks.exists(d)]
-        got = Copied(present=len(need) - len(missing))
+        a block a local GC took meanwhile is fetched again in the commit.
 
-        def fetched() -> Iterator[tuple[bytes, list[bytes]]]:  # one block in memory at a time
-            for d, data in source.get_many(missing):
-                got.blocks += 1
-                got.bytes += len(data)
+        A block whose size is not the one the manifest gives it (a download, or a file
+        here, that hashes to its name) refuses the entry with a ManifestError (the block
+        is good, the manifest lies). An entry that is not committed leaves none of the
+        blocks it wrote behind: they are unlinked while no entry references them."""
+        need = list(rec.blocks)
+        missing = []
+        for d in need:
+            state, _, size = self.blocks.inspect(d, rec.blocks[d], read_data=False)
+            if state == "sized":
+                check_size(rec, d, size, self.blocks.where(d))
+            if state == "missing":
+                missing.append(d)
+        got = Copied(present=len(need) - len(missing))
+        wrote: list[bytes] = []
+
+        def checked(ds: Sequence[bytes]) -> Iterator[tuple[bytes, list[bytes]]]:
+            for d, data in source.get_many(ds, rec.blocks):  # one block in memory at a time
+                check_size(rec, d, len(data), source.where(d))
+                wrote.append(d)
                 yield d, [data]
 
-        self.blocks.put_many(fetched())
+        def fetched() -> Iterator[tuple[bytes, list[bytes]]]:
+            for d, data in checked(missing):
+                got.blocks += 1
+                got.bytes += len(data[0])
+                yield d, data
 
         def ensure(digests: Sequence[bytes]) -> None:
             again = [d for d in digests if not self.blocks.exists(d)]
-            self.blocks.put_many((d, [data]) for d, data in source.get_many(again))
+            self.blocks.put_many(checked(again))
 
-        got.created = self.catalog.commit(rec, ensure)
+        since = now_ms()
+        try:
+            self.blocks.put_many(fetched())
+            got.created = self.catalog.commit(rec, ensure)
+        except BaseException:
+            self._unlink_unreferenced(wrote, since)
+            raise
         return got
+
+    def _unlink_unreferenced(self, digests: Sequence[bytes], since: int) -> None:
+        """Unlink the blocks a failed copy wrote that no entry references (a save that
+        found one of them freshens it, or its commit writes it again)."""
+        try:
+            with self.index.write() as txn:
+                for d in digests:
+                    st = self.blocks.stat(d)
+                    if self.index.get_ref(d, txn) is None and st is not None and \
+                            st.mtime * 1000 >= since - 1000:
+                        self.blocks.delete(d)
+        except (KVStoreError, OSError) as e:
+            _log.warning("kvstore: blocks of an entry not copied left for compact: %s", e)
 
 
 def default_root() -> Path:
@@ -167,6 +213,7 @@ def open_root(
     create: bool,
     map_size: int | None,
     read_only: bool | None = None,
+    shared_group: str | int | None = None,
 ) -> tuple[Index, TierSettings, bool]:
     """Open (and, with ``create``, make) the root at ``path``: its index, settings and
     whether it is open read-only.
@@ -174,7 +221,10 @@ def open_root(
     A directory that holds anything but a root's own folders is never taken over.
     ``read_only=None`` opens read-only when the root cannot be written (a
     read-only mount, another user's root), with one notice; a read-only root is
-    never created.
+    never created. A new root is private to its owner, or with ``shared_group``
+    shared with that group (see :mod:`kvstore.store.local.modes`); an existing root
+    keeps its modes, and naming a group it is not shared with is a
+    :class:`RootSettingsError`.
     """
     if hash is not None and hash not in ALGORITHMS:
         raise RootSettingsError(f"unknown hash {hash!r}; choose from {', '.join(ALGORITHMS)}")
@@ -195,15 +245,23 @@ def open_root(
         _log.warning("kvstore: %s is not writable; opened read-only (no saves, deletes, "
                      "compaction or repair)", path)
     read_only = bool(read_only)
+    asked = PRIVATE if shared_group is None else shared_modes(group_id(shared_group))
     if create and not read_only:
-        for sub in ("index", "blocks", "tmp"):
-            (path / sub).mkdir(parents=True, exist_ok=True)
+        if fresh:
+            make_root_dir(path, asked)
+        for sub in ("index", "blocks", "tmp"):  # an existing root's, with its own modes
+            make_dir(path / sub, asked if fresh else modes_of(path))
         check_layout(path)  # what mkdir found in place
+    modes = modes_of(path)
+    if shared_group is not None and modes != asked:
+        raise RootSettingsError(_not_shared(path, modes, asked))
     check_filesystem(path)
-    kwargs: dict[str, Any] = {"durable": durable, "readonly": read_only}
+    kwargs: dict[str, Any] = {"durable": durable, "readonly": read_only, "mode": modes.files}
     if map_size is not None:
         kwargs["map_size"] = map_size
     index = Index(idx_dir, **kwargs)
+    for name in ("data.mdb", "lock.mdb"):  # LMDB made them less what the umask took
+        fix_file(idx_dir / name, modes)
     try:
         raw = index.get_meta(b"settings")
         if raw is None:
@@ -230,3 +288,15 @@ def open_root(
         index.close()
         raise
     return index, settings, read_only
+
+
+def _not_shared(path: Path, have: RootModes, want: RootModes) -> str:
+    """Why an existing root cannot be opened as shared with ``want``'s group."""
+    assert want.group is not None
+    g = group_name(want.group)
+    if have.group is not None:
+        return f"{path} is shared with group {group_name(have.group)}, not {g}"
+    return (f"{path} is a private root (created before --shared-group, or without it); "
+            f"kvstore never changes an existing root's modes. To share it with {g}, as its "
+            f"owner: chgrp -R {g} ROOT && chmod -R g+rwX,o-rwx ROOT && "
+            "find ROOT -type d -exec chmod g+s {} +")

@@ -136,7 +136,7 @@ def plan_for_blocks(
             continue
         try:
             b = _blocks_dec.decode(v)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # layers nested past any cache
             continue  # verify reports it as a bad manifest
         if hit.intersection((*b.token_blocks, *b.window_blocks, *b.state_blocks)):
             users.append(d)

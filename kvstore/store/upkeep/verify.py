@@ -92,6 +92,8 @@ class _Scan:
     expected: dict[bytes, int] = field(default_factory=dict)
     refs: dict[bytes, RefInfo] = field(default_factory=dict)
     bad: set[bytes] = field(default_factory=set)  # undecodable manifests
+    disputed: set[bytes] = field(default_factory=set)  # blocks manifests give two sizes
+    lying: set[bytes] = field(default_factory=set)  # manifests that misstate a good block
 
 
 def _scan(root: Root, txn: Any, report: VerifyReport) -> _Scan:
@@ -109,7 +111,7 @@ def _scan(root: Root, txn: Any, report: VerifyReport) -> _Scan:
         for b, size in blocks.items():
             s.counted[b] = s.counted.get(b, 0) + 1
             if s.expected.setdefault(b, size) != size:
-                report.bad_manifests.append(d.hex())
+                s.disputed.add(b)  # the block's own bytes say which manifest lies
     s.refs = dict(idx.iter_refs(txn))
     entries = dict(idx.iter_entries(txn))
     report.entries = len(entries)
@@ -146,6 +148,24 @@ def _scan(root: Root, txn: Any, report: VerifyReport) -> _Scan:
     return s
 
 
+def _lying(root: Root, txn: Any, s: _Scan, truth: dict[bytes, int]) -> set[bytes]:
+    """The manifests that give a block whose bytes hash to its name (``truth``: its real
+    size) another size: they lie, the block is good (docs/FORMAT.md, "Trust")."""
+    out: set[bytes] = set()
+    if not truth:
+        return out
+    for d, needs in s.needs.items():
+        if needs.isdisjoint(truth):
+            continue
+        raw = root.index.get_manifest(d, txn)
+        if raw is None:
+            continue
+        sizes = manifest_blocks(open_manifest(raw, d))
+        if any(sizes.get(b, n) != n for b, n in truth.items()):
+            out.add(d)
+    return out
+
+
 def _value_digest(v: bytes) -> bytes:
     """The manifest a prefix-db value names: a trimmable entry's value ends in the
     digest; a non-trimmable entry's state and reach keys hold the bare digest."""
@@ -178,12 +198,17 @@ def verify(
     todo = sorted(set(s.refs) | referenced)
     sizes = [s.expected.get(b, s.refs[b].size if b in s.refs else 0) for b in todo]
     total, done = sum(sizes), 0
+    truth: dict[bytes, int] = {}  # blocks that hash to their name, of a size in dispute
     for b, size in zip(todo, sizes, strict=True):
-        state, why, hashed = root.blocks.inspect(b, size, read_data=read_data)
+        state, why, hashed = root.blocks.inspect(b, size, read_data=read_data or
+                                                 b in s.disputed)
         report.bytes_hashed += hashed
         done += size
         if progress is not None:
             progress("blocks", done, total)
+        if state == "sized" or (state == "ok" and b in s.disputed):
+            truth[b] = hashed
+            continue
         if state == "ok":
             continue
         if b in referenced or state == "corrupt":  # garbage, but corrupt: quarantine it too
@@ -199,6 +224,9 @@ def verify(
     report.missing_blocks = sorted(b.hex() for b, (st, _) in bad_blocks.items() if st == "missing")
     report.corrupt_blocks = sorted(b.hex() for b, (st, _) in bad_blocks.items() if st == "corrupt")
     report.orphans = sorted(d.hex() for d, _ in root.block_files() if d not in s.refs)
+    with root.index.read() as txn:
+        s.lying = _lying(root, txn, s, truth)
+    report.bad_manifests.extend(d.hex() for d in sorted(s.lying))
     if repair and dry_run:
         with root.index.read() as txn:
             report.plan = _plan(root, txn, s, bad_blocks, report)
@@ -213,8 +241,9 @@ def _plan(
     """The repair of what a scan ``s`` (with ``found``, its report) and the block checks saw."""
     corrupt = {b: why for b, (st, why) in bad.items() if st == "corrupt"}
     missing = {b for b, (st, _) in bad.items() if st == "missing"}
-    plan = plan_for_blocks(root, txn, corrupt, missing, skip=s.bad)
+    plan = plan_for_blocks(root, txn, corrupt, missing, skip=s.bad | s.lying)
     plan.undecodable = sorted(s.bad)
+    plan.drop = sorted({*plan.drop, *s.lying})  # a manifest that misstates a good block
     plan.rebuild = {
         "refcounts": len(found.refcount_drift) + len(found.size_drift),
         "dangling_keys": found.dangling_keys,
@@ -247,11 +276,16 @@ def _repair_in_txn(
         scan = _scan(root, txn, found)  # current state, under the writer lock
         referenced = {b for b, n in scan.counted.items() if n > 0}
         bad: dict[bytes, tuple[str, str]] = {}
-        for b in suspects:
+        truth: dict[bytes, int] = {}
+        for b in suspects | scan.disputed:
             size = scan.expected.get(b, scan.refs[b].size if b in scan.refs else 0)
-            state, why, _ = root.blocks.inspect(b, size, read_data=read_data)
+            state, why, hashed = root.blocks.inspect(
+                b, size, read_data=read_data or b in scan.disputed)
             if state == "corrupt" or (state == "missing" and b in referenced):
                 bad[b] = (state, why)
+            elif state == "sized" or (state == "ok" and b in scan.disputed):
+                truth[b] = hashed
+        scan.lying = _lying(root, txn, scan, truth)
         for b, ref in scan.refs.items():
             if ref.refcount == 0 and b not in referenced and not root.blocks.exists(b):
                 found.dangling_refs.append(b.hex())
