@@ -77,13 +77,17 @@ class TensorSpec(Struct, frozen=True, kw_only=True):
 
     ``token_axis`` is set for tensors cut into token blocks (their length on
     that axis is the entry's token count); ``state_offset`` is the byte offset
-    in the concatenated state stream for the others.
+    in the concatenated state stream for the others. ``window_start`` is set
+    for a window tensor (a :class:`WindowLayer`'s): its token axis holds the
+    tokens ``[window_start, n_tokens)``, and its rows go into the manifest's
+    window blocks, cut at the same absolute token positions as the token blocks.
     """
 
     shape: tuple[NonNeg, ...]
     dtype: str
     token_axis: NonNeg | None = None
     state_offset: NonNeg | None = None
+    window_start: NonNeg | None = None
 
 
 class _Layer(Struct, frozen=True, kw_only=True, tag_field="kind"):
@@ -101,6 +105,20 @@ class RotatingLayer(_Layer, frozen=True, kw_only=True, tag="rotating"):
     offset: NonNeg
     max_size: NonNeg
     keep: NonNeg = 0
+    idx: NonNeg = 0
+
+
+class WindowLayer(_Layer, frozen=True, kw_only=True, tag="window"):
+    """A sliding-window layer (``RotatingKVCache``, ``keep=0``) stored in token order.
+
+    Its keys and values hold the tokens ``[window_start, offset)`` unrolled from
+    the ring (their specs carry ``window_start``), so consecutive saves of one
+    prompt share every whole block of their overlapping windows. ``idx`` is the
+    ring position mlx-lm had: a restore rolls the rows back into that ring.
+    """
+
+    offset: NonNeg
+    max_size: NonNeg
     idx: NonNeg = 0
 
 
@@ -146,7 +164,14 @@ class RawLayer(_Layer, frozen=True, kw_only=True, tag="raw"):
 
 
 Layer = (
-    KVLayer | RotatingLayer | QuantizedLayer | ChunkedLayer | ArraysLayer | ListLayer | RawLayer
+    KVLayer
+    | RotatingLayer
+    | WindowLayer
+    | QuantizedLayer
+    | ChunkedLayer
+    | ArraysLayer
+    | ListLayer
+    | RawLayer
 )
 
 
@@ -176,14 +201,21 @@ class Manifest(Struct, frozen=True, kw_only=True):
     state_bytes: NonNeg = 0
     attachments: tuple[Attachment, ...] = ()
     metadata: dict[str, str] = {}
+    # The window tensors' blocks: the i-th holds absolute token block
+    # ``first + i`` (``first``: the lowest window_start // block_tokens).
+    window_blocks: tuple[bytes, ...] = ()
 
     def tensor_specs(self) -> list[TensorSpec]:
         """Every tensor the entry stores, in block order: the layers', then the attachments'."""
         return iter_tensor_specs(self.layers) + [t for a in self.attachments for t in a.tensors]
 
+    def all_blocks(self) -> tuple[bytes, ...]:
+        """Every block reference in order (token, window, state blocks), repeats kept."""
+        return (*self.token_blocks, *self.window_blocks, *self.state_blocks)
+
     def block_digests(self) -> list[bytes]:
         """Every block the entry references, once each, token blocks first."""
-        return list(dict.fromkeys(bytes(d) for d in (*self.token_blocks, *self.state_blocks)))
+        return list(dict.fromkeys(bytes(d) for d in self.all_blocks()))
 
 
 _encoder = msgspec.msgpack.Encoder(order="deterministic")
@@ -274,7 +306,7 @@ def _count(value: int, what: str, top: int = MAX_COUNT) -> None:
 def _layer_fields(layer: _Layer, where: str) -> None:
     """The bounds of one layer record's own fields (its tensors are checked apart)."""
     _blob(layer.extra, f"{where}.extra")
-    if isinstance(layer, KVLayer | QuantizedLayer | ChunkedLayer | RotatingLayer):
+    if isinstance(layer, KVLayer | QuantizedLayer | ChunkedLayer | RotatingLayer | WindowLayer):
         _count(layer.offset, f"{where}.offset")
     if isinstance(layer, QuantizedLayer):
         _need(layer.bits in QUANT_BITS, f"{where}.bits {layer.bits} (1 to 8)")
@@ -284,6 +316,9 @@ def _layer_fields(layer: _Layer, where: str) -> None:
         _count(layer.idx, f"{where}.idx")  # past max_size while a prefill's buffer grows
         _need(layer.keep <= layer.max_size,
               f"{where}: keep {layer.keep} must be <= max_size {layer.max_size}")
+    elif isinstance(layer, WindowLayer):
+        _need(1 <= layer.max_size <= MAX_COUNT, f"{where}.max_size {layer.max_size}")
+        _count(layer.idx, f"{where}.idx")
     elif isinstance(layer, ChunkedLayer):
         _count(layer.chunk_size, f"{where}.chunk_size")
         _count(layer.start_position, f"{where}.start_position")
@@ -307,18 +342,69 @@ def _walk_layers(layers: tuple[Layer, ...]) -> int:
         _need(seen <= MAX_LAYERS, f"more than {MAX_LAYERS} layer records")
         for i, layer in enumerate(group):
             _layer_fields(layer, f"{where}[{i}]")
+            if not isinstance(layer, WindowLayer):
+                _need(all(t.window_start is None for t in layer.tensors),
+                      f"{where}[{i}]: a window tensor outside a window layer")
             if isinstance(layer, ListLayer):
                 stack.append((layer.children, depth + 1, f"{where}[{i}].children"))
     return seen
 
 
-def _tensors(m: Manifest) -> tuple[bool, int]:
+def _window_layer(layer: WindowLayer, n_tokens: int, where: str) -> None:
+    """The window rule (a ``keep=0`` ring stored in token order, as
+    ``RotatingCodec.stored`` writes it): its keys and values, two window tensors from one
+    ``window_start``, hold the tokens ``[window_start, n_tokens)``; the layer ends at the
+    entry's end (``offset == n_tokens``); the rows are the whole window, ``min(n_tokens,
+    max_size)`` at least, and no more than the ring mlx-lm had: in token order with ``idx``
+    at their end (``max_size - 1`` plus a prefill chunk at most, every token if the ring
+    never wrapped), or exactly ``max_size`` rows wrapped at ``0 < idx < max_size``."""
+    n, w = n_tokens, layer.max_size
+    _need(layer.offset == n, f"{where}: window layer at offset {layer.offset}, the entry "
+          f"has {n} tokens")
+    _need(len(layer.tensors) == 2, f"{where}: {len(layer.tensors)} tensors, a window layer "
+          "has keys and values")
+    starts = {t.window_start for t in layer.tensors}
+    axes = {t.token_axis for t in layer.tensors}
+    _need(len(starts) == 1 and None not in starts and len(axes) == 1 and None not in axes,
+          f"{where}: keys and values are not window tensors from one token")
+    start, axis = starts.pop(), axes.pop()
+    assert start is not None and axis is not None
+    _need(start < n, f"{where}: window from token {start} of {n}")
+    rows = n - start
+    _need(rows >= min(n, w), f"{where}: a window of {rows} rows, max_size {w} needs "
+          f"{min(n, w)}")
+    wrapped = rows == w and 0 < layer.idx < w and n > w
+    _need(layer.idx == rows or wrapped,
+          f"{where}: ring position {layer.idx} with {rows} rows of max_size {w}")
+    for t in layer.tensors:
+        _need(axis < len(t.shape) and t.shape[axis] == rows,
+              f"{where}: a window tensor {list(t.shape)[:MAX_NDIM]} does not hold tokens "
+              f"[{start}, {n})")
+
+
+def _windows(layers: tuple[Layer, ...], n_tokens: int) -> None:
+    """Check every window layer (:func:`_window_layer`), list layers' children too (their
+    depth is bounded by :func:`_walk_layers`, which runs first)."""
+    stack: list[tuple[tuple[Layer, ...], str]] = [(layers, "layers")]
+    while stack:
+        group, where = stack.pop()
+        for i, layer in enumerate(group):
+            if isinstance(layer, WindowLayer):
+                _window_layer(layer, n_tokens, f"{where}[{i}]")
+            elif isinstance(layer, ListLayer):
+                stack.append((layer.children, f"{where}[{i}].children"))
+
+
+def _tensors(m: Manifest) -> tuple[bool, int, int, int]:
     """Check every tensor spec against the manifest; returns (any token tensor, the
-    bytes of one token row of all token tensors together)."""
+    bytes of one token row of all token tensors together, the same of the window
+    tensors, the first absolute token block of the windows)."""
     specs = m.tensor_specs()
     _need(len(specs) <= MAX_TENSORS, f"{len(specs)} tensors (at most {MAX_TENSORS})")
     state_at = 0
     row_bytes = 0
+    window_row_bytes = 0
+    window_from: int | None = None
     has_token = False
     total = 0
     for i, t in enumerate(specs):
@@ -330,7 +416,15 @@ def _tensors(m: Manifest) -> tuple[bool, int]:
         nbytes = math.prod(t.shape) * dt.itemsize
         total += nbytes
         _need(total <= MAX_ENTRY_BYTES, f"tensors of more than {MAX_ENTRY_BYTES} bytes")
-        if t.token_axis is not None:
+        if t.window_start is not None:  # a window layer's: checked by _window_layer
+            _need(t.token_axis is not None and t.state_offset is None,
+                  f"{where}: a window tensor without a token axis of its own")
+            _need(t.window_start < m.n_tokens,
+                  f"{where}: window from token {t.window_start} of {m.n_tokens}")
+            window_row_bytes += nbytes // (m.n_tokens - t.window_start)
+            window_from = min(t.window_start, window_from if window_from is not None
+                              else t.window_start)
+        elif t.token_axis is not None:
             _need(t.state_offset is None, f"{where}: both a token axis and a state offset")
             _need(t.token_axis < len(t.shape),
                   f"{where}: token axis {t.token_axis} of a {len(t.shape)}-d tensor")
@@ -345,7 +439,8 @@ def _tensors(m: Manifest) -> tuple[bool, int]:
             state_at += nbytes
     _need(state_at == m.state_bytes,
           f"state_bytes {m.state_bytes}, its state tensors hold {state_at}")
-    return has_token, row_bytes
+    first = -1 if window_from is None else window_from // m.block_tokens
+    return has_token, row_bytes, window_row_bytes, first
 
 
 def validate_manifest(
@@ -384,13 +479,21 @@ def validate_manifest(
     _need(sum(len(k) + len(v) for k, v in m.metadata.items()) <= MAX_BLOB,
           "metadata too large")
     _walk_layers(m.layers)
-    has_token, row_bytes = _tensors(m)
-    want_token = -(-m.n_tokens // m.block_tokens) if has_token else 0
+    for i, a in enumerate(m.attachments):
+        _need(all(t.window_start is None for t in a.tensors),
+              f"attachments[{i}]: a window tensor outside a window layer")
+    _windows(m.layers, m.n_tokens)
+    has_token, row_bytes, window_row_bytes, window_first = _tensors(m)
+    n_blocks = -(-m.n_tokens // m.block_tokens)
+    want_token = n_blocks if has_token else 0
+    # window blocks hold absolute token blocks, from the one the earliest window starts in
+    want_window = n_blocks - window_first if window_first >= 0 else 0
     want_state = -(-m.state_bytes // m.state_block_bytes)
-    _need(len(m.token_blocks) == want_token and len(m.state_blocks) == want_state,
-          f"{len(m.token_blocks)}+{len(m.state_blocks)} blocks listed, its tensors need "
-          f"{want_token}+{want_state}")
-    _need(row_bytes * min(m.block_tokens, m.n_tokens) <= MAX_BLOCK_BYTES,
+    _need((len(m.token_blocks), len(m.window_blocks), len(m.state_blocks))
+          == (want_token, want_window, want_state),
+          f"{len(m.token_blocks)}+{len(m.window_blocks)}+{len(m.state_blocks)} token+window+"
+          f"state blocks listed, its tensors need {want_token}+{want_window}+{want_state}")
+    _need(max(row_bytes, window_row_bytes) * min(m.block_tokens, m.n_tokens) <= MAX_BLOCK_BYTES,
           f"token blocks of more than {MAX_BLOCK_BYTES} bytes")
-    for d in (*m.token_blocks, *m.state_blocks):
+    for d in m.all_blocks():
         _need(len(d) == DIGEST_BYTES, f"a block digest of {len(d)} bytes")

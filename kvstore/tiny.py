@@ -9,7 +9,12 @@ mlx-lm's own model classes, so the caches they make are the real cache classes:
 - ``gemma3_text``: sliding-window layers with ``RotatingKVCache`` and a global
   ``KVCache`` layer;
 - ``lfm2``: a hybrid of short-convolution layers (``ArraysCache``) and
-  attention layers (``KVCache``).
+  attention layers (``KVCache``);
+- ``qwen3_5``: Qwen3.5's hybrid of Gated DeltaNet layers (``ArraysCache``: conv
+  and recurrent state) and attention layers (``KVCache``);
+- ``nemotron_h``: Mamba-2 layers (``ArraysCache``) and attention layers;
+- ``falcon_h1``: every layer a ``CacheList`` of a Mamba-2 ``ArraysCache`` and a
+  ``KVCache`` side by side.
 
 Everything is deterministic in ``seed``: the same arguments give byte-identical
 files.
@@ -29,7 +34,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 __all__ = ["KINDS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_model", "sample_text"]
 
-KINDS = ("llama", "gemma3_text", "lfm2")
+KINDS = ("llama", "gemma3_text", "lfm2", "qwen3_5", "nemotron_h", "falcon_h1")
 
 #: Special tokens of the tiny tokenizer; ``<|im_end|>`` is the end of a turn (EOS).
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
@@ -176,6 +181,60 @@ def _config(
             "rope_theta": 1_000_000.0,
             "layer_types": types,
             "tie_embedding": True,
+        }
+    if kind == "qwen3_5":
+        # Every second layer is full attention (Qwen3.5 has one in four).
+        text = {
+            **common,
+            "intermediate_size": 2 * hidden,
+            "rms_norm_eps": 1e-6,
+            "head_dim": hidden // heads,
+            "linear_num_value_heads": 2,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "full_attention_interval": 2,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"type": "default", "rope_theta": 100000.0,
+                                "partial_rotary_factor": 0.25},
+        }
+        return {"model_type": kind, "text_config": text, "eos_token_id": eos_id,
+                "vocab_size": vocab_size}
+    if kind == "nemotron_h":
+        pattern = "".join("M" if i % 2 == 0 else "*" for i in range(layers))
+        return {
+            **common,
+            "intermediate_size": 2 * hidden,
+            "attention_bias": False,
+            "head_dim": hidden // heads,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "mamba_proj_bias": False,
+            "ssm_state_size": 16,
+            "conv_kernel": 4,
+            "n_groups": 1,
+            "mlp_bias": False,
+            "layer_norm_epsilon": 1e-5,
+            "use_bias": False,
+            "use_conv_bias": True,
+            "hybrid_override_pattern": list(pattern),
+            "tie_word_embeddings": False,
+        }
+    if kind == "falcon_h1":
+        return {
+            **common,
+            "intermediate_size": 2 * hidden,
+            "head_dim": hidden // heads,
+            "mamba_d_conv": 4,
+            "mamba_d_head": 16,
+            "mamba_d_ssm": 2 * hidden,
+            "mamba_d_state": 16,
+            "mamba_n_heads": 2 * hidden // 16,
+            "mamba_n_groups": 1,
+            "mamba_chunk_size": 64,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
         }
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
 

@@ -66,6 +66,18 @@ def rotating_cache(
     return c
 
 
+def prefilled_rotating_cache(
+    n: int, max_size: int, chunk: int, seed: int = 0, dtype: mx.Dtype = mx.bfloat16
+) -> C.RotatingKVCache:
+    """A ``keep=0`` ring fed ``chunk`` tokens at a time, as a prefill feeds it (the concat
+    path: in token order, up to ``max_size - 1 + chunk`` rows)."""
+    c = C.RotatingKVCache(max_size=max_size, keep=0)
+    k, v = kv_pair(n, seed, dtype)
+    for i in range(0, n, chunk):
+        c.update_and_fetch(k[:, :, i : i + chunk], v[:, :, i : i + chunk])
+    return c
+
+
 def quantized_cache(
     n: int, seed: int = 0, bits: int = 4, group_size: int = 32
 ) -> C.QuantizedKVCache:

@@ -30,6 +30,12 @@ EXPECTED = (
     "lookup p50, 30 entries",
     "lookup p99, 30 entries",
     "time to first token, 300 tokens",
+    "shared document, question 2: cached tokens (llama,",
+    "shared document, question 2: cached tokens (lfm2,",
+    "shared document, question 2: time to first token (gemma3_text,",
+    "bytes on disk per checkpoint (lfm2,",
+    "bytes on disk per checkpoint (gemma3_text,",
+    "root after question 1: bytes on disk (lfm2,",
     "restore throughput, 1 process",
     "restore throughput, 2 process",
     "limit: save 600 durable",
@@ -73,6 +79,10 @@ def test_smoke_run_writes_every_row_with_both_figures(tmp_path: Path,
     assert lookup["extra"]["gets"] >= 1
     assert math.isclose(lookup["ratio"], lookup["baseline"] / lookup["kvstore"])
     assert any(t.startswith("save speed: save 600 non-durable") for t in held)
+    # issue 26: cached tokens and bytes per checkpoint are counts, not timings: held here
+    ckpt = [t for t in doc["targets"] if t["name"].startswith("checkpoints: ")]
+    assert len(ckpt) == 5 and all(t["met"] for t in ckpt), ckpt
+    assert not any(r["name"].startswith("bytes on disk per checkpoint (llama") for r in rows)
     assert list(tmp_path.iterdir()) == [out], "the scratch roots were not removed"
 
 

@@ -146,8 +146,11 @@ def test_layers_nested_100k_deep_are_a_manifest_error(
     fields = msgspec.msgpack.decode(good[3])
     fields.pop("layers")
     head = enc(fields)
-    assert head[0] & 0xF0 == 0x80  # a fixmap: one more field fits
-    raw = bytes([head[0] + 1]) + head[1:] + enc("layers") + b"\x91" + layers
+    assert head[0] & 0xF0 == 0x80 and len(fields) == head[0] & 0x0F  # a fixmap
+    # the same map with one more field (a map16 once it has 16: window_blocks made 15)
+    n = len(fields) + 1
+    top = bytes([0x80 | n]) if n < 16 else b"\xde" + n.to_bytes(2, "big")
+    raw = top + head[1:] + enc("layers") + b"\x91" + layers
     with pytest.raises(ManifestError, match="nested too deep"):
         decode_manifest(raw)
 

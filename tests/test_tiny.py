@@ -8,7 +8,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from kvstore.tiny import KINDS, make_tiny_model, sample_text
 
@@ -16,6 +22,9 @@ EXPECTED_CACHES = {
     "llama": {KVCache},
     "gemma3_text": {RotatingKVCache, KVCache},
     "lfm2": {ArraysCache, KVCache},
+    "qwen3_5": {ArraysCache, KVCache},
+    "nemotron_h": {ArraysCache, KVCache},
+    "falcon_h1": {CacheList},
 }
 
 MESSAGES = [
@@ -40,7 +49,8 @@ def test_loads_with_expected_cache_classes(model_dirs: dict[str, Path], kind: st
     kinds = {type(c) for c in make_prompt_cache(model)}
     assert kinds == EXPECTED_CACHES[kind]
     assert 256 < tokenizer.vocab_size <= 1024
-    assert model.args.vocab_size == tokenizer.vocab_size
+    args = getattr(model.args, "text_config", None) or vars(model.args)  # qwen3_5 nests it
+    assert args["vocab_size"] == tokenizer.vocab_size
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -17,8 +17,8 @@ from typing import Any
 from .common import CONFIGS, QUICK, Config, Row, cache_bytes, machine, make_cache
 from .report import human, table, targets, targets_table
 
-GROUPS = ("save", "restore", "multiturn", "shared", "lookup", "ttft", "concurrency", "startup",
-          "remote")
+GROUPS = ("save", "restore", "multiturn", "shared", "lookup", "ttft", "checkpoints",
+          "concurrency", "startup", "remote")
 MODEL_GROUP = "model"  # only with --model: a real model's prefill takes minutes on a CPU
 
 
@@ -91,6 +91,10 @@ def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
     if "ttft" in groups:
         log("[ttft] tiny llama")
         add(ttft_rows(cfg, scratch))
+    if "checkpoints" in groups:
+        from .checkpoint_cases import checkpoint_rows
+
+        add(checkpoint_rows(cfg, scratch, log))
     if "startup" in groups:
         from .startup_cases import startup_rows
 

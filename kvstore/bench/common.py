@@ -51,6 +51,14 @@ class Config:
     conc_tokens: int = 4096
     conc_reps: int = 6  # restores per process
     model_tokens: int = 4096  # the real model's TTFT prompt (the model group, with --model)
+    # checkpoints during prefill (issue 26): tiny models of these kinds, a shared document
+    ckpt_kinds: tuple[str, ...] = ("llama", "lfm2", "qwen3_5", "nemotron_h", "falcon_h1",
+                                   "gemma3_text")
+    ckpt_doc: int = 3300  # tokens of the document (after a 384-token system prompt)
+    ckpt_every: int = 1024
+    ckpt_reps: int = 5
+    ckpt_layers: int = 4
+    ckpt_window: int = 256  # gemma3_text's sliding window
     model_reps: int = 3  # restores timed per side; the prefill is timed once (minutes on a CPU)
     # the commands the startup group times in a fresh process (each also as `rm`, `show` ...)
     startup_commands: tuple[str, ...] = ("stats", "ls", "show", "tree", "rm", "verify", "compact")
@@ -70,6 +78,7 @@ QUICK = Config(
     scan_reps=10,
     ttft_reps=3,
     conc_reps=4,
+    ckpt_reps=3,
     note="quick: 4k tokens only, fewer reps; lookup stops at 10k entries",
 )
 SMOKE = Config(
@@ -94,6 +103,12 @@ SMOKE = Config(
     conc_reps=1,
     model_tokens=256,
     model_reps=1,
+    ckpt_kinds=("llama", "lfm2", "gemma3_text"),
+    ckpt_doc=300,
+    ckpt_every=128,
+    ckpt_reps=1,
+    ckpt_layers=2,
+    ckpt_window=64,
     startup_commands=("stats",),
     note="smoke: checks that every case runs; its figures mean nothing",
 )

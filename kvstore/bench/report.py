@@ -151,6 +151,22 @@ def targets(rows: Sequence[Row]) -> list[Target]:
     if at4k:
         out.append(Target("restore TTFT vs recompute at 4k tokens", ">= 20x",
                           f"{at4k[0].ratio:.1f}x", at4k[0].ratio >= 20))
+    # issue 26: the shared document reuses all but the last N tokens before the question
+    # (llama: the whole prefix, checkpoints or not); a checkpoint adds, beyond its new
+    # tokens' key/value rows, at most its SSM/convolution state and one block per
+    # sliding layer
+    for r in _find(rows, lambda r: r.group == "checkpoints" and "cached tokens" in r.name):
+        doc_end = r.extra["system_tokens"] + r.extra["document_tokens"]
+        floor = doc_end if r.name.startswith("shared document, question 2: cached tokens "
+                                             "(llama") else doc_end - r.extra["every"]
+        out.append(Target(f"checkpoints: {r.name}", f">= {floor:.0f} tokens",
+                          f"{r.kvstore:.0f} tokens", r.kvstore >= floor))
+    for r in _find(rows, lambda r: r.group == "checkpoints" and "per checkpoint" in r.name):
+        bound = r.extra["mean_state"] + r.extra["mean_edge"]
+        out.append(Target(f"checkpoints: {r.name}, beyond its new tokens' KV",
+                          f"<= {bound:.0f} B (state + one block per sliding layer)",
+                          f"{r.extra['mean_beyond_kv']:.0f} B",
+                          r.extra["mean_beyond_kv"] <= bound))
     # issue 15, on a real model (the model group, with --model): the same TTFT target, and
     # from turn 2 of the conversation all but the new turn comes from the store
     for r in _find(rows, lambda r: r.group == "model" and r.name.startswith("time to first")):

@@ -23,9 +23,11 @@ from ..codecs.layout import manifest_blocks
 from ..schema import Layer, Manifest, encode_manifest
 from . import keys as P
 
-Priority = Literal["assistant", "user", "system"]
-#: mlx-lm's ``LRUPromptCache`` cache types, in eviction order (assistant goes first).
-PRIORITIES: dict[str, int] = {"assistant": 0, "user": 1, "system": 2}
+Priority = Literal["checkpoint", "assistant", "user", "system"]
+#: mlx-lm's ``LRUPromptCache`` cache types, in eviction order (assistant goes first), after
+#: "checkpoint": a state saved part-way through a prefill (kvstore.mlx_lm.prefill), which
+#: compaction thins first (kvstore.store.upkeep.thinning).
+PRIORITIES: dict[str, int] = {"checkpoint": -1, "assistant": 0, "user": 1, "system": 2}
 PRIORITY_NAMES = {v: k for k, v in PRIORITIES.items()}
 #: The manifest metadata key mlx-lm's cache type is kept under (``PersistentPromptCache``
 #: and the mlx-bun bridge write it): the priority of an entry whose tier kept none.
@@ -117,7 +119,7 @@ def records_of(
         block_tokens=m.block_tokens,
         trimmable=trimmable(m.layers),
         namespace=_ns_json.encode(m.namespace).decode(),
-        logical_bytes=sum(sizes[bytes(b)] for b in (*m.token_blocks, *m.state_blocks)),
+        logical_bytes=sum(sizes[bytes(b)] for b in m.all_blocks()),
         created_at=m.created_at,
         last_access=int(time.time() * 1000) if last_access is None else last_access,
         priority=priority_of(m) if priority is None else priority,

@@ -71,11 +71,11 @@ def init(algo: str | None, block_tokens: int | None, shared_group: str | None,
 def stats(reset: bool, as_json: bool) -> None:
     """Show sizes, dedup ratio, budget and the tokens the cache saved.
 
-    Entries, blocks, logical vs stored bytes, the dedup ratio, the byte budget (when one
-    is recorded), unreferenced blocks awaiting compact, and the requests served from
-    this root (kvstore serve, PersistentPromptCache, Store.restore): the share of their
-    prompt tokens reused, by the tier that gave them (memory, this root, the remote),
-    over the root's lifetime and since the last --reset.
+    Entries (and how many are checkpoints), blocks, logical vs stored bytes, the dedup
+    ratio, the byte budget (when one is recorded), unreferenced blocks awaiting compact,
+    and the requests served from this root (kvstore serve, PersistentPromptCache,
+    Store.restore): the share of their prompt tokens reused, by the tier that gave them
+    (memory, this root, the remote), over the root's lifetime and since the last --reset.
     """
     from ..store.upkeep.gc import DEFAULT_GRACE
 
@@ -85,6 +85,8 @@ def stats(reset: bool, as_json: bool) -> None:
         zero = store.views.unreferenced_blocks()
         tmp = store.temp_files()
         usage = store.reset_usage() if reset else store.usage()
+        ckpts = [e.id for e in store.entries() if e.priority == "checkpoint"]
+        ckpt_unique = sum(store.views.unique_bytes(store.views.manifests(ckpts)).values())
     # What a plain 'kvstore compact' (default grace) would free now, and what it keeps
     cutoff = int(time.time() * 1000) - int(DEFAULT_GRACE * 1000)
     held = [(size, since) for size, since in zero if since > cutoff]
@@ -101,6 +103,7 @@ def stats(reset: bool, as_json: bool) -> None:
         "tmp_abandoned_files": tmp.abandoned_files, "tmp_abandoned_bytes": tmp.abandoned_bytes,
         "budget_bytes": None,  # a root records no budget: one is given per process
         "hit_rate": st.hits / st.lookups if st.lookups else None,
+        "checkpoints": len(ckpts), "checkpoint_unique_bytes": ckpt_unique,
         "requests": usage.to_dict(),
         "reset": reset,
     }
@@ -113,6 +116,9 @@ def stats(reset: bool, as_json: bool) -> None:
                      f"{H.format_bytes(s.state_block_bytes)} state blocks"),
         ("created", f"{H.format_time(s.created_at)} ({H.format_age(s.created_at)})"),
         ("entries", H.format_count(st.entries)),
+        *([("checkpoints", f"{H.format_count(len(ckpts))} of them, "
+                           f"{H.format_bytes(ckpt_unique)} in blocks only they hold "
+                           "(compact thins them first)")] if ckpts else []),
         ("blocks", H.format_count(st.blocks)),
         ("logical size", f"{H.format_bytes(st.logical_bytes)} (the entries stored separately)"),
         ("stored size", H.format_bytes(st.physical_bytes)),

@@ -42,24 +42,34 @@ def ls_(sort_key: str, reverse: bool, namespace: str | None, as_json: bool) -> N
     """List the stored entries.
 
     Columns: short id, namespace (model/ns), tokens, logical size, unique bytes (blocks
-    no other entry references), last access, hits and eviction priority.
+    no other entry references), last access, hits and eviction priority; when checkpoints
+    are listed, what each one is (its depth in the prompt whose prefill saved it, and that
+    prompt, its conversation).
     """
     items: list[Entry] = []
     uniq: dict[str, int] = {}
+    ckpt: dict[str, dict[str, Any]] = {}  # a checkpoint's fields (checkpoint_info)
     with open_store() as store:
         # one pass in id order (the manifests' order in the index), the manifests read a
-        # batch at a time: what is kept of an entry is its record and its unique bytes,
-        # never its manifest (a root of 100k entries, issue 29)
+        # batch at a time: what is kept of an entry is its record and its unique bytes (and
+        # a checkpoint's few fields), never its manifest (a root of 100k entries, issue 29)
         for batch in _batched(e for e in store.entries() if ns_matches(e.namespace, namespace)):
             uniq.update(store.views.unique_bytes_of([e.id for e in batch]))
+            cids = [e.id for e in batch if e.priority == "checkpoint"]
+            if cids:
+                ms = store.views.manifests(cids)
+                for e in batch:
+                    info = H.checkpoint_info(e, ms.get(e.id))
+                    if info is not None:
+                        ckpt[e.id] = info
             items += batch
     items.sort(key=_SORTS[sort_key], reverse=not reverse)
     if as_json:
-        _ls_json(str(store.root), items, uniq)
+        _ls_json(str(store.root), items, uniq, ckpt)
     elif not items:
         click.echo("no entries" + (f" in namespace {namespace!r}" if namespace else ""))
     else:
-        _ls_table(items, uniq)
+        _ls_table(items, uniq, ckpt)
 
 
 _BATCH = 1000  # manifests read at a time
@@ -73,7 +83,8 @@ def _batched(items: Iterable[Entry]) -> Iterator[list[Entry]]:
         yield batch
 
 
-def _ls_json(root: str, items: list[Entry], uniq: dict[str, int]) -> None:
+def _ls_json(root: str, items: list[Entry], uniq: dict[str, int],
+             ckpt: dict[str, dict[str, Any]]) -> None:
     """``{"root": ..., "entries": [...]}`` as :func:`emit` writes it, an entry at a time."""
     head = json.dumps({"root": root, "entries": []}, indent=2)
     if not items:
@@ -82,25 +93,37 @@ def _ls_json(root: str, items: list[Entry], uniq: dict[str, int]) -> None:
     cut = head.rindex("[]")
     sep = head[:cut] + "["
     for e in items:
-        item = json.dumps(H.entry_json(e, uniq.get(e.id, 0)), indent=2)
+        d = H.entry_json(e, uniq.get(e.id, 0))
+        if e.id in ckpt:
+            d["checkpoint"] = ckpt[e.id]
+        item = json.dumps(d, indent=2)
         click.echo(sep + "\n" + "\n".join("    " + line for line in item.splitlines()),
                    nl=False)
         sep = ","
     click.echo("\n  ]" + head[cut + 2 :])
 
 
-def _ls_table(items: list[Entry], uniq: dict[str, int]) -> None:
-    """:func:`render.table` of the entries, printed a row at a time."""
-    def cells(e: Entry) -> tuple[str, ...]:
-        return (H.short_id(e.id), H.ns_label(e.namespace), H.format_count(e.n_tokens),
-                H.format_bytes(e.logical_bytes), H.format_bytes(uniq.get(e.id, 0)),
-                H.format_age(e.last_access), str(e.hits), e.priority)
+def _ls_table(items: list[Entry], uniq: dict[str, int], ckpt: dict[str, dict[str, Any]]
+              ) -> None:
+    """:func:`render.table` of the entries, printed a row at a time; a CHECKPOINT column
+    when checkpoints are listed."""
+    headers: tuple[str, ...] = _LS_HEADERS + (("CHECKPOINT",) if ckpt else ())
 
-    widths = [len(h) for h in _LS_HEADERS]
+    def cells(e: Entry) -> tuple[str, ...]:
+        row: tuple[str, ...] = (
+            H.short_id(e.id), H.ns_label(e.namespace), H.format_count(e.n_tokens),
+            H.format_bytes(e.logical_bytes), H.format_bytes(uniq.get(e.id, 0)),
+            H.format_age(e.last_access), str(e.hits), e.priority)
+        if ckpt:
+            info = ckpt.get(e.id)
+            row += (H.checkpoint_text(info) if info else "",)
+        return row
+
+    widths = [len(h) for h in headers]
     for e in items:
         for i, c in enumerate(cells(e)):
             widths[i] = max(widths[i], len(c))
-    click.echo(H.table_line(_LS_HEADERS, widths, _LS_RIGHT))
+    click.echo(H.table_line(headers, widths, _LS_RIGHT))
     for e in items:
         click.echo(H.table_line(cells(e), widths, _LS_RIGHT))
 
@@ -122,7 +145,7 @@ def show(entry: str, all_tokens: bool, as_json: bool) -> None:
         m = store.manifest(eid)
         rec = next((e for e in store.entries() if e.id == eid), None)
         uniq = store.views.unique_bytes({eid: m})[eid]
-        refs = store.views.block_refs((*m.token_blocks, *m.state_blocks))
+        refs = store.views.block_refs(m.all_blocks())
     tokens = list(P.tokens_from_le(m.tokens))
     if as_json:
         emit(H.manifest_json(eid, m, tokens, rec, uniq, refs))
@@ -162,7 +185,7 @@ def _with_manifests(store: Store, entries: Iterable[Entry]) -> Iterator[tuple[En
 
 def _can_draw() -> bool:
     try:
-        "└─│├".encode(sys.stdout.encoding or "ascii")
+        "└─│├●◆".encode(sys.stdout.encoding or "ascii")
         return True
     except (UnicodeEncodeError, LookupError):
         return False

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SizeError",
+    "checkpoint_info",
+    "checkpoint_text",
     "entry_json",
     "format_age",
     "format_bytes",
@@ -256,14 +258,43 @@ def ns_json(ns: Namespace) -> dict[str, str]:
             "tokenizer_hash": ns.tokenizer_hash, "ns": ns.ns}
 
 
-def entry_json(e: Entry, unique: int | None = None) -> dict[str, Any]:
+def entry_json(e: Entry, unique: int | None = None, m: Manifest | None = None
+               ) -> dict[str, Any]:
+    """An entry's fields; a checkpoint's (given its manifest ``m``) add ``checkpoint``."""
     d: dict[str, Any] = {"id": e.id, "namespace": ns_json(e.namespace), "n_tokens": e.n_tokens,
                          "logical_bytes": e.logical_bytes}
     if unique is not None:
         d["unique_bytes"] = unique
     d.update(created_at=e.created_at, last_access=e.last_access, hits=e.hits,
              priority=e.priority)
+    info = checkpoint_info(e, m)
+    if info is not None:
+        d["checkpoint"] = info
     return d
+
+
+def checkpoint_info(e: Entry | None, m: Manifest | None) -> dict[str, Any] | None:
+    """What a checkpoint is: its depth, its conversation (the prompt whose prefill saved
+    it), that prompt's length and the interval; None for any other entry."""
+    if e is None or e.priority != "checkpoint":
+        return None
+    meta = m.metadata if m is not None else {}
+
+    def number(key: str) -> int | None:
+        v = meta.get(key, "")
+        return int(v) if v.isdigit() else None
+
+    return {"depth": e.n_tokens, "conversation": meta.get("conversation") or None,
+            "prompt_tokens": number("prompt_tokens"), "every": number("checkpoint_every")}
+
+
+def checkpoint_text(info: dict[str, Any]) -> str:
+    """``token 3,072 of 3,743 · conversation 3fa2c1d0e5b7a9f1`` (what is known of it)."""
+    depth = f"token {format_count(info['depth'])}"
+    if info["prompt_tokens"] is not None:
+        depth += f" of {format_count(info['prompt_tokens'])}"
+    conv = info["conversation"]
+    return depth + (f" · conversation {conv}" if conv else "")
 
 
 def layer_kind(layer: Layer) -> str:
@@ -306,8 +337,9 @@ def layer_lines(layer: Layer, lead: str) -> list[str]:
     out = [f"{lead}{layer_kind(layer):<9}{fields}".rstrip()]
     pad = " " * (len(lead) + 2)
     for j, t in enumerate(layer.tensors):
-        where = (f"token axis {t.token_axis}" if t.token_axis is not None
-                 else f"state @{t.state_offset}")
+        where = (f"state @{t.state_offset}" if t.token_axis is None
+                 else f"token axis {t.token_axis}" if t.window_start is None
+                 else f"token axis {t.token_axis}, tokens from {t.window_start}")
         out.append(f"{pad}t{j}  {t.dtype:<8} {str(list(t.shape)):<18} {where}")
     if isinstance(layer, ListLayer):
         for j, child in enumerate(layer.children):
@@ -320,7 +352,9 @@ def layer_json(layer: Layer) -> dict[str, Any]:
 
     d: dict[str, Any] = {"kind": layer_kind(layer), **layer_fields(layer)}
     d["tensors"] = [{"shape": list(t.shape), "dtype": t.dtype, "token_axis": t.token_axis,
-                     "state_offset": t.state_offset} for t in layer.tensors]
+                     "state_offset": t.state_offset,
+                     **({"window_start": t.window_start} if t.window_start is not None else {})}
+                    for t in layer.tensors]
     if isinstance(layer, ListLayer):
         d["children"] = [layer_json(c) for c in layer.children]
     return d
@@ -339,13 +373,14 @@ def manifest_json(eid: str, m: Manifest, tokens: list[int], rec: Entry | None, u
         "created_at": m.created_at, "n_tokens": m.n_tokens, "tokens": tokens,
         "layers": [layer_json(layer) for layer in m.layers],
         "token_blocks": blocks(m.token_blocks), "state_blocks": blocks(m.state_blocks),
+        **({"window_blocks": blocks(m.window_blocks)} if m.window_blocks else {}),
         "state_bytes": m.state_bytes,
         "attachments": [{"schema": a.schema, "metadata": json_value(a.metadata),
                          "tensors": [{"shape": list(t.shape), "dtype": t.dtype,
                                       "state_offset": t.state_offset} for t in a.tensors]}
                         for a in m.attachments],
         "metadata": dict(m.metadata),
-        "entry": entry_json(rec, uniq) if rec is not None else None,
+        "entry": entry_json(rec, uniq, m) if rec is not None else None,
     }
 
 
@@ -369,6 +404,11 @@ def manifest_lines(eid: str, m: Manifest, tokens: Sequence[int], rec: Entry | No
     if rec is not None:
         lines.append(f"used        {format_age(rec.last_access)}, {plural(rec.hits, 'hit')}, "
                      f"priority {rec.priority}")
+        info = checkpoint_info(rec, m)
+        if info is not None:
+            every = f", one every {format_count(info['every'])}" if info["every"] else ""
+            lines.append(f"checkpoint  {checkpoint_text(info)}{every} (thinned first by "
+                         "compact)")
         lines.append(f"size        {format_bytes(rec.logical_bytes)}, "
                      f"{format_bytes(uniq)} unique to this entry")
     lines.append(f"tokens      {_tokens_line(tokens, all_tokens)}")
@@ -378,7 +418,10 @@ def manifest_lines(eid: str, m: Manifest, tokens: Sequence[int], rec: Entry | No
     for a in m.attachments:
         lines.append(f"attachment  {a.schema} {json_text(a.metadata)}")
         lines.extend(f"         t{j}  {t.dtype} {list(t.shape)}" for j, t in enumerate(a.tensors))
-    for name, blocks in (("token blocks", m.token_blocks), ("state blocks", m.state_blocks)):
+    named = [("token blocks", m.token_blocks), ("state blocks", m.state_blocks)]
+    if m.window_blocks:
+        named.insert(1, ("window blocks", m.window_blocks))
+    for name, blocks in named:
         lines.append(f"{name} {len(blocks)}")
         for j, d in enumerate(blocks):
             ref = refs.get(d)  # (size, refcount); None for a block without a record

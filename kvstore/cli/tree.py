@@ -49,13 +49,15 @@ class NamespaceTree:
     n_tokens: dict[str, int]
     ends: list[str]  # entries without token blocks
     branches: list[Branch]
+    checkpoints: list[str] = field(default_factory=list)  # entries saved part-way, by prefill
 
     def to_json(self) -> dict[str, Any]:
         return {"namespace": ns_json(self.namespace), "entries": self.entries,
                 "referenced_bytes": self.referenced_bytes, "stored_bytes": self.stored_bytes,
                 "saved_bytes": self.referenced_bytes - self.stored_bytes,
                 "n_tokens": self.n_tokens, "ends": self.ends,
-                "branches": [b.to_json() for b in self.branches]}
+                "branches": [b.to_json() for b in self.branches],
+                "checkpoints": self.checkpoints}
 
 
 class _Node:
@@ -107,6 +109,8 @@ def build_forest(items: Iterable[tuple[Entry, Manifest]]) -> list[NamespaceTree]
         sizes, _ = manifest_block_sizes(specs, m.n_tokens, m.block_tokens, m.state_bytes,
                                         m.state_block_bytes)
         t.n_tokens[e.id] = e.n_tokens
+        if e.priority == "checkpoint":
+            t.checkpoints.append(e.id)
         node = t.top
         for b, d in enumerate(m.token_blocks):
             child = node.children.get(d)
@@ -119,25 +123,27 @@ def build_forest(items: Iterable[tuple[Entry, Manifest]]) -> list[NamespaceTree]
             node = child
         node.ends.append(e.id)
     return [NamespaceTree(ns, len(t.n_tokens), t.referenced, t.stored, t.n_tokens,
-                          list(t.top.ends), _branches(t.top, 0, 0))
+                          list(t.top.ends), _branches(t.top, 0, 0), t.checkpoints)
             for ns, t in sorted(trees.items(), key=lambda kv: ns_label(kv[0]))]
 
 
 class _Tree:
-    __slots__ = ("n_tokens", "referenced", "stored", "top")
+    __slots__ = ("checkpoints", "n_tokens", "referenced", "stored", "top")
 
     def __init__(self) -> None:
         self.top = _Node()
         self.referenced = self.stored = 0
         self.n_tokens: dict[str, int] = {}
+        self.checkpoints: list[str] = []  # entries saved part-way, by prefill
 
 
-def _branch_text(b: Branch, n_tokens: dict[str, int]) -> str:
+def _branch_text(b: Branch, n_tokens: dict[str, int], checkpoints: set[str]) -> str:
     head = (f"tokens {b.start_token}–{b.start_token + b.tokens} · {plural(b.blocks, 'block')} · "
             f"{format_bytes(b.nbytes)}")
     if len(b.entries) == 1:
         e = b.entries[0]
-        return f"{head} · {short_id(e)} ({plural(n_tokens[e], 'token')})"
+        what = ", checkpoint" if e in checkpoints else ""
+        return f"{head} · {short_id(e)} ({plural(n_tokens[e], 'token')}{what})"
     return f"{head} · shared by {len(b.entries)} entries"
 
 
@@ -147,27 +153,35 @@ def render_forest(forest: Sequence[NamespaceTree], *, ascii_only: bool = False) 
     blank = " " * len(bar)
     lines: list[str] = []
 
-    def walk(items: list[tuple[str, Branch | None]], pad: str, n_tokens: dict[str, int]) -> None:
+    def walk(items: list[tuple[str, Branch | None]], pad: str, n_tokens: dict[str, int],
+             checkpoints: set[str]) -> None:
         for i, (eid, b) in enumerate(items):
             end = i == len(items) - 1
             if b is None:
-                lines.append(f"{pad}{last if end else tee}● {short_id(eid)} "
-                             f"({plural(n_tokens[eid], 'token')}) ends here")
+                if eid in checkpoints:  # a state saved part-way through a prefill
+                    lines.append(f"{pad}{last if end else tee}◆ {short_id(eid)} "
+                                 f"({plural(n_tokens[eid], 'token')}) checkpoint")
+                else:
+                    lines.append(f"{pad}{last if end else tee}● {short_id(eid)} "
+                                 f"({plural(n_tokens[eid], 'token')}) ends here")
                 continue
-            lines.append(f"{pad}{last if end else tee}{_branch_text(b, n_tokens)}")
+            lines.append(f"{pad}{last if end else tee}{_branch_text(b, n_tokens, checkpoints)}")
             if len(b.entries) > 1:
                 walk([(e, None) for e in b.ends] + [("", c) for c in b.children],
-                     pad + (blank if end else bar), n_tokens)
+                     pad + (blank if end else bar), n_tokens, checkpoints)
 
     for t in forest:
         if lines:
             lines.append("")
         saved = t.referenced_bytes - t.stored_bytes
-        lines.append(f"{ns_label(t.namespace)}  {plural(t.entries, 'entry', 'entries')} · "
+        ckpt = f" ({plural(len(t.checkpoints), 'checkpoint')})" if t.checkpoints else ""
+        lines.append(f"{ns_label(t.namespace)}  {plural(t.entries, 'entry', 'entries')}{ckpt} · "
                      f"token blocks {format_bytes(t.referenced_bytes)} referenced, "
                      f"{format_bytes(t.stored_bytes)} stored (saves {format_bytes(saved)})")
-        walk([(e, None) for e in t.ends] + [("", b) for b in t.branches], "", t.n_tokens)
+        walk([(e, None) for e in t.ends] + [("", b) for b in t.branches], "", t.n_tokens,
+             set(t.checkpoints))
     text = "\n".join(lines)
     if ascii_only:
-        text = text.replace("–", "-").replace("·", "-").replace("●", "*")
+        text = (text.replace("–", "-").replace("·", "-").replace("●", "*")
+                .replace("◆", "+"))
     return text

@@ -13,6 +13,7 @@ from .base import (
     register,
     snapshot,
     step_capacity,
+    stored_snapshot,
 )
 from .raw import RawCache
 
@@ -28,4 +29,5 @@ __all__ = [
     "register",
     "snapshot",
     "step_capacity",
+    "stored_snapshot",
 ]

@@ -25,7 +25,9 @@ class TensorData:
 
     The bytes stored are ``array[..., :length, ...]`` along ``axis`` (the whole
     array when ``length`` is None). ``token`` says the tensor is cut into
-    token blocks; its ``length`` must then equal the entry's token count.
+    token blocks; its ``length`` must then equal the entry's token count, or,
+    with ``window_start``, the tokens ``[window_start, n)`` it holds (a window
+    tensor, stored in window blocks at the same absolute token positions).
     Keeping the full buffer plus a length lets the store write the live rows
     straight from MLX's memory, without a slice copy.
     """
@@ -34,6 +36,7 @@ class TensorData:
     axis: int = 0
     length: int | None = None
     token: bool = False
+    window_start: int | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -63,6 +66,13 @@ class Codec(ABC):
     @abstractmethod
     def snapshot(self, cache: Any) -> Snapshot:
         """The record and arrays of ``cache``; arrays need not be evaluated."""
+
+    def stored(self, cache: Any, n_tokens: int) -> Snapshot:
+        """The snapshot the store saves as an entry of ``n_tokens`` tokens: :meth:`snapshot`,
+        unless the kind lays its tensors out so that consecutive saves of one prompt
+        share blocks (a sliding window unrolled into token order). Files (mlx-bun) use
+        :meth:`snapshot`."""
+        return self.snapshot(cache)
 
     @abstractmethod
     def load(self, record: Any, arrays: list[mx.array], n_tokens: int, *, drop: int = 0) -> Any:
@@ -99,7 +109,7 @@ def cut_token_specs(record: Layer, n_tokens: int, **fields: Any) -> Layer | None
     """
     specs = []
     for spec in record.tensors:
-        if spec.token_axis is None:
+        if spec.token_axis is None or spec.window_start is not None:
             return None
         shape = list(spec.shape)
         shape[spec.token_axis] = n_tokens
@@ -138,6 +148,11 @@ def snapshot(cache: Any) -> Snapshot:
     return codec_for_cache(cache).snapshot(cache)
 
 
+def stored_snapshot(cache: Any, n_tokens: int) -> Snapshot:
+    """The snapshot the store saves of any cache object (:meth:`Codec.stored`)."""
+    return codec_for_cache(cache).stored(cache, n_tokens)
+
+
 def leaf(record: Layer, tensors: tuple[TensorData, ...]) -> Snapshot:
     """A snapshot of a leaf layer: the record's tensor specs filled from ``tensors``.
 
@@ -148,6 +163,7 @@ def leaf(record: Layer, tensors: tuple[TensorData, ...]) -> Snapshot:
             shape=td.shape,
             dtype=str(td.array.dtype).removeprefix("mlx.core."),
             token_axis=td.axis if td.token else None,
+            window_start=td.window_start if td.token else None,
         )
         for td in tensors
     )

@@ -26,6 +26,7 @@ from ..schema import (
     ListLayer,
     QuantizedLayer,
     RotatingLayer,
+    WindowLayer,
 )
 from .base import (
     Codec,
@@ -37,6 +38,7 @@ from .base import (
     register,
     snapshot,
     step_capacity,
+    stored_snapshot,
 )
 
 _MODULE = "mlx_lm.models.cache"
@@ -226,6 +228,96 @@ class RotatingCodec(_KVLike):
     def trimmable(self, record: Any) -> bool:
         return bool(record.offset < record.max_size)
 
+    def stored(self, cache: Any, n_tokens: int) -> Snapshot:
+        """The ring unrolled into token order (a :class:`WindowLayer`) when it holds the
+        entry's last tokens and can be rolled back exactly; else as laid out."""
+        unrolled = _unroll(cache) if int(cache.offset) == n_tokens else None
+        if unrolled is None:
+            return self.snapshot(cache)
+        start, keys, values = unrolled
+        rec = WindowLayer(
+            offset=int(cache.offset), max_size=int(cache.max_size), idx=int(cache._idx),
+            extra=_extra(cache),
+        )
+        rows = int(cache.offset) - start
+        return leaf(rec, tuple(
+            TensorData(a, axis=_SEQ, length=rows, token=True, window_start=start)
+            for a in (keys, values)
+        ))
+
+
+def _unroll(cache: Any) -> tuple[int, Any, Any] | None:
+    """``(first token held, keys, values)`` of a ring in token order, or None.
+
+    mlx-lm leaves a ``keep=0`` ring in one of three shapes: in token order with
+    ``_idx`` at its end (after a prefill chunk, or while it grows), or full
+    (``max_size`` rows) and wrapped at ``_idx``. Anything else (``keep`` rows, a
+    foreign file's layout) is stored as laid out.
+    """
+    keys, values = cache.keys, cache.values
+    if int(cache.keep) != 0 or keys is None or values is None:
+        return None
+    _check_rank(cache, keys)
+    _check_rank(cache, values)
+    size, offset, idx = keys.shape[_SEQ], int(cache.offset), int(cache._idx)
+    if values.shape[_SEQ] != size or offset <= 0:
+        return None
+    if idx == size and offset >= size:  # token order, every row live
+        return offset - size, keys, values
+    if idx == offset < size:  # still growing: rows [0, offset) live
+        return 0, keys, values  # the store writes the first `offset` rows
+    if size == int(cache.max_size) and 0 < idx < size and offset > size:  # wrapped
+        def unroll(a: Any) -> Any:
+            return mx.concatenate([a[..., idx:, :], a[..., :idx, :]], axis=_SEQ)
+
+        return offset - size, unroll(keys), unroll(values)
+    return None
+
+
+class WindowCodec(_KVLike):
+    """A :class:`WindowLayer`: a ring stored in token order, rolled back on restore.
+
+    Never picked for a cache object (``RotatingKVCache`` is the rotating codec's,
+    whose :meth:`RotatingCodec.stored` writes this record); it only loads.
+    """
+
+    kind = "window"
+    mlx_name = "RotatingKVCache"
+
+    def matches(self, cache: Any) -> bool:
+        return False
+
+    def record(self, cache: Any) -> Layer:
+        raise AssertionError("a window record is written by RotatingCodec.stored")
+
+    def new(self, record: Any) -> Any:
+        return self.mlx_class(max_size=record.max_size, keep=0)
+
+    def load(self, record: Any, arrays: list[mx.array], n_tokens: int, *, drop: int = 0) -> Any:
+        obj = self.new(record)
+        keys, values = arrays
+        rows = keys.shape[_SEQ]
+        idx = int(record.idx)
+        if idx != rows:  # wrapped at idx: the row at idx is the oldest
+            if not 0 < idx < rows:
+                raise CacheMismatchError(f"window layer: ring position {idx} of {rows} rows")
+            keys, values = (
+                mx.concatenate([a[..., rows - idx :, :], a[..., : rows - idx, :]], axis=_SEQ)
+                for a in (keys, values)
+            )
+        obj.keys, obj.values = keys, values
+        obj.offset = record.offset
+        obj._idx = idx
+        if drop:
+            obj.trim(drop)
+        return _keep_extra(obj, record)
+
+    def aligned(self, record: Any) -> bool:
+        return False
+
+    def trimmable(self, record: Any) -> bool:
+        return bool(record.offset < record.max_size)
+
 
 class ChunkedCodec(_KVLike):
     """Token-aligned while nothing was dropped from the front; state after."""
@@ -310,7 +402,12 @@ class ListCodec(Codec):
         return _is(cache, "CacheList")
 
     def snapshot(self, cache: Any) -> Snapshot:
-        snaps = [snapshot(c) for c in cache.caches]
+        return self._join(cache, [snapshot(c) for c in cache.caches])
+
+    def stored(self, cache: Any, n_tokens: int) -> Snapshot:
+        return self._join(cache, [stored_snapshot(c, n_tokens) for c in cache.caches])
+
+    def _join(self, cache: Any, snaps: list[Snapshot]) -> Snapshot:
         tensors = tuple(t for s in snaps for t in s.tensors)
         rec = ListLayer(children=tuple(s.record for s in snaps), extra=_extra(cache))
         return Snapshot(rec, tensors)
@@ -349,6 +446,7 @@ for _codec in (
     KVCodec(),
     QuantizedCodec(),
     RotatingCodec(),
+    WindowCodec(),
     ChunkedCodec(),
     ArraysCodec(),
     ListCodec(),

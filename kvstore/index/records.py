@@ -27,7 +27,7 @@ class EntryRecord(msgspec.Struct, kw_only=True):
     created_at: int
     last_access: int
     hits: int = 0
-    priority: int = 0  # 0 assistant (evicted first), 1 user, 2 system
+    priority: int = 0  # -1 checkpoint (evicted first), 0 assistant, 1 user, 2 system
 
 
 class Totals(msgspec.Struct, kw_only=True):

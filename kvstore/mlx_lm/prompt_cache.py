@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -32,8 +32,15 @@ from kvstore.store.upkeep.usage import Counts, failure_reason
 
 from .fingerprint import fingerprint_model, fingerprint_model_dir, namespace_for_path
 from .persist_stats import PersistStats
+from .prefill import CHECKPOINT, parse_checkpoint_type
 from .requests import CacheObserver, RequestRecord, RequestTracker
-from .writebehind import DEFAULT_DEFER_SECONDS, SaveDone, WriteBehind
+from .writebehind import (
+    DEFAULT_DEFER_SECONDS,
+    SaveDone,
+    WriteBehind,
+    cached_tokens,
+    register_exit_flush,
+)
 
 __all__ = [
     "PersistStats",
@@ -45,33 +52,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("kvstore.mlx_lm")
-
-
-def _register_exit_flush(fn: Callable[[], None]) -> None:
-    """Run `fn` at interpreter exit, before ``concurrent.futures`` shuts its pools.
-
-    Plain ``atexit`` runs after ``threading``'s exit hooks, when thread pools
-    (which the store may use to write blocks) refuse new work; ``threading``'s
-    own hook list runs first, in reverse order of registration.
-    """
-    import concurrent.futures.thread  # noqa: F401  (its hook must be registered before ours)
-
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is None:
-            raise RuntimeError("no threading._register_atexit")
-        register(fn)
-    except RuntimeError:
-        atexit.register(fn)
-
-
-def _cached_tokens(prompt_cache: Sequence[Any], n_tokens: int) -> int:
-    """How many tokens the cache holds: the attention layers' offset, else `n_tokens`."""
-    offsets: list[int] = []
-    for c in prompt_cache:
-        layers = getattr(c, "caches", None) or (c,)
-        offsets.extend(int(x.offset) for x in layers if isinstance(getattr(x, "offset", None), int))
-    return min(offsets) if offsets else n_tokens
 
 
 class TenantKey(NamedTuple):
@@ -160,7 +140,7 @@ class PersistentPromptCache:
                 obj.close(timeout=exit_timeout)
 
         self._atexit: Callable[[], None] = _flush_at_exit
-        _register_exit_flush(_flush_at_exit)
+        register_exit_flush(_flush_at_exit)
 
     # --- LRUPromptCache's interface -------------------------------------------
 
@@ -206,6 +186,13 @@ class PersistentPromptCache:
         have = len(tokens) - len(rest) if cache is not None else 0
         tier, miss = ("memory" if have else None), None
         if cache is None or rest:
+            # A snapshot still waiting to be written (a checkpoint the writer has not
+            # reached) is looked at before the store: one the writer commits meanwhile
+            # is then seen by one of the two.
+            pending = self._fetch_pending(model_key, tokens, have)
+            if pending is not None:
+                cache, rest = pending
+                have, tier = len(tokens) - len(rest), "memory"
             found, where, miss = self._fetch_from_store(model_key, tokens, have)
             if found is not None:
                 (cache, rest), tier = found, where
@@ -239,8 +226,22 @@ class PersistentPromptCache:
         *,
         cache_type: str = "assistant",
     ) -> None:
-        """Keep `prompt_cache` for `tokens` in memory and queue it for the store."""
+        """Keep `prompt_cache` for `tokens` in memory and queue it for the store.
+
+        A checkpoint (``cache_type`` ``"checkpoint"``, or the segment type that
+        ``kvstore serve`` gives its cuts) goes to the store only: mlx-lm's LRU keeps
+        every prefix of a cache that cannot be trimmed, so checkpoints there would
+        hold O(n^2) bytes for a long prompt. At most one checkpoint waits in the
+        write-behind queue; the next one waits for the writer to take it.
+        """
         model_key = self._tenant(model_key)
+        checkpoint = parse_checkpoint_type(cache_type)
+        if checkpoint is not None:  # a cut inside a request's prompt: one of its saves
+            rec, _ = self._requests.owner(tokens)
+            outcome = self._enqueue(model_key, tokens, prompt_cache, CHECKPOINT, len(tokens),
+                                    metadata=checkpoint)
+            self._requests.inserted(rec, False, outcome)
+            return
         self._memory.insert_cache(model_key, tokens, prompt_cache, cache_type=cache_type)
         rec, reply = self._requests.owner(tokens)
         # a reply's snapshot belongs to the conversation of every later one that starts
@@ -362,14 +363,29 @@ class PersistentPromptCache:
             return None, None, failure_reason(e)
         return (list(cache), list(tokens[match.length :])), match.origin or match.where, None
 
+    def _fetch_pending(
+        self, model_key: Hashable, tokens: list[int], have: int
+    ) -> tuple[list[Any], list[int]] | None:
+        """A copy of the longest snapshot still waiting to be written whose tokens are a
+        prefix of ``tokens[:-1]`` longer than ``have``, and the tokens after it."""
+        namespace = self._namespaces.get(model_key)
+        if namespace is None:
+            return None
+        found = self._writer.pending(namespace, tokens, have)
+        if found is None:
+            return None
+        n, cache = found
+        return cache, list(tokens[n:])
+
     def _enqueue(
         self, model_key: Hashable, tokens: list[int], prompt_cache: list[Any], cache_type: str,
-        stem: int,
+        stem: int, *, metadata: dict[str, str] | None = None,
     ) -> str:
         """Hand a snapshot to the write-behind queue; what became of it (the log's ``reply``):
         ``queued``, ``deferred``, ``short`` (under `min_tokens`), ``memory_only`` (a model
-        key that cannot be fingerprinted) or ``closed``."""
-        n = min(len(tokens), _cached_tokens(prompt_cache, len(tokens)))
+        key that cannot be fingerprinted) or ``closed``. ``metadata`` (a checkpoint's) is
+        stored instead of ``{"cache_type": cache_type}``."""
+        n = min(len(tokens), cached_tokens(prompt_cache, len(tokens)))
         if n < max(1, self.min_tokens):
             self._count("skipped")
             return "short"
@@ -378,7 +394,7 @@ class PersistentPromptCache:
             self._count("skipped")
             return "memory_only"
         return self._writer.submit(namespace, list(tokens[:n]), prompt_cache, cache_type,
-                                   stem=min(stem, n))
+                                   stem=min(stem, n), metadata=metadata)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:

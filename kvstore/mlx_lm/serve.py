@@ -36,6 +36,7 @@ from typing import Any
 
 from kvstore import KVStoreError, Store, _human, default_root
 from kvstore.mlx_lm import PersistentPromptCache
+from kvstore.mlx_lm.prefill import segmenting_tokenize
 from kvstore.store.tiers import DEFAULT_DEADLINE
 
 from .metrics import ServeMetrics
@@ -139,6 +140,17 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not check each block's digest as a restore reads it (faster restores; "
         "a block damaged on disk is then handed to the model)",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="for a model whose cache cannot be trimmed (hybrid, sliding window), save a "
+        "checkpoint to the store every N prompt tokens, so a prompt that diverges part-way "
+        "restores the deepest one before it (default: per model, at least 1024 and a whole "
+        "number of blocks, enough that a checkpoint's own bytes are at most a quarter of its "
+        "interval's key/value bytes; 0: off)",
     )
     g.add_argument(
         "--defer-seconds",
@@ -361,6 +373,8 @@ def _serve(argv: list[str]) -> int:
     import mlx_lm.server as server
 
     ours, rest = _parser().parse_known_args(argv)
+    if ours.checkpoint_every is not None and ours.checkpoint_every < 0:
+        raise ServeError(f"--checkpoint-every must be >= 0, got {ours.checkpoint_every}")
     if not ours.defer_seconds >= 0:  # NaN too
         raise ServeError(f"--defer-seconds must be >= 0, got {ours.defer_seconds:g}")
     if not ours.remote_deadline > 0:
@@ -403,9 +417,12 @@ def _serve(argv: list[str]) -> int:
             made.append(cache)
             return cache
 
+        tokenize = segmenting_tokenize(server.ResponseGenerator._tokenize,
+                                       ours.checkpoint_every, store.block_tokens)
         try:
             with (
                 _swapped(server, "LRUPromptCache", factory),
+                _swapped(server.ResponseGenerator, "_tokenize", tokenize),
                 _swapped(server, "_run_http_server", _stopping_on_error(
                     metrics.run_http_server(server._run_http_server))),
                 _swapped(server, "scan_cache_dir",

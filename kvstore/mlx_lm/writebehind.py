@@ -16,11 +16,20 @@ the oldest deferred ones are dropped first (what their conversation had before i
 stored). ``defer_seconds=0`` writes every snapshot at once.
 Caches that cannot be trimmed (hybrid and sliding-window checkpoints, which serve only
 their exact length) are never deferred or replaced.
+
+**Checkpoints** (``cache_type`` ``"checkpoint"``, saved with priority ``"checkpoint"``;
+see :mod:`kvstore.mlx_lm.prefill`) are queued at once and never deferred. Memory stays
+bounded: at most one checkpoint waits in the queue (beside the one being written); the
+next :meth:`WriteBehind.submit` of a checkpoint blocks until the worker has taken the
+waiting one. :meth:`WriteBehind.pending` finds a snapshot still queued or being written,
+so a request that comes before its save still reuses it.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
+import copy
 import logging
 import threading
 import time
@@ -34,6 +43,8 @@ from mlx_lm.models import cache as _cache
 
 from kvstore import Namespace, Store
 
+from .prefill import CHECKPOINT
+
 __all__ = ["SaveDone", "WriteBehind", "common_prefix"]
 
 logger = logging.getLogger("kvstore.mlx_lm")
@@ -42,16 +53,45 @@ DEFAULT_DEFER_SECONDS = 300.0
 _can_trim: Callable[[Any], bool] = _cache.can_trim_prompt_cache
 
 
+
+def register_exit_flush(fn: Callable[[], None]) -> None:
+    """Run `fn` at interpreter exit, before ``concurrent.futures`` shuts its pools.
+
+    Plain ``atexit`` runs after ``threading``'s exit hooks, when thread pools
+    (which the store may use to write blocks) refuse new work; ``threading``'s
+    own hook list runs first, in reverse order of registration.
+    """
+    import concurrent.futures.thread  # noqa: F401  (its hook must be registered before ours)
+
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(fn)
+    except RuntimeError:
+        atexit.register(fn)
+
+
+def cached_tokens(prompt_cache: Sequence[Any], n_tokens: int) -> int:
+    """How many tokens the cache holds: the attention layers' offset, else `n_tokens`."""
+    offsets: list[int] = []
+    for c in prompt_cache:
+        layers = getattr(c, "caches", None) or (c,)
+        offsets.extend(int(x.offset) for x in layers if isinstance(getattr(x, "offset", None), int))
+    return min(offsets) if offsets else n_tokens
+
+
 @dataclass
 class Job:
     namespace: Namespace
     tokens: list[int]
     cache: list[Any]
-    cache_type: str  # "assistant", "user" or "system", as mlx-lm's server names them
+    cache_type: str  # "assistant", "user", "system" (mlx-lm's server's) or "checkpoint"
     nbytes: int
     trimmable: bool
     stem: int = 0  # a later snapshot sharing this many leading tokens replaces it
     since: float = 0.0  # time.monotonic() when it was deferred
+    metadata: dict[str, str] | None = None  # stored instead of {"cache_type": cache_type}
 
 
 @dataclass(frozen=True)
@@ -113,9 +153,14 @@ class WriteBehind:
     # --- what to do with a snapshot ---------------------------------------------------
 
     def submit(self, namespace: Namespace, tokens: list[int], prompt_cache: list[Any],
-               cache_type: str, *, stem: int | None = None) -> str:
+               cache_type: str, *, stem: int | None = None,
+               metadata: dict[str, str] | None = None) -> str:
         """Queue or defer a snapshot of ``tokens`` (the cache holds exactly them); returns
         ``queued``, ``deferred`` or ``closed`` (dropped: the queue is closed).
+
+        A checkpoint (``cache_type`` ``"checkpoint"``) is queued, never deferred, and waits
+        here while another checkpoint waits in the queue. ``metadata`` is stored with the
+        entry (default ``{"cache_type": cache_type}``).
 
         ``stem`` (default: all of ``tokens``): a later snapshot that shares this many
         leading tokens with this one continues its conversation and replaces it while it
@@ -124,13 +169,21 @@ class WriteBehind:
         mx.eval(cache_arrays(prompt_cache))  # materialise here; the worker reads bytes only
         job = Job(namespace, tokens, list(prompt_cache), cache_type,
                   sum(int(c.nbytes) for c in prompt_cache), _can_trim(prompt_cache),
-                  stem=len(tokens) if stem is None else min(stem, len(tokens)))
-        defer = job.trimmable and self.defer_seconds > 0 and not self._new_block(job)
+                  stem=len(tokens) if stem is None else min(stem, len(tokens)),
+                  metadata=metadata)
+        checkpoint = cache_type == CHECKPOINT
+        defer = (not checkpoint and job.trimmable and self.defer_seconds > 0
+                 and not self._new_block(job))
         with self._cond:
+            if checkpoint:  # memory stays bounded: one checkpoint waits at most
+                self._cond.wait_for(
+                    lambda: self._closed
+                    or not any(q.cache_type == CHECKPOINT for q in self._queue)
+                )
             if self._closed:
                 self.counts["dropped"] += 1
                 return "closed"
-            if job.trimmable:
+            if job.trimmable and not checkpoint:
                 self._drop_superseded(job)
             if defer:
                 job.since = time.monotonic()
@@ -236,6 +289,7 @@ class WriteBehind:
                 self._queued_bytes -= job.nbytes
                 self._inflight = True
                 self._current = job
+                self._cond.notify_all()  # a checkpoint waiting for room may queue now
             done = self._save(job)
             del job
             with self._cond:
@@ -262,7 +316,7 @@ class WriteBehind:
             info = self.store.save(
                 job.tokens,
                 job.cache,
-                metadata={"cache_type": job.cache_type},
+                metadata=job.metadata or {"cache_type": job.cache_type},
                 priority=job.cache_type,  # type: ignore[arg-type]
                 namespace=job.namespace,
                 reuse_prefix=self.reuse_prefix,
@@ -273,6 +327,24 @@ class WriteBehind:
         added = int(info.logical_bytes) * (n - min(have, n)) // n if info.created else 0
         return SaveDone(time.perf_counter() - t0, n, int(info.new_bytes), int(info.logical_bytes),
                         added)
+
+    def pending(self, namespace: Namespace, tokens: Sequence[int],
+                have: int) -> tuple[int, list[Any]] | None:
+        """``(n, cache)``: a copy of the longest snapshot queued or being written (not a
+        deferred one: mlx-lm's memory tier holds those) whose ``n`` tokens are a prefix of
+        ``tokens[:-1]`` and more than ``have``; None when there is none."""
+        with self._cond:
+            jobs = [*self._queue, *([self._current] if self._current is not None else [])]
+            best = max(
+                (j for j in jobs
+                 if j.namespace == namespace and have < len(j.tokens) < len(tokens)
+                 and list(tokens[: len(j.tokens)]) == j.tokens),
+                key=lambda j: len(j.tokens),
+                default=None,
+            )
+            if best is None:
+                return None
+            return len(best.tokens), copy.deepcopy(best.cache)
 
     # --- waiting and closing ------------------------------------------------------------
 

@@ -34,7 +34,7 @@ class IndexViews:
         out: dict[str, int] = {}
         with self.index.read() as txn:
             for i, m in manifests.items():
-                digests = dict.fromkeys((*m.token_blocks, *m.state_blocks))
+                digests = dict.fromkeys(m.all_blocks())
                 refs = (self.index.get_ref(d, txn) for d in digests)
                 out[i] = sum(r.size for r in refs if r is not None and r.refcount == 1)
         return out

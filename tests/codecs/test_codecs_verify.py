@@ -41,12 +41,12 @@ def test_every_codec_case_through_verify_read_data_and_repair(tmp_path: Path) ->
     nothing = _cli("verify", "--read-data", "--repair", "--root", root, cwd=tmp_path)
     assert nothing.returncode == 0 and "nothing needed repair" in nothing.stdout, nothing
 
-    # spoil the last block of every entry (a token block where it has any)
+    # spoil the last block of every entry (a token block where it has any, else a window block)
     bad: dict[str, bytes] = {}
     with kvstore.Store.open(root, create=False) as s:
         for name, eid in ids.items():
             m = s.manifest(eid)
-            d = bytes((m.token_blocks or m.state_blocks)[-1])
+            d = bytes((m.token_blocks or m.window_blocks or m.state_blocks)[-1])
             bad[name] = d
     for d in set(bad.values()):
         path = _block_file(root, d)

@@ -15,6 +15,7 @@ from factories import (
     cache_list,
     chunked_cache,
     kv_cache,
+    prefilled_rotating_cache,
     quantized_cache,
     rotating_cache,
     same_bits,
@@ -36,6 +37,10 @@ CASES: dict[str, tuple[Any, int]] = {
     "quantized-8bit": (lambda n: [quantized_cache(n, 7, bits=8)], 50),
     "rotating-before-wrap": (lambda n: [rotating_cache(n, 64, 8)], 40),
     "rotating-after-wrap": (lambda n: [rotating_cache(n, 32, 9, keep=4)], 75),
+    # keep=0 rings are stored unrolled in token order (window blocks), rolled back on restore
+    "window-after-wrap": (lambda n: [rotating_cache(n, 32, 18)], 75),
+    "window-after-prefill": (lambda n: [prefilled_rotating_cache(n, 24, 20, 19)], 70),
+    "window-growing": (lambda n: [rotating_cache(n, 64, 21)], 20),
     "arrays-ssm": (lambda n: [arrays_cache(10)], 30),
     "arrays-bf16": (lambda n: [arrays_cache(11, mx.bfloat16)], 30),
     "chunked": (lambda n: [chunked_cache(n, 128, 12)], 60),

@@ -19,7 +19,15 @@ import mlx.core as mx
 from ..._vio import ShortReadError, preadv_all
 from ...blocks import BlockCheck
 from ...blocks.pools import READ_WORKERS, balanced, read_pool
-from ...codecs.layout import block_rows, geometry, spec_nbytes
+from ...codecs.layout import (
+    block_rows,
+    geometry,
+    in_token_blocks,
+    in_window_blocks,
+    spec_nbytes,
+    window_first_block,
+    window_rows,
+)
 from ...codecs.mxload import TensorStream, load_tensors
 from ...schema import TensorSpec
 
@@ -77,16 +85,21 @@ def plan_runs(
     token_blocks: int,
     state_blocks: int,
     state_block: int,
+    window_blocks: int = 0,
 ) -> tuple[list[tuple[str, list[int]]], list[list[Run]]]:
     """For each tensor: (dtype, shape as restored) and the runs that fill it.
 
     ``n_tokens`` is the entry's length (it fixes the block layout); ``length``
-    the prefix restored (it fixes which rows are read). The read uses
-    ``token_blocks`` token blocks and ``state_blocks`` state blocks: token block
-    ``b`` is slot ``b``, state block ``j`` slot ``token_blocks + j``.
+    the prefix restored (it fixes which token-block rows are read; window
+    tensors are read whole). The read uses ``token_blocks`` token blocks,
+    ``window_blocks`` window blocks and ``state_blocks`` state blocks: token block
+    ``b`` is slot ``b``, window block ``i`` slot ``token_blocks + i``, state block
+    ``j`` slot after those.
     """
     specs = [w.spec for w in wants]
-    token_specs = [s for s in specs if s.token_axis is not None]
+    window = _window_runs(specs, n_tokens, block_tokens, window_blocks, token_blocks)
+    n_slots = token_blocks + window_blocks
+    token_specs = [s for s in specs if in_token_blocks(s)]
     geoms = {id(s): geometry(s.shape, s.dtype, s.token_axis) for s in token_specs}
     # byte offset of each token tensor inside block b: sum of earlier tensors' share
     n_blocks = token_blocks
@@ -102,6 +115,10 @@ def plan_runs(
     for w in wants:
         s = w.spec
         runs: list[Run] = []
+        if in_window_blocks(s):
+            shapes.append((s.dtype, list(s.shape)))
+            plans.append(window[id(s)])
+            continue
         if s.token_axis is not None:
             g = geoms[id(s)]
             cap = w.capacity if w.capacity is not None else length
@@ -129,11 +146,35 @@ def plan_runs(
                 if blk >= state_blocks:
                     raise IndexError(f"state block {blk} of {state_blocks}")
                 take = min(end - pos, state_block - off)
-                runs.append(Run(pos - s.state_offset, take, n_blocks + blk, off))
+                runs.append(Run(pos - s.state_offset, take, n_slots + blk, off))
                 pos += take
         shapes.append((s.dtype, shape))
         plans.append(runs)
     return shapes, plans
+
+
+def _window_runs(
+    specs: Sequence[TensorSpec], n_tokens: int, T: int, n_blocks: int, slot0: int
+) -> dict[int, list[Run]]:
+    """The runs that fill each window tensor (by ``id`` of its spec) from the ``n_blocks``
+    window blocks, the first of them slot ``slot0``."""
+    window = [s for s in specs if in_window_blocks(s)]
+    first = window_first_block(window, T)
+    out: dict[int, list[Run]] = {id(s): [] for s in window}
+    for i in range(n_blocks):
+        b = first + i
+        pos = 0  # where the next tensor's rows start inside this block
+        for s in window:
+            assert s.window_start is not None and s.token_axis is not None
+            g = geometry(s.shape, s.dtype, s.token_axis)
+            a, z = window_rows(s.window_start, b, n_tokens, T)
+            if z <= a:
+                continue
+            piece = (z - a) * g.row_bytes
+            out[id(s)].append(Run(a * g.row_bytes, piece, slot0 + i, pos, g.outer,
+                                  g.rows * g.row_bytes, piece))
+            pos += g.outer * piece
+    return out
 
 
 class BlockFiles(Protocol):

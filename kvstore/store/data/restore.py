@@ -13,7 +13,12 @@ from typing import Any
 from ...blocks import BlockCheck, BlockStore
 from ...catalog.base import open_manifest
 from ...codecs import AttachmentData, codec_for_record
-from ...codecs.layout import manifest_block_sizes, n_token_blocks
+from ...codecs.layout import (
+    in_token_blocks,
+    manifest_block_sizes,
+    n_token_blocks,
+    window_block_sizes,
+)
 from ...errors import (
     CacheMismatchError,
     CorruptBlockError,
@@ -68,8 +73,10 @@ def _read_once(
             tok_sizes, state_sizes = manifest_block_sizes(
                 specs, m.n_tokens, m.block_tokens, m.state_bytes, m.state_block_bytes
             )
+            win_sizes = window_block_sizes(specs, m.n_tokens, m.block_tokens)
             n_read = n_token_blocks(length, m.block_tokens) if m.token_blocks else 0
             needed = list(zip(m.token_blocks[:n_read], tok_sizes[:n_read], strict=True))
+            needed += list(zip(m.window_blocks, win_sizes, strict=True))
             needed += list(zip(m.state_blocks, state_sizes, strict=True))
             files = _BlockFiles(root.blocks, needed)
             files.open_window(0, reader.FD_WINDOW)
@@ -191,7 +198,7 @@ def _materialize(
     for layer in _leaves(m.layers):
         codec = codec_for_record(layer)
         for spec in layer.tensors:
-            cap = codec.token_capacity(layer, length) if spec.token_axis is not None else None
+            cap = codec.token_capacity(layer, length) if in_token_blocks(spec) else None
             wants.append(Want(spec, cap))
     for a in m.attachments:
         wants.extend(Want(t) for t in a.tensors)
@@ -201,6 +208,7 @@ def _materialize(
         length=length,
         block_tokens=m.block_tokens,
         token_blocks=n_read,
+        window_blocks=len(m.window_blocks),
         state_blocks=len(m.state_blocks),
         state_block=m.state_block_bytes,
     )

@@ -12,7 +12,8 @@ from ...catalog import keys as P
 from ...catalog.base import Ensure
 from ...catalog.find import find
 from ...catalog.records import PRIORITIES, Records, encoded, records_of
-from ...codecs import AttachmentData, RawCache, snapshot
+from ...codecs import AttachmentData, RawCache, snapshot, stored_snapshot
+from ...codecs.layout import in_token_blocks
 from ...errors import CacheMismatchError, ManifestError
 from ...index import now_ms
 from ...schema import (
@@ -82,7 +83,8 @@ def draft(
     n, T = len(tk), s.block_tokens
     if n > MAX_TOKENS:  # no reader would take its manifest (kvstore.schema's bounds)
         raise ManifestError(f"an entry of {n} tokens: at most {MAX_TOKENS} are stored")
-    snaps = [snapshot(c) for c in cache] + [_attachment_snapshot(a) for a in attachments]
+    snaps = [stored_snapshot(c, n) for c in cache]
+    snaps += [_attachment_snapshot(a) for a in attachments]
     n_layers = len(cache)
     layers, blockset = place(snaps, n, T, s.state_block_bytes)
     known = reusable_prefix(root, tk, layers[:n_layers]) if reuse_prefix else []
@@ -98,6 +100,7 @@ def draft(
         tokens=tk.le,
         layers=layers[:n_layers],
         token_blocks=tuple(blockset.token_digests),
+        window_blocks=tuple(blockset.window_digests),
         state_blocks=tuple(blockset.state_digests),
         state_bytes=blockset.state_bytes,
         attachments=tuple(
@@ -147,7 +150,7 @@ def _token_layout(layers: Sequence[Layer]) -> list[tuple[str, int, tuple[int, ..
     return [
         (s.dtype, s.token_axis, s.shape[: s.token_axis] + s.shape[s.token_axis + 1 :])
         for s in iter_tensor_specs(tuple(layers))
-        if s.token_axis is not None
+        if in_token_blocks(s) and s.token_axis is not None
     ]
 
 

@@ -27,6 +27,8 @@ from ...codecs.layout import (
     dtype_name,
     geometry,
     n_token_blocks,
+    window_first_block,
+    window_rows,
 )
 from ...codecs.pieces import cut
 from ...errors import CacheMismatchError, UnsupportedDtypeError
@@ -46,13 +48,18 @@ class BlockSet:
     token_digests: list[Digest] = field(default_factory=list)
     state_digests: list[Digest] = field(default_factory=list)
     state_bytes: int = 0
+    window_pieces: list[Pieces] = field(default_factory=list)
+    window_digests: list[Digest] = field(default_factory=list)
 
     def by_digest(self) -> dict[bytes, Pieces]:
         out: dict[bytes, Pieces] = {}
-        for d, p in zip(self.token_digests, self.token_pieces, strict=True):
-            out.setdefault(d, p)
-        for d, p in zip(self.state_digests, self.state_pieces, strict=True):
-            out.setdefault(d, p)
+        for digests, pieces in (
+            (self.token_digests, self.token_pieces),
+            (self.window_digests, self.window_pieces),
+            (self.state_digests, self.state_pieces),
+        ):
+            for d, p in zip(digests, pieces, strict=True):
+                out.setdefault(d, p)
         return out
 
 
@@ -97,11 +104,14 @@ def place(
     for i, (td, (arr, mv)) in enumerate(zip(tds, views, strict=True)):
         shape = td.shape
         if td.token:
-            if td.length != n_tokens:
+            first = td.window_start or 0
+            if td.length != n_tokens - first or not 0 <= first < n_tokens:
+                held = f"{td.length} tokens" + (f" from token {first}" if first else "")
                 raise CacheMismatchError(
-                    f"tensor {i} holds {td.length} tokens but {n_tokens} tokens were given"
+                    f"tensor {i} holds {held} but {n_tokens} tokens were given"
                 )
-            specs.append(TensorSpec(shape=shape, dtype=dtype_name(arr.dtype), token_axis=td.axis))
+            specs.append(TensorSpec(shape=shape, dtype=dtype_name(arr.dtype), token_axis=td.axis,
+                                    window_start=td.window_start))
         else:
             rows = td.length if td.length is not None else 0
             runs = _runs(td, arr, mv, 0, rows) if td.length is not None else [mv]
@@ -109,7 +119,21 @@ def place(
             state_runs.extend(runs)
             offset += sum(len(r) for r in runs)
     out = BlockSet(state_bytes=offset)
-    token = [(td, arr, mv) for td, (arr, mv) in zip(tds, views, strict=True) if td.token]
+    token = [(td, arr, mv) for td, (arr, mv) in zip(tds, views, strict=True)
+             if td.token and td.window_start is None]
+    window = [(td, arr, mv) for td, (arr, mv) in zip(tds, views, strict=True)
+              if td.token and td.window_start is not None]
+    if window:
+        specs_w = [sp for sp in specs if sp.window_start is not None]
+        for b in range(window_first_block(specs_w, block_tokens),
+                       n_token_blocks(n_tokens, block_tokens)):
+            run: Pieces = []
+            for td, arr, mv in window:
+                assert td.window_start is not None
+                a, z = window_rows(td.window_start, b, n_tokens, block_tokens)
+                if z > a:
+                    run.extend(_runs(td, arr, mv, a, z))
+            out.window_pieces.append(run)
     if token:
         for b in range(n_token_blocks(n_tokens, block_tokens)):
             start = b * block_tokens
@@ -197,7 +221,7 @@ def write_blocks(store: BlockStore, bs: BlockSet, known: Sequence[bytes] = ()) -
     already published stay, as orphans that compact removes after the grace
     (another save may be using them by then).
     """
-    all_pieces = bs.token_pieces[len(known) :] + bs.state_pieces
+    all_pieces = bs.token_pieces[len(known) :] + bs.window_pieces + bs.state_pieces
     nbytes = sum(len(p) for pieces in all_pieces for p in pieces)
 
     def task(pieces: Pieces) -> tuple[Digest, Staged | None]:
@@ -218,8 +242,10 @@ def write_blocks(store: BlockStore, bs: BlockSet, known: Sequence[bytes] = ()) -
             raise error
         results = [r for r in outcomes if not isinstance(r, BaseException)]
         n_tok = len(bs.token_pieces) - len(known)
+        n_win = n_tok + len(bs.window_pieces)
         bs.token_digests = [Digest(d) for d in known] + [d for d, _ in results[:n_tok]]
-        bs.state_digests = [d for d, _ in results[n_tok:]]
+        bs.window_digests = [d for d, _ in results[n_tok:n_win]]
+        bs.state_digests = [d for d, _ in results[n_win:]]
         fresh = [st for _, st in results if st is not None]
         if store.durable and fresh:
             error = _first_error(_map(store.sync_staged, fresh, nbytes))

@@ -23,7 +23,7 @@ from ...catalog import keys as P
 from ...catalog.base import Catalog, Ensure, open_manifest
 from ...catalog.find import DepthReader, Match
 from ...catalog.records import Records, records_of, trimmable
-from ...errors import KVStoreError
+from ...errors import KVStoreError, ManifestError
 from ...index import DeletePlan, EntryRecord, Index, SavePlan
 from ...schema import Manifest
 
@@ -85,6 +85,16 @@ class LocalReader(DepthReader):
         raw = self.index.get_manifest(digest, self.txn)
         return None if raw is None else open_manifest(raw, digest)
 
+    def _judged(self, digest: bytes) -> Manifest | None:
+        """An entry's manifest for judging a match; None when it is gone or fails
+        validation (a lying manifest is no match: ``verify`` reports it, and a lookup, a
+        restore or a save that meets it goes on as if it were not there)."""
+        try:
+            return self.manifest(digest)
+        except ManifestError:
+            _log.warning("kvstore: entry %s has an invalid manifest; passed over", digest.hex())
+            return None
+
     def best_at(self, tk: P.TokenKeys, k: int) -> Match | None:
         key = tk.chain[k]
         best, crowded = None, False
@@ -121,7 +131,7 @@ class LocalReader(DepthReader):
             n_entry = base + len(etail) // 4
             if len(etail) == 4 * cap:  # the entry goes on past what the value holds
                 if lcp == cap:  # and so may the match: compare the entry's own tokens
-                    m = self.manifest(digest)
+                    m = self._judged(digest)
                     if m is None:
                         continue
                     lcp = P.common_tokens(m.tokens[4 * base : 4 * (base + T)],
@@ -151,7 +161,7 @@ class LocalReader(DepthReader):
             digest = self.index.find_exact(tk.exact_key(length), self.txn)
             if digest is None:
                 continue
-            m = self.manifest(digest)
+            m = self._judged(digest)
             if m is None:
                 continue
             return Match(Digest(digest), length, length == n_q, trimmable(m.layers), length)

@@ -28,11 +28,13 @@ grace has passed: with a grace ``g``, physical bytes stay within
 namespace, the distinct blocks its own entries reference (a block shared by
 two namespaces counts in both).
 
-**Order.** Victims are chosen as mlx-lm's ``LRUPromptCache.CacheOrder.pop``
-does, so the disk tier behaves like the memory tier in front of it: one
-least-recently-used queue per priority (assistant, user, system); take from the
-lowest class whose queue is at least as long as the next class's, else move up.
-A restore counts as an access (``Store.load`` stamps ``last_access``).
+**Order.** Checkpoints go first, thinned (:mod:`kvstore.store.upkeep.thinning`: the
+intermediate ones by level, then the deepest of each conversation). Then victims
+are chosen as mlx-lm's ``LRUPromptCache.CacheOrder.pop`` does, so the disk tier
+behaves like the memory tier in front of it: one least-recently-used queue per
+priority (assistant, user, system); take from the lowest class whose queue is at
+least as long as the next class's, else move up. A restore counts as an access
+(``Store.load`` stamps ``last_access``).
 
 Verification and repair live in :mod:`kvstore.store.upkeep.verify` and
 :mod:`kvstore.store.upkeep.repair`.
@@ -40,7 +42,6 @@ Verification and repair live in :mod:`kvstore.store.upkeep.verify` and
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,7 @@ from ...catalog.base import Plan, open_manifest
 from ...index import EntryRecord, RefInfo, Totals, now_ms
 from ..local.root import Root
 from .sweep import batches, orphan_files, stale_tmp_files, unlink_orphans, unlink_tmp
+from .thinning import EvictionOrder, checkpoint_order
 from .verify import Progress
 
 DEFAULT_GRACE = 600.0  # seconds
@@ -87,33 +89,6 @@ class CompactReport:
 
 def _cutoff_ms(grace: float) -> int:
     return now_ms() - int(grace * 1000)
-
-
-class EvictionOrder:
-    """mlx-lm's ``CacheOrder``: per-priority LRU queues and its balance rule."""
-
-    def __init__(self, rows: Iterable[tuple[bytes, EntryRecord]]) -> None:
-        by_class: dict[int, list[tuple[int, bytes]]] = {0: [], 1: [], 2: []}
-        for d, rec in rows:
-            by_class[min(max(rec.priority, 0), 2)].append((rec.last_access, d))
-        self._lrus = [deque(d for _, d in sorted(by_class[p])) for p in (0, 1, 2)]
-
-    def pop(self, skip: set[bytes] | None = None) -> bytes | None:
-        """The next victim, or None when every queue is empty."""
-        while True:
-            d = self._pop()
-            if d is None or skip is None or d not in skip:
-                return d
-
-    def _pop(self) -> bytes | None:
-        lrus = self._lrus
-        for i in range(len(lrus) - 1):
-            if lrus[i] and len(lrus[i]) >= len(lrus[i + 1]):
-                return lrus[i].popleft()
-        for q in reversed(lrus):  # only the last is non-empty by now, if any
-            if q:
-                return q.popleft()
-        return None
 
 
 # --- the budget ------------------------------------------------------------------------
@@ -159,6 +134,17 @@ def _snapshot(root: Root, txn: Any) -> _Snapshot:
         rec.namespace = names.setdefault(rec.namespace, rec.namespace)
         entries[d] = rec
     return _Snapshot(root, txn, entries, root.index.totals(txn))
+
+
+def _order(snap: _Snapshot, rows: list[tuple[bytes, EntryRecord]]) -> EvictionOrder:
+    """The eviction order of ``rows``: checkpoints thinned first (their tokens read from
+    their manifests, in the plan's read transaction), then mlx-lm's classes."""
+
+    def tokens_of(digest: bytes) -> bytes | None:
+        raw = snap.root.index.get_manifest(digest, snap.txn)
+        return None if raw is None else bytes(open_manifest(raw, digest).tokens)
+
+    return EvictionOrder(rows, checkpoint_order(rows, tokens_of))
 
 
 def plan_evictions(
@@ -217,7 +203,7 @@ def _plan_in(
             for b in ns_count:
                 snap.ref(b)
             ns_bytes = sum(sizes.get(b, 0) for b in ns_count)
-            order = EvictionOrder(rows)
+            order = _order(snap, rows)
             while ns_bytes > namespace_max_bytes:
                 v = order.pop(chosen)
                 if v is None:
@@ -228,7 +214,7 @@ def _plan_in(
                     if ns_count[b] == 0:
                         ns_bytes -= sizes.get(b, 0)
     if max_bytes is not None and live > max_bytes:
-        order = EvictionOrder(snap.entries.items())
+        order = _order(snap, list(snap.entries.items()))
         while live > max_bytes:
             v = order.pop(chosen)
             if v is None:

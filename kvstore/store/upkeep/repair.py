@@ -30,10 +30,11 @@ from ..local.root import Root
 
 
 class _Blocks(msgspec.Struct):
-    """The two digest lists of a manifest; decoding only these skips the rest."""
+    """The digest lists of a manifest; decoding only these skips the rest."""
 
     token_blocks: tuple[bytes, ...] = ()
     state_blocks: tuple[bytes, ...] = ()
+    window_blocks: tuple[bytes, ...] = ()
 
 
 _blocks_dec = msgspec.msgpack.Decoder(_Blocks)
@@ -137,7 +138,7 @@ def plan_for_blocks(
             b = _blocks_dec.decode(v)
         except (msgspec.DecodeError, RecursionError):  # layers nested past any cache
             continue  # verify reports it as a bad manifest
-        if hit.intersection(b.token_blocks) or hit.intersection(b.state_blocks):
+        if hit.intersection((*b.token_blocks, *b.window_blocks, *b.state_blocks)):
             users.append(d)
     removed = set(users)
     taken: set[bytes] = set()
@@ -166,7 +167,7 @@ def _cut(
     taken: set[bytes],
 ) -> Cut | None:
     """The entry ``m`` cut back to the token blocks before its first bad one, if it can be."""
-    if bad.intersection(m.state_blocks):
+    if bad.intersection((*m.state_blocks, *m.window_blocks)):
         return None
     k = next((i for i, b in enumerate(m.token_blocks) if b in bad), 0)
     short = cut_manifest(m, k)
