@@ -368,7 +368,9 @@ class PersistentPromptCache:
     ) -> tuple[list[Any], list[int]] | None:
         """A copy of the longest snapshot still waiting to be written whose tokens are a
         prefix of ``tokens[:-1]`` longer than ``have``, and the tokens after it."""
-        namespace = self._namespaces.get(model_key)
+        if model_key not in self._namespaces and not isinstance(model_key, TenantKey):
+            return None  # never fingerprinted here: nothing of it was queued
+        namespace = self.namespace_for(model_key)  # a tenant's: derived from its model's
         if namespace is None:
             return None
         found = self._writer.pending(namespace, tokens, have)
