@@ -118,6 +118,26 @@ def test_a_waiting_checkpoint_is_found_and_the_next_one_waits_its_turn(
     pc.close()
 
 
+def test_a_tenants_waiting_checkpoint_is_found_by_that_tenant_alone(
+    store: kvstore.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = _Gate(store, monkeypatch)
+    pc = _cache(store)
+    t = list(range(1, 200))
+    pc.set_tenant("tenant-a")
+    pc.insert_cache(KEY, t[:50], _hybrid(t[:50]), cache_type="system")  # the writer holds it
+    assert gate.entered.wait(30)
+    pc.insert_cache(KEY, t[:64], _hybrid(t[:64]), cache_type="checkpoint")  # queued
+    cache, rest = pc.fetch_nearest_cache(KEY, t[:100])
+    assert cache is not None and rest == t[64:100]  # the same salt: found in the queue
+    pc.set_tenant("tenant-b")
+    cache, rest = pc.fetch_nearest_cache(KEY, t[:100])
+    assert cache is None and rest == t[:100]  # another salt: never
+    gate.release.set()
+    assert pc.drain(30) and pc.saved == 2
+    pc.close()
+
+
 def test_a_checkpoint_is_never_deferred_nor_replaces_a_deferred_snapshot(
     store: kvstore.Store,
 ) -> None:
