@@ -208,6 +208,22 @@ class BlockStore(abc.ABC):
         finally:
             f.close()
 
+    def hash_stored(self, digest: bytes) -> bytes:
+        """The digest of the block's bytes as stored (unverified)."""
+        return hash_bytes(self.algo, self.get(digest, verify=False))
+
+    def _misstated(self, digest: bytes, actual: int, size: int) -> tuple[str, str, int]:
+        """:meth:`inspect`'s verdict on a block of ``actual`` bytes asked for as ``size``:
+        'sized' when its bytes hash to ``digest`` (the size is a manifest's lie), else
+        'corrupt'."""
+        try:
+            good = self.hash_stored(digest) == digest
+        except (BlockNotFoundError, CorruptBlockError):
+            good = False
+        if good:
+            return "sized", f"{actual} bytes hashing to its name, not {size}", actual
+        return "corrupt", f"{actual} bytes, not {size}", 0
+
     def inspect(self, digest: bytes, size: int, *, read_data: bool) -> tuple[str, str, int]:
         """``(state, what is wrong, bytes hashed)`` of one block: state is 'ok', 'missing',
         'corrupt' (the wrong size, or with ``read_data`` bytes that do not hash to
@@ -217,13 +233,7 @@ class BlockStore(abc.ABC):
         if st is None:
             return "missing", "no block", 0
         if st.size != size:
-            try:
-                good = hash_bytes(self.algo, self.get(digest, verify=False)) == digest
-            except (BlockNotFoundError, CorruptBlockError):
-                good = False
-            if good:
-                return "sized", f"{st.size} bytes hashing to its name, not {size}", st.size
-            return "corrupt", f"{st.size} bytes, not {size}", 0
+            return self._misstated(digest, st.size, size)
         if not read_data:
             return "ok", "", 0
         try:
