@@ -91,3 +91,24 @@ def publish_raw(remote: Any, raw: bytes, like: Records) -> bytes:
         c.put(marker_key(p, ck, d, like.n_tokens, like.trimmable), b"")
     c.put(exact_marker(p, like.exact_key, d, like.trimmable), b"")
     return d
+
+
+def assert_refused_in_bounded_memory(raw: bytes, words: str, what: str) -> None:
+    """``decode_manifest(raw)`` is a ManifestError saying ``words``, and allocates at most
+    about four times the manifest's own bytes on the way (a lie never sizes a buffer)."""
+    import tracemalloc
+
+    import pytest
+
+    from kvstore.errors import ManifestError
+    from kvstore.schema import decode_manifest
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ManifestError) as e:
+            decode_manifest(raw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert words in str(e.value)
+    assert peak < 4 * len(raw) + (1 << 20), f"{what}: {peak} bytes allocated"
