@@ -5,13 +5,6 @@ with a few bytes on disk per checkpoint. Tiny random-weight models, built locall
 
 from __future__ import annotations
 
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +12,7 @@ from typing import Any
 
 import mlx_lm
 import pytest
+from helpers.serving import server_process
 
 import kvstore
 from kvstore.codecs.layout import geometry, in_token_blocks, in_window_blocks
@@ -40,40 +34,13 @@ def _kinds(kinds: list[str], quick: set[str] = QUICK) -> list[Any]:
     return [pytest.param(k, marks=() if k in quick else pytest.mark.slow) for k in kinds]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def serve(model: Path, root: Path, log: Path, *extra: str) -> Iterator[Any]:
     """``kvstore serve`` on 127.0.0.1 and an ``openai`` client for it."""
-    port = _free_port()
-    argv = [sys.executable, "-m", "kvstore.serve", "--root", str(root), "--model", str(model),
-            "--min-tokens", "32", "--host", "127.0.0.1", "--port", str(port), *extra]
-    with log.open("a") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                    break
-                except (urllib.error.URLError, ConnectionError):
-                    assert proc.poll() is None, log.read_text()[-3000:]
-                    assert time.monotonic() < deadline, log.read_text()[-3000:]
-                    time.sleep(0.2)
-            yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                                timeout=300, max_retries=0)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    assert proc.returncode in (0, -signal.SIGTERM), log.read_text()[-3000:]
+    with server_process("kvstore.serve", ["--root", str(root), "--model", str(model),
+                                          "--min-tokens", "32", *extra], log,
+                        client_timeout=300) as (_, client):
+        yield client
 
 
 def ask(client: Any, messages: list[dict[str, str]], max_tokens: int = 4) -> tuple[int, int, str]:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.serving import server_process
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.tiny import make_tiny_model, sample_text
 
 openai = pytest.importorskip("openai")
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @dataclass
 class Server:
@@ -53,33 +46,10 @@ class Server:
 
 @contextmanager
 def _server(model: Path, root: Path, log: Path) -> Iterator[Server]:
-    port = _free_port()
-    argv = [sys.executable, "-m", "kvstore.serve", "--root", str(root), "--min-tokens", "16",
-            "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "INFO"]
-    with log.open("a") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                    break
-                except (urllib.error.URLError, ConnectionError):
-                    assert proc.poll() is None, log.read_text()[-3000:]
-                    assert time.monotonic() < deadline, log.read_text()[-3000:]
-                    time.sleep(0.2)
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                                   timeout=120, max_retries=0)
-            yield Server(port, client, log)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    assert proc.returncode in (0, -signal.SIGTERM), log.read_text()[-3000:]
+    with server_process("kvstore.serve", ["--root", str(root), "--min-tokens", "16",
+                                          "--model", str(model), "--log-level", "INFO"],
+                        log) as (port, client):
+        yield Server(port, client, log)
 
 
 def _ask(server: Server, history: list[dict[str, str]], user: str) -> tuple[int, int]:

@@ -5,20 +5,14 @@ official ``openai`` client (``extra_body``) on a tiny random-weight model."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.serving import server_process
 
 from kvstore import KVStoreError, Namespace, Store
 from kvstore.mlx_lm.tenants import check_salt
@@ -33,41 +27,13 @@ SALT_B = "tenant-bravo-8d2a6c40"
 SALT_C = "tenant-charlie-51e0b9aa"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def _server(model: Path, root: Path, log: Path) -> Iterator[Any]:
-    port = _free_port()
-    argv = [sys.executable, "-m", "kvstore.serve", "--root", str(root), "--min-tokens", "16",
-            "--defer-seconds", "0", "--model", str(model), "--host", "127.0.0.1",
-            "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if k != SALT_KEY_ENV}
-    with log.open("a") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                    break
-                except (urllib.error.URLError, ConnectionError):
-                    assert proc.poll() is None, log.read_text()[-3000:]
-                    assert time.monotonic() < deadline, log.read_text()[-3000:]
-                    time.sleep(0.2)
-            yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                                timeout=120, max_retries=0)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    assert proc.returncode in (0, -signal.SIGTERM), log.read_text()[-3000:]
+    with server_process("kvstore.serve", ["--root", str(root), "--min-tokens", "16",
+                                          "--defer-seconds", "0", "--model", str(model)],
+                        log, env=env) as (_, client):
+        yield client
 
 
 def _ask(client: Any, system: str, user: str, salt: str | None) -> int:

@@ -21,7 +21,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from helpers.serving import wait_healthy
 
 pytest.importorskip("openai")
 
@@ -77,15 +77,7 @@ def _serving(command: str, env: dict[str, str], log: Path, port: int) -> Iterato
         proc = subprocess.Popen(["bash", "-c", f"exec {command}"], stdout=out,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            deadline = time.monotonic() + 900  # the first one fetches and converts
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                    break
-                except (urllib.error.URLError, ConnectionError):
-                    assert proc.poll() is None, log.read_text()[-3000:]
-                    assert time.monotonic() < deadline, log.read_text()[-3000:]
-                    time.sleep(0.5)
+            wait_healthy(proc, port, log, 900, poll=0.5)  # the first one fetches and converts
             yield
         finally:
             os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does

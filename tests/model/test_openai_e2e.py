@@ -7,13 +7,9 @@ Every request carries the whole history, as chat clients do. Greedy decoding
 from __future__ import annotations
 
 import json
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.serving import server_process
 
 from kvstore.bench.model_cases import SYSTEM, TURNS  # the conversation the bench measures
 
@@ -32,46 +29,18 @@ REPLY_TOKENS = 8
 MIN_TOKENS = "32"  # persist even the short prompts of this suite
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def _server(model: Path, root: Path | None, log: Path, *extra: str) -> Iterator[Any]:
     """A server on 127.0.0.1: ours on `root` (with `extra` options), or plain
     ``mlx_lm.server`` when `root` is None."""
-    port = _free_port()
     if root is None:
-        argv = [sys.executable, "-m", "mlx_lm.server"]
+        module, args = "mlx_lm.server", []
     else:
-        argv = [sys.executable, "-m", "kvstore.serve", "--root", str(root),
-                "--min-tokens", MIN_TOKENS, *extra]
-    argv += ["--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-             "--log-level", "INFO"]
-    with log.open("a") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                    break
-                except (urllib.error.URLError, ConnectionError):
-                    assert proc.poll() is None, log.read_text()[-3000:]
-                    assert time.monotonic() < deadline, log.read_text()[-3000:]
-                    time.sleep(0.3)
-            yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                                timeout=300, max_retries=0)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    assert proc.returncode in (0, -signal.SIGTERM), log.read_text()[-3000:]
+        module, args = "kvstore.serve", ["--root", str(root), "--min-tokens", MIN_TOKENS,
+                                         *extra]
+    with server_process(module, [*args, "--model", str(model), "--log-level", "INFO"], log,
+                        client_timeout=300) as (_, client):
+        yield client
 
 
 @dataclass

@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.serving import server_process
 from helpers.slowproxy import SlowProxy, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -58,40 +55,12 @@ class Server:
         return r.choices[0].message.content, (details.cached_tokens or 0) if details else 0, took
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def _server(args: list[str], log: Path, endpoint: str) -> Iterator[Server]:
-    port = _free_port()
-    argv = [sys.executable, "-m", "kvstore.serve", *args, "--host", "127.0.0.1", "--port",
-            str(port), "--log-level", "INFO"]
-    with log.open("a") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "AWS_ENDPOINT_URL": endpoint})
-        try:
-            end = time.monotonic() + 120
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                    break
-                except (urllib.error.URLError, ConnectionError):
-                    assert proc.poll() is None, log.read_text()[-3000:]
-                    assert time.monotonic() < end, log.read_text()[-3000:]
-                    time.sleep(0.2)
-            yield Server(port, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1",
-                                             api_key="unused", timeout=120, max_retries=0))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    assert proc.returncode in (0, -signal.SIGTERM), log.read_text()[-3000:]
+    with server_process("kvstore.serve", [*args, "--log-level", "INFO"], log,
+                        env={**os.environ, "AWS_ENDPOINT_URL": endpoint},
+                        stop_timeout=90) as (port, client):
+        yield Server(port, client)
 
 
 @pytest.mark.slow
