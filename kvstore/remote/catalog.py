@@ -13,13 +13,17 @@ With a signing key (:class:`~kvstore.catalog.signing.Signer`), every manifest th
 puts carries its tag in the same PUT (``x-amz-meta-kvstore-sig``), and every manifest it
 reads must carry a right one: a refused manifest (an
 :class:`~kvstore.catalog.signing.UnsignedManifestError`) is never judged, returned or
-cached, and is logged and reported (``on_refused``) once per entry.
+cached, and is logged and reported (``on_refused``) once per entry. A refusal stands for
+``REFUSED_FOR`` seconds: lookups in that time do not fetch the manifest again (a bucket
+seeded with unsigned entries costs one GET each, not one per lookup); after it the
+manifest is read again, since a machine with the key may have signed it meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
@@ -56,6 +60,7 @@ CACHED = 512  # manifests kept decoded
 PRIORITY_META = "priority"  # the manifest object's metadata key: the entry's priority
 SIG_META = "kvstore-sig"  # the manifest object's metadata key: its signature (signed entries)
 REFUSED_LOGGED = 4096  # refused entries remembered (each is logged once)
+REFUSED_FOR = 60.0  # seconds a refusal stands before the manifest is read again
 _log = logging.getLogger("kvstore")
 
 
@@ -128,7 +133,8 @@ class RemoteCatalog(Catalog):
         self.on_reused: Callable[[bytes], None] | None = None
         #: Called once per entry whose manifest a reader with the key refused.
         self.on_refused: Callable[[bytes], None] | None = None
-        self._refused: OrderedDict[bytes, None] = OrderedDict()
+        #: Refused entries: when each was last refused, and why.
+        self._refused: OrderedDict[bytes, tuple[float, UnsignedManifestError]] = OrderedDict()
 
     # --- helpers --------------------------------------------------------------------
 
@@ -231,6 +237,9 @@ class RemoteCatalog(Catalog):
             if hit is not None:
                 self._cache.move_to_end(digest)
                 return hit
+            no = self._refused.get(digest)
+        if no is not None and time.monotonic() - no[0] < REFUSED_FOR:
+            raise UnsignedManifestError(no[1].where, no[1].why)  # refused a moment ago
         read = self._read(digest)
         if read is None:
             return None
@@ -243,6 +252,7 @@ class RemoteCatalog(Catalog):
             raise
         got = _Cached(raw, m, _priority(meta.get(PRIORITY_META)))
         with self._lock:
+            self._refused.pop(digest, None)  # signed since it was refused
             self._cache[digest] = got
             while len(self._cache) > CACHED:
                 self._cache.popitem(last=False)
@@ -259,11 +269,14 @@ class RemoteCatalog(Catalog):
         return records_of(got.manifest, got.raw, digest, priority=got.priority)
 
     def _refuse(self, digest: bytes, e: UnsignedManifestError) -> None:
-        """Log and report a refused entry, the first time this catalog refuses it."""
+        """Remember a refused entry; log and report it the first time this catalog
+        refuses it."""
         with self._lock:
-            if digest in self._refused:
+            known = digest in self._refused
+            self._refused[digest] = (time.monotonic(), e)
+            self._refused.move_to_end(digest)
+            if known:
                 return
-            self._refused[digest] = None
             while len(self._refused) > REFUSED_LOGGED:
                 self._refused.popitem(last=False)
         _log.warning("kvstore: %s", e)
@@ -271,9 +284,11 @@ class RemoteCatalog(Catalog):
             self.on_refused(digest)
 
     def forget(self, digest: bytes) -> None:
-        """Drop a cached manifest (its entry was removed)."""
+        """Drop a cached manifest and a refusal of it (its entry was removed, or this
+        machine signed it)."""
         with self._lock:
             self._cache.pop(digest, None)
+            self._refused.pop(digest, None)
 
     def complete(self) -> dict[bytes, bool]:
         """Every entry whose exact marker is there (a finished push): digest -> trimmable."""

@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import kvstore
 from kvstore.blocks import hash_bytes
 from kvstore.catalog.records import Records, records_of
 from kvstore.remote import Remote
+from kvstore.remote import catalog as catalog_module
 from kvstore.remote.layout import ACCESS, manifest_key
 from kvstore.schema import Manifest
 
@@ -331,6 +333,42 @@ def test_a_keyed_push_signs_its_entry_found_unsigned(tmp_path: Path, url: str) -
         cache, n = b.restore(toks)
         assert n == len(toks) and cache is not None and matches(cache, toks, n)
         assert b.counters.values().remote_refused == 0
+
+
+def test_a_refusal_stands_a_while_then_the_manifest_is_read_again(
+        tmp_path: Path, url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A keyed reader fetches a refused manifest once per ``REFUSED_FOR`` seconds, not once
+    per lookup; after that it reads it again, and an entry a machine with the key signed
+    meanwhile is then restored."""
+    toks = tokens_for(12, 3 * T + 1)
+    with keyless(tmp_path / "x", url) as x:
+        eid = save_and_push(x, toks)
+    with keyed(tmp_path / "b", url) as b:
+        cat = b.remote.catalog  # type: ignore[union-attr]
+        key = manifest_key(cat.prefix, bytes.fromhex(eid))
+        gets: list[str] = []
+        real = cat.client.get_with_metadata
+
+        def counted(k: str, **kw: Any) -> tuple[bytes, dict[str, str]]:
+            gets.append(k)
+            return real(k, **kw)
+
+        monkeypatch.setattr(cat.client, "get_with_metadata", counted)
+        for _ in range(3):
+            assert b.lookup(toks) is None
+        assert gets.count(key) == 1
+        with keyed(tmp_path / "x", url, push=False) as x:  # a machine with the key signs it
+            assert x.push(60, everything=True).entries == 1
+        assert b.lookup(toks) is None and gets.count(key) == 1  # the refusal still stands
+        now = time.monotonic()
+        monkeypatch.setattr(catalog_module.time, "monotonic",
+                            lambda: now + catalog_module.REFUSED_FOR + 1)
+        m = b.lookup(toks)
+        assert m is not None and (m.entry_id, m.where, m.length) == (eid, "remote", len(toks))
+        assert gets.count(key) == 2
+        cache, n = b.restore(toks)
+        assert n == len(toks) and cache is not None and matches(cache, toks, n)
+        assert b.counters.values().remote_refused == 1
 
 
 def test_the_cli_with_a_key_file(tmp_path: Path, url: str) -> None:
