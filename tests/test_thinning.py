@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import array
 from pathlib import Path
-from typing import Any
 
-import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache
+from helpers.kv import hybrid_cache
 
 import kvstore
 from kvstore.index import EntryRecord
@@ -59,17 +57,6 @@ def test_order_intermediate_by_level_then_the_deepest_then_nothing_else() -> Non
     ]
 
 
-def _hybrid(tokens: list[int]) -> list[Any]:
-    kv = KVCache()
-    t = mx.array(tokens, dtype=mx.float32).reshape(1, 1, len(tokens), 1)
-    k = mx.broadcast_to(t, (1, 2, len(tokens), 8))
-    kv.update_and_fetch(k, -k)
-    ssm = ArraysCache(1)
-    # 16 KiB of state, its own at each depth of each conversation
-    ssm[0] = mx.full((1, 64, 64), float(tokens[0] * 10000 + len(tokens)))
-    return [kv, ssm]
-
-
 def test_compact_thins_checkpoints_before_anything_else(tmp_path: Path) -> None:
     doc = list(range(100, 100 + 8 * 4 * T))
     other = list(range(5000, 5000 + 2 * 4 * T))
@@ -77,12 +64,12 @@ def test_compact_thins_checkpoints_before_anything_else(tmp_path: Path) -> None:
     ids: dict[str, str] = {}
     with kvstore.Store.open(root, namespace=NS, block_tokens=T) as s:
         for k in range(1, 9):  # a checkpoint every 4 blocks, as prefill saves them
-            ids[f"d{k}"] = s.save(doc[: 4 * T * k], _hybrid(doc[: 4 * T * k]),
+            ids[f"d{k}"] = s.save(doc[: 4 * T * k], hybrid_cache(doc[: 4 * T * k]),
                                   priority="checkpoint", reuse_prefix=True).id
         for k in (1, 2):
-            ids[f"o{k}"] = s.save(other[: 4 * T * k], _hybrid(other[: 4 * T * k]),
+            ids[f"o{k}"] = s.save(other[: 4 * T * k], hybrid_cache(other[: 4 * T * k]),
                                   priority="checkpoint").id
-        ids["end"] = s.save(doc + [1, 2], _hybrid(doc + [1, 2]), priority="user").id
+        ids["end"] = s.save(doc + [1, 2], hybrid_cache(doc + [1, 2]), priority="user").id
         before = s.stats().physical_bytes
         state = 64 * 64 * 4
         # room for all but three checkpoints' states: exactly three go
@@ -114,9 +101,9 @@ def test_a_record_rebuilt_from_the_manifest_is_still_a_checkpoint(tmp_path: Path
     alone: a checkpoint keeps its priority, so it is still thinned first."""
     toks = list(range(300, 300 + 4 * T))
     with kvstore.Store.open(tmp_path / "root", namespace=NS, block_tokens=T) as s:
-        ckpt = s.save(toks, _hybrid(toks), priority="checkpoint",
+        ckpt = s.save(toks, hybrid_cache(toks), priority="checkpoint",
                       metadata={"cache_type": "checkpoint"}).id
-        user = s.save(toks + [1], _hybrid(toks + [1]), priority="user",
+        user = s.save(toks + [1], hybrid_cache(toks + [1]), priority="user",
                       metadata={"cache_type": "user"}).id
         with s.index.write() as txn:
             for eid in (ckpt, user):
@@ -134,9 +121,9 @@ def test_the_save_time_budget_thins_checkpoints_first(tmp_path: Path) -> None:
     doc = list(range(100, 100 + 4 * 4 * T))
     root = tmp_path / "root"
     with kvstore.Store.open(root, namespace=NS, block_tokens=T) as s:
-        old = s.save(list(range(7000, 7000 + 2 * T)), _hybrid(list(range(7000, 7000 + 2 * T))),
+        old = s.save(list(range(7000, 7000 + 2 * T)), hybrid_cache(list(range(7000, 7000 + 2 * T))),
                      priority="assistant").id  # the least recently used entry of all
-        ids = {f"d{k}": s.save(doc[: 4 * T * k], _hybrid(doc[: 4 * T * k]),
+        ids = {f"d{k}": s.save(doc[: 4 * T * k], hybrid_cache(doc[: 4 * T * k]),
                                priority="checkpoint", reuse_prefix=True).id
                for k in range(1, 5)}
         live = s.stats().physical_bytes
@@ -144,7 +131,7 @@ def test_the_save_time_budget_thins_checkpoints_first(tmp_path: Path) -> None:
     # the end adds its state and a 2-token block: the budget has room for the block only
     with kvstore.Store.open(root, namespace=NS, block_tokens=T, max_bytes=live + 256,
                             gc_grace=0) as s:
-        s.save(end, _hybrid(end), priority="user", reuse_prefix=True)
+        s.save(end, hybrid_cache(end), priority="user", reuse_prefix=True)
         left = {e.id for e in s.entries()}
         assert set(ids.values()) - left == {ids["d1"]}  # level 6, least recently used
         assert old in left

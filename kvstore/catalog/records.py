@@ -80,6 +80,11 @@ def chain_of(m: Manifest) -> list[bytes]:
     return P.chain(c0, m.tokens, T, m.hash, m.n_tokens // T)
 
 
+def namespace_of(m: Manifest) -> str:
+    """The entry's namespace as its records keep it (canonical JSON of the manifest's)."""
+    return _ns_json.encode(m.namespace).decode()
+
+
 def priority_of(m: Manifest) -> int:
     """The priority the manifest names (its mlx-lm cache type), else assistant's."""
     return PRIORITIES.get(m.metadata.get(CACHE_TYPE, ""), 0)
@@ -118,7 +123,7 @@ def records_of(
         n_tokens=m.n_tokens,
         block_tokens=m.block_tokens,
         trimmable=trimmable(m.layers),
-        namespace=_ns_json.encode(m.namespace).decode(),
+        namespace=namespace_of(m),
         logical_bytes=sum(sizes[bytes(b)] for b in m.all_blocks()),
         created_at=m.created_at,
         last_access=int(time.time() * 1000) if last_access is None else last_access,

@@ -35,7 +35,7 @@ from ..blocks import Digest
 from ..catalog import keys as P
 from ..catalog.base import Catalog, Ensure, open_manifest
 from ..catalog.find import DepthReader, Match
-from ..catalog.records import PRIORITY_NAMES, Records, records_of
+from ..catalog.records import PRIORITY_NAMES, Records, priority_of, records_of
 from ..catalog.signing import Signer, UnsignedManifestError
 from ..errors import DigestMismatchError, ManifestError
 from ..schema import MAX_MANIFEST_BYTES, Manifest
@@ -262,6 +262,14 @@ class RemoteCatalog(Catalog):
         got = self._get(digest)
         return None if got is None else (got.raw, got.manifest)
 
+    def ranked(self, digest: bytes) -> tuple[Manifest, int] | None:
+        """The entry's manifest and priority (its object's metadata, else its manifest's
+        cache type: :func:`priority_of`), from one read; None when the manifest is gone."""
+        got = self._get(digest)
+        if got is None:
+            return None
+        return got.manifest, priority_of(got.manifest) if got.priority is None else got.priority
+
     def records(self, digest: bytes) -> Records | None:
         got = self._get(digest)
         if got is None:
@@ -372,10 +380,12 @@ class RemoteCatalog(Catalog):
 
 
 def _priority(raw: str | None) -> int | None:
-    """A priority the metadata names (its number), or None for none or a stray value."""
-    if raw is None or not raw.isdigit() or int(raw) not in PRIORITY_NAMES:
+    """A priority the metadata names (its number: -1 for a checkpoint), or None for none
+    or a stray value."""
+    if raw is None or len(raw) > 2 or raw.lstrip("-") not in ("0", "1", "2"):
         return None
-    return int(raw)
+    got = int(raw)
+    return got if got in PRIORITY_NAMES else None
 
 
 __all__ = ["RemoteCatalog", "RemoteReader"]

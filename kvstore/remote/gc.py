@@ -7,7 +7,10 @@ is taken first; then markers, blocks and manifests are listed, in that order; ev
 batch of deletes is preceded by a check that the lease is still ours with more than
 its margin left; the lease is released last. Evicting an entry deletes its markers
 (it stops matching), then its manifest; its blocks are then unreferenced. As the local
-root's, it is a plan (:func:`plan_compact`) that does exactly what it says, once.
+root's, it is a plan (:func:`plan_compact`) that does exactly what it says, once, and it
+evicts in the root's order of checkpoints (kvstore.catalog.thinning: the intermediate ones
+by level, then each conversation's deepest), then every other entry least recently used
+first.
 
 A compactor with the signing key acts on signed manifests only: a refused one (unsigned,
 or signed with another key or for another store) is never evicted, its markers and
@@ -30,7 +33,9 @@ import msgspec
 from .._crash import crash_point
 from ..blocks.base import BlockStat
 from ..catalog.base import Plan, open_manifest
+from ..catalog.records import namespace_of
 from ..catalog.signing import UnsignedManifestError
+from ..catalog.thinning import checkpoint_order
 from ..errors import KVStoreError
 from ..schema import Manifest
 from .errors import RemoteLeaseError, RemoteNotFoundError
@@ -145,26 +150,27 @@ def _plan(remote: RemoteTier, max_bytes: int | None, grace: float,
     listed = {d: o.mtime for o in c.list(p + MANIFESTS) if (d := entry_of_key(o.key))}
     access, access_keys, rep.access_ignored = remote.read_access()
 
-    def load(d: bytes) -> tuple[bytes, Manifest | None, set[bytes] | None]:
+    def load(d: bytes) -> tuple[bytes, tuple[Manifest, int] | None, set[bytes] | None]:
         try:
-            return d, remote.manifest(d)[1], None
+            return d, remote.catalog.ranked(d), None
         except UnsignedManifestError:
             return d, None, _named_blocks(remote, d)
         except (KVStoreError, msgspec.DecodeError, ValueError):
             return d, None, None
 
     mans: dict[bytes, Manifest] = {}
+    priority: dict[bytes, int] = {}
     pinned: set[bytes] = set()  # blocks refused manifests name: not swept
     refused: set[bytes] = set()
-    for d, m, named in remote.map(load, list(listed)):
+    for d, got, named in remote.map(load, list(listed)):
         if named is not None:
             refused.add(d)
             pinned |= named
-        elif m is None:
+        elif got is None:
             if d in listed and not _gone(remote, d):
                 rep.bad_manifests.append(d.hex())
         else:
-            mans[d] = m
+            mans[d], priority[d] = got
     rep.refused = sorted(d.hex() for d in refused)
     refs: dict[bytes, int] = defaultdict(int)
     uses = {d: set(m.block_digests()) for d, m in mans.items()}
@@ -176,7 +182,7 @@ def _plan(remote: RemoteTier, max_bytes: int | None, grace: float,
     last = {d: max(listed[d], access.get(d, 0.0)) for d in mans}
     evict: list[bytes] = []
     if max_bytes is not None:
-        for d in sorted(mans, key=lambda d: (last[d], d)):
+        for d in _order(mans, priority, last):
             if live <= max_bytes:
                 break
             evict.append(d)
@@ -210,6 +216,28 @@ def _plan(remote: RemoteTier, max_bytes: int | None, grace: float,
     return RemoteCompactPlan(remote, leased, rep, evict_markers,
                              [manifest_key(p, d) for d in evict], dangling, sweep, merged,
                              access_keys)
+
+
+@dataclass(frozen=True)
+class _Ranked:
+    """What the checkpoints' order reads of a remote entry (catalog.thinning.Ranked)."""
+
+    priority: int
+    namespace: str
+    n_tokens: int
+    last_access: float
+
+
+def _order(mans: dict[bytes, Manifest], priority: dict[bytes, int],
+           last: dict[bytes, float]) -> list[bytes]:
+    """The eviction order: the checkpoints first, thinned as the root's compaction thins
+    them (:func:`~kvstore.catalog.thinning.checkpoint_order`), then every other entry,
+    least recently used first."""
+    rows = [(d, _Ranked(priority[d], namespace_of(m), m.n_tokens, last[d]))
+            for d, m in mans.items()]
+    first = checkpoint_order(rows, lambda d: bytes(mans[d].tokens))
+    early = set(first)
+    return first + sorted((d for d in mans if d not in early), key=lambda d: (last[d], d))
 
 
 def _named_blocks(remote: RemoteTier, d: bytes) -> set[bytes]:

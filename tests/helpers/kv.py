@@ -35,6 +35,20 @@ def make_cache(tokens: Sequence[int]) -> list[Any]:
     return [prefix_cache(tokens, mx.float16, heads=H, dim=D)]
 
 
+def hybrid_cache(tokens: Sequence[int]) -> list[Any]:
+    """A cache that cannot be trimmed: attention rows that follow the tokens, and an
+    SSM-like state of 16 KiB, its own at each depth of each conversation."""
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    kv = KVCache()
+    t = mx.array(list(tokens), dtype=mx.float32).reshape(1, 1, len(tokens), 1)
+    k = mx.broadcast_to(t, (1, 2, len(tokens), 8))
+    kv.update_and_fetch(k, -k)
+    ssm = ArraysCache(1)
+    ssm[0] = mx.full((1, 64, 64), float(tokens[0] * 10000 + len(tokens)))
+    return [kv, ssm]
+
+
 def matches(cache: list[Any], tokens: Sequence[int], length: int) -> bool:
     """True when ``cache`` holds exactly the rows of ``tokens[:length]``."""
     if len(cache) != 1:

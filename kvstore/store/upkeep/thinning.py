@@ -1,34 +1,17 @@
-"""The order in which compaction evicts checkpoints (issue 26): before every other entry,
-the intermediate ones thinned out first, the deepest of each conversation last.
-
-A checkpoint (priority ``"checkpoint"``, saved part-way through a prefill) is worth less
-than the entries mlx-lm's server keeps (a conversation's ends), and a conversation's
-intermediate checkpoints are worth less than its deepest one: the deepest serves every
-prompt that goes on past it (all the questions about one document), an intermediate one
-only a prompt that parts from the conversation before the next checkpoint (an edit).
-So compaction takes, in order:
-
-1. the **intermediate** checkpoints (some other checkpoint of the namespace extends
-   their tokens), by level: first those at odd multiples of the interval, then at odd
-   multiples of twice the interval, and so on (the level of a depth ``n`` is the number
-   of trailing zero bits of ``n``), least recently used first within a level. Each
-   level gone doubles the spacing of what is left, in every conversation at once,
-   instead of emptying one conversation while another keeps its finest checkpoints;
-2. the **deepest** checkpoint of each conversation, least recently used first;
-3. then the other entries, in mlx-lm's order (:class:`~kvstore.store.upkeep.gc.EvictionOrder`).
-
-Evicting a checkpoint is evicting an entry like any other (its blocks' refcounts, prefix
-keys and exact key go in the same transaction), so nothing is left pointing at it; an
-intermediate checkpoint whose extensions are evicted first simply becomes the deepest.
+"""Compaction's eviction order on the local root: the checkpoints first, thinned
+(:func:`~kvstore.catalog.thinning.checkpoint_order`, shared with the remote's
+compaction), then mlx-lm's ``CacheOrder`` (:class:`EvictionOrder`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
-from ...catalog.records import PRIORITIES
+from ...catalog.thinning import CHECKPOINT_PRIORITY, checkpoint_order, level
 from ...index import EntryRecord
+
+__all__ = ["EvictionOrder", "CHECKPOINT_PRIORITY", "checkpoint_order", "level"]
 
 
 class EvictionOrder:
@@ -64,45 +47,3 @@ class EvictionOrder:
             if q:
                 return q.popleft()
         return None
-
-
-__all__ = ["EvictionOrder", "CHECKPOINT_PRIORITY", "checkpoint_order", "level"]
-
-#: ``EntryRecord.priority`` of a checkpoint.
-CHECKPOINT_PRIORITY = PRIORITIES["checkpoint"]
-
-
-def level(n_tokens: int) -> int:
-    """How coarse a checkpoint's depth is: the trailing zero bits of ``n_tokens``."""
-    return (n_tokens & -n_tokens).bit_length() - 1 if n_tokens > 0 else 0
-
-
-def checkpoint_order(
-    rows: Iterable[tuple[bytes, EntryRecord]], tokens_of: Callable[[bytes], bytes | None]
-) -> list[bytes]:
-    """The checkpoints among ``rows`` (digest, record) in the order to evict them.
-
-    ``tokens_of(digest)`` gives an entry's tokens as stored (u32 little-endian), None
-    when its manifest is gone (it is then left out: another process removed it).
-    """
-    found: list[tuple[bytes, EntryRecord, bytes]] = []
-    for d, rec in rows:
-        if rec.priority != CHECKPOINT_PRIORITY:
-            continue
-        toks = tokens_of(d)
-        if toks is not None:
-            found.append((d, rec, toks))
-    # Sorted by (namespace, tokens as bytes), whatever starts with an entry's tokens
-    # comes right after it: an entry is extended iff its successor starts with it.
-    found.sort(key=lambda x: (x[1].namespace, x[2]))
-    thin: list[tuple[int, int, bytes]] = []
-    deepest: list[tuple[int, bytes]] = []
-    for i, (d, rec, toks) in enumerate(found):
-        nxt = found[i + 1] if i + 1 < len(found) else None
-        extended = (nxt is not None and nxt[1].namespace == rec.namespace
-                    and len(nxt[2]) > len(toks) and nxt[2].startswith(toks))
-        if extended:
-            thin.append((level(rec.n_tokens), rec.last_access, d))
-        else:
-            deepest.append((rec.last_access, d))
-    return [d for *_, d in sorted(thin)] + [d for _, d in sorted(deepest)]
