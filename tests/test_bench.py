@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -252,3 +253,18 @@ def test_benchmarks_md_tables_use_the_benchs_own_row_names(
     assert len(names) >= 30
     unknown = [n for n in names if _normal(n) not in known]
     assert unknown == [], unknown
+
+
+def test_startup_children_use_cached_bytecode_as_an_install_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``PYTHONDONTWRITEBYTECODE`` in the caller's environment made every startup run
+    compile kvstore from source (150 ms where an install pays 80): the children get
+    neither it nor the caller's root."""
+    import kvstore.bench.startup_cases as startup
+
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv("KVSTORE_ROOT", "/nonexistent")
+    env = startup._env()
+    assert "PYTHONDONTWRITEBYTECODE" not in env and "KVSTORE_ROOT" not in env
+    assert env["PATH"] == os.environ["PATH"]
