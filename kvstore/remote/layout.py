@@ -68,12 +68,14 @@ def parse_exact(key: str) -> tuple[bytes, bool] | None:
     """(entry, trimmable) of an ``exact/`` key, or None for a stray object."""
     name = key.rsplit("/", 1)[-1]
     head, _, flag = name.partition(".")
-    entry = _hex32(head)
+    entry = hex32(head)
     return None if entry is None or flag not in ("t", "x") else (entry, flag == "t")
 
 
-def _hex32(s: str) -> bytes | None:
-    if len(s) != 64:
+def hex32(s: object) -> bytes | None:
+    """The 32 bytes that ``s`` names in 64 lowercase hex characters (an entry or a block
+    in an object's name or an access record), or None for anything else."""
+    if not isinstance(s, str) or len(s) != 64:
         return None
     try:
         b = bytes.fromhex(s)
@@ -88,13 +90,13 @@ def parse_marker(key: str) -> Marker | None:
     parts = name.split(".")
     if len(parts) != 3 or parts[2] not in ("t", "x") or not parts[1].isdigit():
         return None
-    entry = _hex32(parts[0])
+    entry = hex32(parts[0])
     return None if entry is None else Marker(entry, int(parts[1]), parts[2] == "t")
 
 
 def entry_of_key(key: str) -> bytes | None:
     """The entry digest a marker, exact marker or manifest key ends in (None: a stray)."""
     name = key.rsplit("/", 1)[-1]
-    return _hex32(name.split(".", 1)[0])
+    return hex32(name.split(".", 1)[0])
 
 

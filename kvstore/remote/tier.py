@@ -39,7 +39,17 @@ from .errors import (
     RemoteTooLargeError,
     RemoteUnavailableError,
 )
-from .layout import ACCESS, BLOCKS, EXACT, MANIFESTS, MARKERS, SETTINGS, access_key, entry_of_key
+from .layout import (
+    ACCESS,
+    BLOCKS,
+    EXACT,
+    MANIFESTS,
+    MARKERS,
+    SETTINGS,
+    access_key,
+    entry_of_key,
+    hex32,
+)
 from .lease import DEFAULT_LEASE, DEFAULT_MARGIN, Lease
 from .s3 import S3Client, parse_s3_url, run_all
 
@@ -54,17 +64,6 @@ MAX_ACCESS_BYTES = 64 << 20  # one access object (a record is about 80 bytes)
 ACCESS_AHEAD = 86400.0  # seconds past this clock an access time may be (skew): later is a lie
 _settings_enc = msgspec.json.Encoder()
 _settings_dec = msgspec.json.Decoder(TierSettings)
-
-
-def _entry_hex(hx: object) -> bytes | None:
-    """The entry an access record names (64 lowercase hex characters), or None."""
-    if not isinstance(hx, str) or len(hx) != 64:
-        return None
-    try:
-        d = bytes.fromhex(hx)
-    except ValueError:
-        return None
-    return d if d.hex() == hx else None
 
 
 @dataclass(frozen=True)
@@ -364,7 +363,7 @@ class RemoteTier(Tier):
                 ignored += 1
                 continue
             for hx, t in batch.items():
-                d = _entry_hex(hx)
+                d = hex32(hx)
                 if d is None or type(t) is not int or not 0 <= t <= latest:
                     ignored += 1
                     continue

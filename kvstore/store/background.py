@@ -92,14 +92,8 @@ class Background:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until no job waits or runs; False on timeout."""
-        end = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._jobs:
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
+            return self._cv.wait_for(lambda: not self._jobs, timeout)
 
     def close(self, timeout: float | None = None) -> int:
         """Drop the waiting jobs (their futures are cancelled), wait for the running ones up

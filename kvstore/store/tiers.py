@@ -195,11 +195,8 @@ class Tiers:
         (False on timeout)."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._late:
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cv.wait(left)
+            if not self._cv.wait_for(lambda: not self._late, timeout):
+                return False
         return self.pulls.wait(None if end is None else max(0.0, end - time.monotonic()))
 
     def _pull_later(self, tier: Tier, hit: Match) -> cf.Future[Pulled | None] | None:
