@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers.hostile import halved
-from helpers.kv import T, make_cache, matches, open_store, sound_store, tokens_for
+from helpers.hostile import assert_nothing_good_lost, halved
+from helpers.kv import T, make_cache, matches, open_store, tokens_for
 
 from kvstore.catalog.records import records_of
 from kvstore.store.upkeep import verify as local_verify
@@ -43,13 +43,7 @@ def test_a_restore_drops_the_lying_entry_and_keeps_the_good_blocks(tmp_path: Pat
         cache, n = s.restore(hostile_toks)
         # the lying entry is gone; the longest good prefix is the shared system prompt
         assert n == SYSTEM and cache is not None and matches(cache, hostile_toks, SYSTEM)
-        assert {e.id for e in s.entries()} == ids
-        assert list(root.glob("quarantine/*")) == []
-        assert {d for d, _ in s.local.block_files()} == blocks
-        for t in good:
-            cache, n = s.restore(t)
-            assert n == len(t) and cache is not None and matches(cache, t, n)
-        sound_store(s)
+        assert_nothing_good_lost(s, root, ids, blocks, good)
 
 
 @pytest.mark.parametrize("read_data", [False, True], ids=["sizes", "read-data"])
@@ -74,13 +68,7 @@ def test_local_verify_repair_drops_the_lying_manifest_only(tmp_path: Path,
         rep = local_verify.verify(s.local, read_data=read_data, repair=True)
         assert rep.dropped_entries == [lie.digest.hex()] and rep.quarantined == []
         assert rep.cut_entries == []
-        assert {e.id for e in s.entries()} == ids
-        assert {d for d, _ in s.local.block_files()} == blocks
-        assert list(root.glob("quarantine/*")) == []
-        for t in good:
-            cache, n = s.restore(t)
-            assert n == len(t) and cache is not None and matches(cache, t, n)
-        sound_store(s)
+        assert_nothing_good_lost(s, root, ids, blocks, good)
 
 
 def test_local_verify_never_quarantines_a_good_block_a_manifest_misstates(

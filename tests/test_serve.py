@@ -44,6 +44,17 @@ def test_help_lists_both_option_sets_and_touches_no_root(
     assert not (tmp_path / "root").exists()
 
 
+def served_cache(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> Any:
+    """The prompt cache that mlx-lm's server builds (``LRUPromptCache(max_size=3)``, as its
+    ``main`` does) when ``kvstore serve ARGV`` runs it, with the server itself left out."""
+    built: list[Any] = []
+    monkeypatch.setattr(mlx_lm.server, "main",
+                        lambda: built.append(mlx_lm.server.LRUPromptCache(max_size=3)))
+    assert serve_main(argv) == 0
+    (cache,) = built
+    return cache
+
+
 @pytest.mark.parametrize(
     ("flag", "reuse", "verify"),
     [([], True, True), (["--no-reuse-prefix"], False, True), (["--no-verify-reads"], True, False)],
@@ -53,16 +64,9 @@ def test_server_prompt_cache_is_ours_with_the_options_given(
 ) -> None:
     from kvstore.mlx_lm import PersistentPromptCache
 
-    built: list[Any] = []
-
-    def fake_main() -> None:  # mlx-lm's server builds its prompt cache like this
-        built.append(mlx_lm.server.LRUPromptCache(max_size=3))
-
-    monkeypatch.setattr(mlx_lm.server, "main", fake_main)
     argv = ["--root", str(tmp_path / "r"), "--min-tokens", "32", "--namespace", "ns", *flag,
             "--port", "0"]  # the listen check binds it: any free port
-    assert serve_main(argv) == 0
-    (cache,) = built
+    cache = served_cache(monkeypatch, argv)
     assert isinstance(cache, PersistentPromptCache)
     assert (cache.reuse_prefix, cache.min_tokens, cache.ns, cache.max_size) == (reuse, 32, "ns", 3)
     assert cache.store.verify_reads is verify
@@ -73,11 +77,7 @@ def test_server_prompt_cache_is_ours_with_the_options_given(
 def test_defer_seconds_reaches_every_prompt_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: list[str], want: float
 ) -> None:
-    built: list[Any] = []
-    monkeypatch.setattr(mlx_lm.server, "main",
-                        lambda: built.append(mlx_lm.server.LRUPromptCache(max_size=3)))
-    assert serve_main(["--root", str(tmp_path / "r"), *flag]) == 0
-    (cache,) = built
+    cache = served_cache(monkeypatch, ["--root", str(tmp_path / "r"), *flag])
     assert cache.defer_seconds == want and cache._writer.defer_seconds == want
 
 
@@ -95,11 +95,7 @@ def test_a_negative_defer_seconds_is_one_error_line(
 def test_remote_deadline_reaches_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: list[str], want: float
 ) -> None:
-    built: list[Any] = []
-    monkeypatch.setattr(mlx_lm.server, "main",
-                        lambda: built.append(mlx_lm.server.LRUPromptCache(max_size=3)))
-    assert serve_main(["--root", str(tmp_path / "r"), *flag]) == 0
-    (cache,) = built
+    cache = served_cache(monkeypatch, ["--root", str(tmp_path / "r"), *flag])
     assert cache.store.tiers.deadline == want
 
 

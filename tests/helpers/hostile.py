@@ -9,10 +9,12 @@ writer with access to the bucket can.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from helpers.kv import matches, sound_store
 from kvstore.catalog import keys as P
 from kvstore.catalog.records import Records, records_of
 from kvstore.schema import Manifest
@@ -112,3 +114,17 @@ def assert_refused_in_bounded_memory(raw: bytes, words: str, what: str) -> None:
         tracemalloc.stop()
     assert words in str(e.value)
     assert peak < 4 * len(raw) + (1 << 20), f"{what}: {peak} bytes allocated"
+
+
+def assert_nothing_good_lost(store: Any, root: Path, ids: set[str], blocks: set[bytes],
+                             good: Sequence[Sequence[int]]) -> None:
+    """A lie cost no good data: the root holds exactly the good entries ``ids`` and block
+    files ``blocks``, quarantined nothing, restores every good prompt bit for bit, and is
+    sound."""
+    assert {e.id for e in store.entries()} == ids
+    assert {d for d, _ in store.local.block_files()} == blocks
+    assert list(root.glob("quarantine/*")) == []
+    for t in good:
+        cache, n = store.restore(list(t))
+        assert n == len(t) and cache is not None and matches(cache, t, n)
+    sound_store(store)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from cli.cli_helpers import run
-from helpers.hostile import halved, publish
+from helpers.hostile import assert_nothing_good_lost, halved, publish
 from helpers.kv import T, make_cache, matches, open_store, sound_store, tokens_for
 
 import kvstore
@@ -99,13 +99,7 @@ def test_a_pull_refuses_the_lying_manifest_and_goes_on(tmp_path: Path, url: str)
         assert {e.id for e in s.entries()} == ids
         cache, n = s.restore(lie_toks)  # the lie is the remote's longest match: refused
         assert n == SYSTEM and cache is not None and matches(cache, lie_toks, n)
-        assert {e.id for e in s.entries()} == ids
-        assert {d for d, _ in s.local.block_files()} == blocks
-        assert list(b.glob("quarantine/*")) == []
-        for t in good:
-            cache, n = s.restore(t)
-            assert n == len(t) and cache is not None and matches(cache, t, n)
-        sound_store(s)
+        assert_nothing_good_lost(s, b, ids, blocks, good)
 
 
 def test_a_write_back_into_an_empty_root_refuses_the_lie(tmp_path: Path, url: str) -> None:
