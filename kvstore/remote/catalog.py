@@ -26,7 +26,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -135,6 +135,8 @@ class RemoteCatalog(Catalog):
         self.on_refused: Callable[[bytes], None] | None = None
         #: Refused entries: when each was last refused, and why.
         self._refused: OrderedDict[bytes, tuple[float, UnsignedManifestError]] = OrderedDict()
+        #: Manifests being read now: the one read each thread asking for them waits on.
+        self._fetching: dict[bytes, Future[_Cached | None]] = {}
 
     # --- helpers --------------------------------------------------------------------
 
@@ -231,15 +233,38 @@ class RemoteCatalog(Catalog):
                                 f"manifest (at most {MAX_MANIFEST_BYTES}): not read") from None
 
     def _get(self, digest: bytes) -> _Cached | None:
-        """The manifest (checked and decoded) and the priority its object carries; cached."""
+        """The manifest (checked and decoded) and the priority its object carries; cached.
+        Threads that ask for one manifest at once share one GET (a lookup's exact probe and
+        its bisection often name the same entry)."""
         with self._lock:
             hit = self._cache.get(digest)
             if hit is not None:
                 self._cache.move_to_end(digest)
                 return hit
             no = self._refused.get(digest)
-        if no is not None and time.monotonic() - no[0] < REFUSED_FOR:
-            raise UnsignedManifestError(no[1].where, no[1].why)  # refused a moment ago
+            if no is not None and time.monotonic() - no[0] < REFUSED_FOR:
+                raise UnsignedManifestError(no[1].where, no[1].why)  # refused a moment ago
+            fetching = self._fetching.get(digest)
+            if fetching is None:
+                fetching = self._fetching[digest] = Future()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            return fetching.result()  # what the thread that reads it gets, error or not
+        try:
+            got = self._fetch(digest)
+        except BaseException as e:
+            fetching.set_exception(e)
+            raise
+        else:
+            fetching.set_result(got)
+            return got
+        finally:
+            with self._lock:
+                del self._fetching[digest]
+
+    def _fetch(self, digest: bytes) -> _Cached | None:
         read = self._read(digest)
         if read is None:
             return None

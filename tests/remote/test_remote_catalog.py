@@ -4,7 +4,11 @@ checked against its name, the priority travels as the manifest object's metadata
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 from catalog.catalog_suite import CatalogTests, Entry, T, commit, lookup
@@ -61,3 +65,46 @@ def test_the_priority_is_the_manifest_objects_metadata(remote: Remote) -> None:
     fresh = RemoteCatalog(remote.client, remote.prefix, "blake3", remote.catalog.pool)
     got = fresh.records(e.digest)
     assert got is not None and got.priority == 0  # none kept: the manifest says assistant
+
+
+def test_threads_that_ask_for_one_manifest_at_once_share_one_get(
+        remote: Remote, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup's exact probe and its bisection often read one manifest at the same moment:
+    one GET serves them all, and a read that fails fails for every thread that waited."""
+    e = Entry(list(range(40, 50)))
+    commit(remote, e)
+    fresh = RemoteCatalog(remote.client, remote.prefix, "blake3", remote.catalog.pool)
+    real = remote.client.get_with_metadata
+    gets: list[str] = []
+    started = threading.Event()
+
+    def slow(key: str, **kw: Any) -> tuple[bytes, dict[str, str]]:
+        gets.append(key)
+        started.set()
+        time.sleep(0.3)  # the other threads ask meanwhile
+        return real(key, **kw)
+
+    monkeypatch.setattr(remote.client, "get_with_metadata", slow)
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(fresh.manifest, e.digest)
+        assert started.wait(10)
+        rest = [pool.submit(fresh.manifest, e.digest) for _ in range(3)]
+        got = [f.result() for f in [first, *rest]]
+    assert all(g is not None and g[0] == e.records.manifest for g in got)
+    assert gets == [manifest_key(remote.prefix, e.digest)]
+
+    other = Entry(list(range(60, 70)))
+    commit(remote, other)
+    bad = bytearray(other.records.manifest)
+    bad[-1] ^= 1
+    remote.client.put(manifest_key(remote.prefix, other.digest), bytes(bad), if_absent=False)
+    gets.clear()
+    started.clear()
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(fresh.manifest, other.digest)
+        assert started.wait(10)
+        rest = [pool.submit(fresh.manifest, other.digest) for _ in range(3)]
+        for f in [first, *rest]:
+            with pytest.raises(DigestMismatchError):
+                f.result()
+    assert gets == [manifest_key(remote.prefix, other.digest)]
