@@ -10,8 +10,8 @@ from pathlib import Path
 from helpers.kv import hybrid_cache
 
 import kvstore
+from kvstore.catalog.thinning import checkpoint_order, level
 from kvstore.index import EntryRecord
-from kvstore.store.upkeep.thinning import checkpoint_order, level
 
 NS = kvstore.Namespace(model_id="thin")
 T = 16

@@ -26,7 +26,7 @@ from . import keys as P
 Priority = Literal["checkpoint", "assistant", "user", "system"]
 #: mlx-lm's ``LRUPromptCache`` cache types, in eviction order (assistant goes first), after
 #: "checkpoint": a state saved part-way through a prefill (kvstore.mlx_lm.prefill), which
-#: compaction thins first (kvstore.store.upkeep.thinning).
+#: compaction thins first (kvstore.catalog.thinning).
 PRIORITIES: dict[str, int] = {"checkpoint": -1, "assistant": 0, "user": 1, "system": 2}
 PRIORITY_NAMES = {v: k for k, v in PRIORITIES.items()}
 #: The manifest metadata key mlx-lm's cache type is kept under (``PersistentPromptCache``

@@ -17,7 +17,10 @@ So compaction takes, in order:
    level gone doubles the spacing of what is left, in every conversation at once,
    instead of emptying one conversation while another keeps its finest checkpoints;
 2. the **deepest** checkpoint of each conversation, least recently used first;
-3. then the other entries, in the tier's own order.
+3. then the other entries as mlx-lm's ``LRUPromptCache.CacheOrder.pop`` takes them
+   (:class:`EvictionOrder`), so each tier behaves like the memory tier in front of it:
+   one least-recently-used queue per priority (assistant, user, system); take from the
+   lowest class whose queue is at least as long as the next class's, else move up.
 
 Evicting a checkpoint is evicting an entry like any other (its blocks' refcounts, prefix
 keys and exact key go in the same transaction locally, its markers before its manifest
@@ -27,12 +30,13 @@ extensions are evicted first simply becomes the deepest.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, TypeVar
 
 from .records import PRIORITIES
 
-__all__ = ["CHECKPOINT_PRIORITY", "Ranked", "checkpoint_order", "level"]
+__all__ = ["CHECKPOINT_PRIORITY", "EvictionOrder", "Ranked", "checkpoint_order", "level"]
 
 #: The priority of a checkpoint (``EntryRecord.priority``, ``Records.priority``).
 CHECKPOINT_PRIORITY = PRIORITIES["checkpoint"]
@@ -89,3 +93,44 @@ def checkpoint_order(
         else:
             deepest.append((rec.last_access, d))
     return [d for *_, d in sorted(thin)] + [d for _, d in sorted(deepest)]
+
+
+class EvictionOrder:
+    """``first`` in its order (the checkpoints, thinned), then mlx-lm's ``CacheOrder``:
+    per-priority LRU queues and its balance rule."""
+
+    def __init__(self, rows: Iterable[tuple[bytes, Ranked]], first: Sequence[bytes] = ()
+                 ) -> None:
+        self._first = deque(first)
+        early = set(first)
+        by_class: dict[int, list[tuple[float, bytes]]] = {0: [], 1: [], 2: []}
+        for d, rec in rows:
+            if d not in early:
+                by_class[min(max(rec.priority, 0), 2)].append((rec.last_access, d))
+        self._lrus = [deque(d for _, d in sorted(by_class[p])) for p in (0, 1, 2)]
+
+    def pop(self, skip: set[bytes] | None = None) -> bytes | None:
+        """The next victim, or None when every queue is empty."""
+        while True:
+            d = self._pop()
+            if d is None or skip is None or d not in skip:
+                return d
+
+    def _pop(self) -> bytes | None:
+        if self._first:
+            return self._first.popleft()
+        lrus = self._lrus
+        for i in range(len(lrus) - 1):
+            if lrus[i] and len(lrus[i]) >= len(lrus[i + 1]):
+                return lrus[i].popleft()
+        for q in reversed(lrus):  # only the last is non-empty by now, if any
+            if q:
+                return q.popleft()
+        return None
+
+    def drain(self) -> list[bytes]:
+        """Every victim left, in order."""
+        out: list[bytes] = []
+        while (d := self._pop()) is not None:
+            out.append(d)
+        return out

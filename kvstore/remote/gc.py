@@ -35,7 +35,7 @@ from ..blocks.base import BlockStat
 from ..catalog.base import Plan, open_manifest
 from ..catalog.records import namespace_of
 from ..catalog.signing import UnsignedManifestError
-from ..catalog.thinning import checkpoint_order
+from ..catalog.thinning import EvictionOrder, checkpoint_order
 from ..errors import KVStoreError
 from ..schema import Manifest
 from .errors import RemoteLeaseError, RemoteNotFoundError
@@ -230,14 +230,13 @@ class _Ranked:
 
 def _order(mans: dict[bytes, Manifest], priority: dict[bytes, int],
            last: dict[bytes, float]) -> list[bytes]:
-    """The eviction order: the checkpoints first, thinned as the root's compaction thins
-    them (:func:`~kvstore.catalog.thinning.checkpoint_order`), then every other entry,
-    least recently used first."""
+    """The eviction order, the root compaction's: the checkpoints first, thinned
+    (:func:`~kvstore.catalog.thinning.checkpoint_order`), then every other entry as
+    mlx-lm's ``CacheOrder`` takes them (:class:`~kvstore.catalog.thinning.EvictionOrder`:
+    one least-recently-used queue per priority and its balance rule)."""
     rows = [(d, _Ranked(priority[d], namespace_of(m), m.n_tokens, last[d]))
             for d, m in mans.items()]
-    first = checkpoint_order(rows, lambda d: bytes(mans[d].tokens))
-    early = set(first)
-    return first + sorted((d for d in mans if d not in early), key=lambda d: (last[d], d))
+    return EvictionOrder(rows, checkpoint_order(rows, lambda d: bytes(mans[d].tokens))).drain()
 
 
 def _named_blocks(remote: RemoteTier, d: bytes) -> set[bytes]:

@@ -60,3 +60,27 @@ def test_remote_compaction_thins_checkpoints_before_anything_else(tmp_path: Path
         assert n == len(doc) and cache is not None  # the deepest checkpoint
         cache, n = b.restore(old)
         assert n == len(old) and cache is not None and matches(cache, old, n)
+
+
+def test_remote_compaction_takes_the_other_entries_as_mlx_lm_does(tmp_path: Path,
+                                                                   url: str) -> None:
+    """After the checkpoints, mlx-lm's ``CacheOrder`` as the root's compaction takes it:
+    one least-recently-used queue per priority, the lowest class first while its queue is
+    as long as the next one's. Recency alone would evict the old system prompt first."""
+    with open_store(tmp_path / "a", remote=url) as a:
+        names: dict[str, str] = {}
+        for i, prio in enumerate(["system", "user", "assistant"]):
+            if i:
+                time.sleep(1.1)  # LastModified has one-second resolution
+            toks = tokens_for(40 + i, 2 * T)
+            names[a.save(toks, make_cache(toks), priority=prio).id] = prio
+            assert a.push(60).entries == 1
+        r = a.remote
+        assert r is not None
+        order = []
+        for _ in range(3):
+            live = r.compact(grace=3600, dry_run=True).live_bytes
+            done = r.compact(max_bytes=live - 1, grace=0)
+            order += [names[e] for e in done.evicted]
+        assert order == ["assistant", "user", "system"]
+        assert list(r.entries()) == []

@@ -28,13 +28,13 @@ grace has passed: with a grace ``g``, physical bytes stay within
 namespace, the distinct blocks its own entries reference (a block shared by
 two namespaces counts in both).
 
-**Order.** Checkpoints go first, thinned (:mod:`kvstore.store.upkeep.thinning`: the
-intermediate ones by level, then the deepest of each conversation). Then victims
-are chosen as mlx-lm's ``LRUPromptCache.CacheOrder.pop`` does, so the disk tier
-behaves like the memory tier in front of it: one least-recently-used queue per
-priority (assistant, user, system); take from the lowest class whose queue is at
-least as long as the next class's, else move up. A restore counts as an access
-(``Store.load`` stamps ``last_access``).
+**Order** (:mod:`kvstore.catalog.thinning`, shared with the remote's compaction).
+Checkpoints go first, thinned (the intermediate ones by level, then the deepest of each
+conversation). Then victims are chosen as mlx-lm's ``LRUPromptCache.CacheOrder.pop``
+does, so the disk tier behaves like the memory tier in front of it: one
+least-recently-used queue per priority (assistant, user, system); take from the lowest
+class whose queue is at least as long as the next class's, else move up. A restore
+counts as an access (``Store.load`` stamps ``last_access``).
 
 Verification and repair live in :mod:`kvstore.store.upkeep.verify` and
 :mod:`kvstore.store.upkeep.repair`.
@@ -48,10 +48,10 @@ from typing import Any
 
 from ..._crash import crash_point
 from ...catalog.base import Plan, open_manifest
+from ...catalog.thinning import EvictionOrder, checkpoint_order
 from ...index import EntryRecord, RefInfo, Totals, now_ms
 from ..local.root import Root
 from .sweep import batches, orphan_files, stale_tmp_files, unlink_orphans, unlink_tmp
-from .thinning import EvictionOrder, checkpoint_order
 from .verify import Progress
 
 DEFAULT_GRACE = 600.0  # seconds
