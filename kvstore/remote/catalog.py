@@ -61,6 +61,9 @@ PRIORITY_META = "priority"  # the manifest object's metadata key: the entry's pr
 SIG_META = "kvstore-sig"  # the manifest object's metadata key: its signature (signed entries)
 REFUSED_LOGGED = 4096  # refused entries remembered (each is logged once)
 REFUSED_FOR = 60.0  # seconds a refusal stands before the manifest is read again
+#: The priority a manifest object's metadata names (-1 for a checkpoint); any other value,
+#: or none (an older kvstore pushed it), leaves the manifest's cache type to say it.
+_PRIORITY_META_VALUES = {str(p): p for p in PRIORITY_NAMES}
 _log = logging.getLogger("kvstore")
 
 
@@ -68,7 +71,7 @@ _log = logging.getLogger("kvstore")
 class _Cached:
     raw: bytes
     manifest: Manifest
-    priority: int | None  # None: the pusher kept none (an older kvstore)
+    priority: int  # the object's metadata's, else the manifest's cache type's
 
 
 class RemoteReader(DepthReader):
@@ -133,7 +136,9 @@ class RemoteCatalog(Catalog):
         self.on_reused: Callable[[bytes], None] | None = None
         #: Called once per entry whose manifest a reader with the key refused.
         self.on_refused: Callable[[bytes], None] | None = None
-        #: Refused entries: when each was last refused, and why.
+        #: The clock a refusal's ``REFUSED_FOR`` is timed by (seconds, monotonic).
+        self.clock: Callable[[], float] = time.monotonic
+        #: Refused entries: when each was last refused (by ``clock``), and why.
         self._refused: OrderedDict[bytes, tuple[float, UnsignedManifestError]] = OrderedDict()
         #: Manifests being read now: the one read each thread asking for them waits on.
         self._fetching: dict[bytes, Future[_Cached | None]] = {}
@@ -242,14 +247,12 @@ class RemoteCatalog(Catalog):
                 self._cache.move_to_end(digest)
                 return hit
             no = self._refused.get(digest)
-            if no is not None and time.monotonic() - no[0] < REFUSED_FOR:
+            if no is not None and self.clock() - no[0] < REFUSED_FOR:
                 raise UnsignedManifestError(no[1].where, no[1].why)  # refused a moment ago
             fetching = self._fetching.get(digest)
+            mine = fetching is None
             if fetching is None:
                 fetching = self._fetching[digest] = Future()
-                mine = True
-            else:
-                mine = False
         if not mine:
             return fetching.result()  # what the thread that reads it gets, error or not
         try:
@@ -275,7 +278,8 @@ class RemoteCatalog(Catalog):
         except UnsignedManifestError as e:
             self._refuse(digest, e)
             raise
-        got = _Cached(raw, m, _priority(meta.get(PRIORITY_META)))
+        kept = _PRIORITY_META_VALUES.get(meta.get(PRIORITY_META, ""))
+        got = _Cached(raw, m, priority_of(m) if kept is None else kept)
         with self._lock:
             self._refused.pop(digest, None)  # signed since it was refused
             self._cache[digest] = got
@@ -291,9 +295,7 @@ class RemoteCatalog(Catalog):
         """The entry's manifest and priority (its object's metadata, else its manifest's
         cache type: :func:`priority_of`), from one read; None when the manifest is gone."""
         got = self._get(digest)
-        if got is None:
-            return None
-        return got.manifest, priority_of(got.manifest) if got.priority is None else got.priority
+        return None if got is None else (got.manifest, got.priority)
 
     def records(self, digest: bytes) -> Records | None:
         got = self._get(digest)
@@ -306,7 +308,7 @@ class RemoteCatalog(Catalog):
         refuses it."""
         with self._lock:
             known = digest in self._refused
-            self._refused[digest] = (time.monotonic(), e)
+            self._refused[digest] = (self.clock(), e)
             self._refused.move_to_end(digest)
             if known:
                 return
@@ -402,15 +404,6 @@ class RemoteCatalog(Catalog):
         self.client.delete(manifest_key(self.prefix, digest))
         self.forget(digest)
         return True
-
-
-def _priority(raw: str | None) -> int | None:
-    """A priority the metadata names (its number: -1 for a checkpoint), or None for none
-    or a stray value."""
-    if raw is None or len(raw) > 2 or raw.lstrip("-") not in ("0", "1", "2"):
-        return None
-    got = int(raw)
-    return got if got in PRIORITY_NAMES else None
 
 
 __all__ = ["RemoteCatalog", "RemoteReader"]

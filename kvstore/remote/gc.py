@@ -8,9 +8,9 @@ batch of deletes is preceded by a check that the lease is still ours with more t
 its margin left; the lease is released last. Evicting an entry deletes its markers
 (it stops matching), then its manifest; its blocks are then unreferenced. As the local
 root's, it is a plan (:func:`plan_compact`) that does exactly what it says, once, and it
-evicts in the root's order of checkpoints (kvstore.catalog.thinning: the intermediate ones
-by level, then each conversation's deepest), then every other entry least recently used
-first.
+evicts in the root's order (kvstore.catalog.thinning): the checkpoints first (the
+intermediate ones by level, then each conversation's deepest), then every other entry as
+mlx-lm's ``CacheOrder`` takes them (one least-recently-used queue per priority).
 
 A compactor with the signing key acts on signed manifests only: a refused one (unsigned,
 or signed with another key or for another store) is never evicted, its markers and

@@ -361,8 +361,7 @@ def test_a_refusal_stands_a_while_then_the_manifest_is_read_again(
             assert x.push(60, everything=True).entries == 1
         assert b.lookup(toks) is None and gets.count(key) == 1  # the refusal still stands
         now = time.monotonic()
-        monkeypatch.setattr(catalog_module.time, "monotonic",
-                            lambda: now + catalog_module.REFUSED_FOR + 1)
+        monkeypatch.setattr(cat, "clock", lambda: now + catalog_module.REFUSED_FOR + 1)
         m = b.lookup(toks)
         assert m is not None and (m.entry_id, m.where, m.length) == (eid, "remote", len(toks))
         assert gets.count(key) == 2
