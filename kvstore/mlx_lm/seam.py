@@ -211,8 +211,9 @@ class _Watched:
     """The server's response generator, for one request: tags the request and watches the
     tokens it generates."""
 
-    def __init__(self, inner: Any, tag: int) -> None:
-        self._inner, self._tag = inner, tag
+    def __init__(self, inner: Any, tag: int, stops: list[str]) -> None:
+        self._inner, self._tag, self.stops = inner, tag, stops
+        self.text_stop: str | None = None  # the stop sequence the text reached
         self.ctx: Any = None
         self.tokens = 0
         self.last_token: int | None = None
@@ -232,17 +233,27 @@ class _Watched:
                 self.last_token = r.token
                 self.tail = (self.tail + r.text)[-8192:]
                 yield r
+                # mlx-lm stops on a stop sequence's tokens, which a word tokenized in
+                # context often is not: the text decides (the reply is then not kept)
+                hit = next((s for s in self.stops if s and r.finish_reason is None
+                            and s in self.tail[-(len(s) + len(r.text)):]), None)
+                if hit is not None:
+                    self.text_stop = hit
+                    return
 
         return ctx, watched()
 
-    def stop_sequence(self, stops: list[str]) -> str | None:
-        """The stop sequence the reply ended with (mlx-lm strips it), or None."""
+    def stop_sequence(self, stops: list[str], reason: str) -> str | None:
+        """The stop sequence the reply ended with (mlx-lm strips it from the text and, on
+        ``stop``, does not decode the last token), or None."""
+        if self.text_stop is not None:
+            return self.text_stop
         tok = getattr(self._inner.model_provider, "tokenizer", None)
         if not stops or tok is None or self.last_token is None \
                 or self.last_token in set(getattr(tok, "eos_token_ids", ()) or ()):
             return None
-        tail = self.tail + tok.decode([self.last_token])
-        hits = [(tail.rfind(s) + len(s), s) for s in stops if s and s in tail[-len(s) - 64:]]
+        tail = self.tail + (tok.decode([self.last_token]) if reason == "stop" else "")
+        hits = [(tail.rfind(s) + len(s), s) for s in stops if s and s in tail[-len(s) - 8:]]
         return max(hits)[1] if hits else None
 
 
@@ -413,7 +424,7 @@ class _Served:
 
     def _chat(self, ex: Exchange) -> None:
         slot = self.records.open()
-        watched = _Watched(self.h.response_generator, slot.tag)
+        watched = _Watched(self.h.response_generator, slot.tag, ex.chat.stop or [])
         usage_chunk: list[Chunk] = []
         finish: list[str] = []
 
@@ -447,9 +458,11 @@ class _Served:
                                "invalid_request_error" if sink.status is not None
                                and sink.status < 500 else "api_error", msg)
             reason = finish[-1] if finish else "stop"
-            stop = watched.stop_sequence(ex.chat.stop or []) if reason == "stop" else None
+            stop = watched.stop_sequence(ex.chat.stop or [], reason) \
+                if reason in ("stop", "length") else None
+            if watched.text_stop is None:  # the reply's insert, when it was not cut short
+                slot.finished.wait(_RECORD_WAIT if slot.rec is not None else 0)
             fallback = usage_chunk[-1] if usage_chunk else None
-            slot.finished.wait(_RECORD_WAIT if slot.rec is not None else 0)
             usage = self._usage(slot, watched, fallback, watched.tokens, wait=False)
             fin = Finish("stop_sequence" if stop else reason, usage, stop)  # type: ignore[arg-type]
             out = ex.finish(fin)
@@ -492,7 +505,7 @@ class _Served:
         request it builds (validation, rewrites), rendered as the chat path renders it."""
         built: list[Any] = []
         sink = _Sink(lambda: None, lambda ev: None)
-        inner = self._inner(chat, sink, self.h.response_generator)
+        inner = self._inner(chat, sink, self.h.response_generator)  # never generates
         inner.handle_completion = lambda request, stop_words: built.append(request)
         inner.do_POST()
         if not built:
