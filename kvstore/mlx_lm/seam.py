@@ -63,6 +63,8 @@ logger = logging.getLogger("kvstore.serve")
 #: fields; "params: a, b" names a function's leading parameters.
 RELIED_ON: tuple[tuple[str, str, str], ...] = (
     ("main", "function", "serve: runs mlx-lm's own command line"),
+    ("run", "function", "serve: builds the prompt cache from the module's LRUPromptCache and "
+     "starts _run_http_server, both looked up at call time"),
     ("LRUPromptCache", "class", "serve: swapped for the persistent prompt cache's factory"),
     ("_run_http_server", "params: host, port, response_generator, server_class, "
      "handler_class", "serve, metrics, seam: the handler class that serves /metrics and the "
@@ -75,6 +77,8 @@ RELIED_ON: tuple[tuple[str, str, str], ...] = (
      "seam: streams chat chunks to the handler's wfile"),
     ("APIHandler.handle_chat_completions", "function", "seam: builds the chat request"),
     ("APIHandler.validate_model_parameters", "function", "tenants: checks cache_salt"),
+    ("ResponseGenerator", "class", "serve, prefill: the tokenize step swapped for "
+     "checkpoints"),
     ("ResponseGenerator.generate", "params: self, request, generation_args, "
      "progress_callback", "tenants, seam: a request's salt and tag"),
     ("ResponseGenerator._tokenize", "params: self, tokenizer, request, args",
@@ -178,7 +182,7 @@ class _Records(CacheObserver):
         self._ids = itertools.count(1)
         self._thread = threading.local()
 
-    def open(self) -> _Slot:
+    def add(self) -> _Slot:
         slot = _Slot(next(self._ids))
         with self._lock:
             self._slots[slot.tag] = slot
@@ -423,7 +427,7 @@ class _Served:
         return inner
 
     def _chat(self, ex: Exchange) -> None:
-        slot = self.records.open()
+        slot = self.records.add()
         watched = _Watched(self.h.response_generator, slot.tag, ex.chat.stop or [])
         usage_chunk: list[Chunk] = []
         finish: list[str] = []
