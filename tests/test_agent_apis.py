@@ -297,10 +297,10 @@ def test_function_call_history_is_rendered(oai: Any, model: Path) -> None:
              {"type": "function_call_output", "call_id": "call_1", "output": "README.md"},
              {"role": "assistant", "content": [{"type": "output_text", "text": "One file."}]},
              {"role": "user", "content": "Thanks."}]
-    got = oai.responses.create(model="local", input=items, tools=tools, max_output_tokens=3,
-                               store=False)
+    got = oai.responses.create(model="local", instructions="Be brief.", input=items,
+                               tools=tools, max_output_tokens=3, store=False)
     expected = [
-        {"role": "system", "content": "Use the tools."},
+        {"role": "system", "content": "Be brief.\n\nUse the tools."},
         {"role": "user", "content": "List the files."},
         {"role": "assistant", "content": "", "reasoning_content": "A listing is needed.",
          "tool_calls": [{"id": "call_1", "type": "function",

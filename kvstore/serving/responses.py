@@ -8,10 +8,11 @@ Responses event stream (``response.created``, ``response.in_progress``,
 
 ``input`` items: messages (``developer`` is a system message), ``function_call`` (a tool
 call of the assistant message before it), ``function_call_output`` (a ``tool`` message),
-``reasoning`` (the next assistant message's ``reasoning_content``). ``instructions`` is the
-first system message. ``previous_response_id`` prepends the conversation of a response this
-server kept (:class:`ResponseStore`: bounded, in memory; ``store: false`` keeps nothing);
-an unknown id is a 404 that names it.
+``reasoning`` (the next assistant message's ``reasoning_content``). ``instructions`` and the
+system messages that open the input are one system message, joined by blank lines.
+``previous_response_id`` prepends the conversation of a response this server kept
+(:class:`ResponseStore`: bounded, in memory; ``store: false`` keeps nothing); an unknown
+id is a 404 that names it.
 """
 
 from __future__ import annotations
@@ -175,6 +176,20 @@ def _items(req: ResponsesRequest) -> list[ChatMessage]:
     return out
 
 
+def _leading_system(instructions: str | None, conversation: list[ChatMessage]
+                    ) -> list[ChatMessage]:
+    """``instructions`` and the system (developer) messages that open the conversation, as
+    one system message (joined by a blank line): many chat templates take one system
+    message, and only first."""
+    texts = [instructions] if instructions else []
+    n = 0
+    while n < len(conversation) and conversation[n].role == "system":
+        texts.append(str(conversation[n].content or ""))
+        n += 1
+    head = [ChatMessage("system", "\n\n".join(texts))] if texts else []
+    return head + conversation[n:]
+
+
 def _tools(req: ResponsesRequest) -> list[ChatTool] | None:
     tools = [ChatTool(ChatToolSpec(t.name, t.parameters or {"type": "object", "properties": {}},
                                    t.description))
@@ -193,9 +208,8 @@ class ResponsesExchange(Exchange):
         history = store.get(req.previous_response_id, req.cache_salt) \
             if req.previous_response_id is not None else []
         self.conversation = history + _items(req)
-        system = [ChatMessage("system", req.instructions)] if req.instructions else []
         self.chat = ChatRequest(
-            messages=system + self.conversation,
+            messages=_leading_system(req.instructions, self.conversation),
             max_tokens=req.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
             tools=_tools(req), tool_choice=req.tool_choice, temperature=req.temperature,
             top_p=req.top_p, stream=True, stream_options=StreamOptions(),
@@ -294,7 +308,7 @@ class ResponsesExchange(Exchange):
         item = self.output[i]
         item["content"][0]["text"] += text
         if kind == "message":
-            self.reply.content = (self.reply.content or "") + text
+            self.reply.content = str(self.reply.content or "") + text
             out += self._ev("response.output_text.delta", item_id=item["id"], output_index=i,
                             content_index=0, delta=text, logprobs=[])
         else:
