@@ -247,6 +247,19 @@ def test_messages_errors_have_anthropics_shape(claude: Any, served: tuple[int, P
     status, body = _raw_post(port, "/v1/messages", json.dumps(
         {"model": "local", "max_tokens": 0, "messages": []}).encode())
     assert status == 400 and "max_tokens" in body["error"]["message"]
+    status, body = _raw_post(port, "/v1/messages/batches", b"{}")
+    assert (status, body) == (404, {"type": "error", "error": {
+        "type": "not_found_error", "message": "Not found: POST /v1/messages/batches"}})
+    # the sampling parameters older clients send (anthropic 2.17 no longer has them)
+    ok = claude.messages.create(model="local", max_tokens=2, messages=[
+        {"role": "user", "content": "x"}], extra_body={"temperature": 0.5, "top_p": 0.9,
+                                                       "top_k": 20})
+    assert ok.usage.output_tokens == 2
+    with pytest.raises(anthropic.APIStatusError) as e:
+        claude.messages.create(model="local", max_tokens=4, messages=[
+            {"role": "user", "content": "x"}], extra_body={"temperature": 1.5})
+    assert e.value.status_code == 400
+    assert e.value.body["error"]["message"] == "Expected `float` <= 1.0 - at `$.temperature`"
 
 
 # --- OpenAI Responses --------------------------------------------------------------------
@@ -325,6 +338,11 @@ def test_store_false_and_unknown_ids_are_404s_in_openais_shape(oai: Any) -> None
         assert e.value.body == {"message": f"Previous response with id '{rid}' not found.",
                                 "type": "invalid_request_error",
                                 "param": "previous_response_id", "code": "not_found"}
+    with pytest.raises(openai.NotFoundError) as gone:
+        oai.responses.retrieve("resp_unknown")
+    assert gone.value.body == {"message": "Not found: GET /v1/responses/resp_unknown",
+                               "type": "invalid_request_error", "param": None,
+                               "code": "not_found"}
     with pytest.raises(openai.BadRequestError) as bad:
         oai.responses.create(model="local", input=[{"type": "computer_call", "id": "x"}])
     assert bad.value.body["message"] == (

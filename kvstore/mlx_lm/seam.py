@@ -31,6 +31,7 @@ import itertools
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -90,7 +91,9 @@ RELIED_ON: tuple[tuple[str, str, str], ...] = (
     ("Response", "fields: text, token, finish_reason", "seam: the stop sequence that ended "
      "a reply"),
     ("ModelProvider", "class", "seam: the tokenizer count_tokens renders with "
-     "(model_provider.tokenizer, cli_args.chat_template_args)"),
+     "(model_provider.tokenizer, cli_args.model, cli_args.chat_template_args)"),
+    ("ResponseGenerator.generation_available", "function", "seam: count_tokens waits for "
+     "the model to load while the generation thread lives"),
     ("process_message_content", "params: messages", "seam: count_tokens renders as the chat "
      "path does"),
     ("convert_chat", "params: messages, role_mapping", "seam: count_tokens without a chat "
@@ -99,6 +102,7 @@ RELIED_ON: tuple[tuple[str, str, str], ...] = (
 
 _ROUTES = ("/v1/messages", "/v1/messages/count_tokens", "/v1/responses")
 _RECORD_WAIT = 30.0  # seconds a request waits for its prompt-cache record
+_LOAD_WAIT = 600.0  # seconds count_tokens waits for the served model to load
 _TAG = "_kvstore_request"  # the attribute of mlx-lm's CompletionRequest that tags it
 
 
@@ -330,15 +334,28 @@ def _handler(base: type[Any], server: Any, records: _Records, store: ResponseSto
     class AgentHandler(base):  # type: ignore[misc]
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             path = urlsplit(self.path).path.rstrip("/")
-            if path not in _ROUTES:
+            if not path.startswith(_ROUTES):
                 super().do_POST()
                 return
-            errors = responses.error_body if path == "/v1/responses" \
+            errors = responses.error_body if path.startswith("/v1/responses") \
                 else anthropic_messages.error_body
+            served = _Served(self, server, records, store, path, errors)
+            if path not in _ROUTES:
+                served.not_found("POST")
+                return
             try:
-                _Served(self, server, records, store, path, errors).run()
+                served.run()
             except (BrokenPipeError, ConnectionResetError):
                 logger.info("kvstore: the client of %s went away", path)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            path = urlsplit(self.path).path.rstrip("/")
+            if not path.startswith(_ROUTES):
+                super().do_GET()
+                return
+            errors = responses.error_body if path.startswith("/v1/responses") \
+                else anthropic_messages.error_body
+            _Served(self, server, records, store, path, errors).not_found("GET")
 
     return AgentHandler
 
@@ -364,6 +381,11 @@ class _Served:
         h.wfile.write(body)
         h.wfile.flush()
         self.sent = True
+
+    def not_found(self, method: str) -> None:
+        """A path of an agent API that this server does not answer: a 404 in its shape."""
+        self._write(404, self.errors(ApiError(404, "not_found_error",
+                                              f"Not found: {method} {self.path}")))
 
     def _fail(self, err: ApiError) -> None:
         if not self.sent:
@@ -515,11 +537,17 @@ class _Served:
         if not built:
             raise ApiError(400, "invalid_request_error", sink.error_message())
         request = built[0]
-        provider = self.h.response_generator.model_provider
+        generator = self.h.response_generator
+        provider = generator.model_provider
+        # the generation thread loads --model when it starts: wait for it (bounded)
+        deadline = time.monotonic() + _LOAD_WAIT
+        while getattr(provider, "tokenizer", None) is None and provider.cli_args.model \
+                and generator.generation_available() and time.monotonic() < deadline:
+            time.sleep(0.05)
         tok = getattr(provider, "tokenizer", None)
         if tok is None:
-            raise ApiError(400, "invalid_request_error", "no model is loaded yet: serve with "
-                           "--model")
+            raise ApiError(400, "invalid_request_error", "no model is loaded: serve with "
+                           "--model, or send a request that loads one")
         messages = request.messages
         if not tok.has_chat_template:
             return len(tok.encode(self.server.convert_chat(messages, request.role_mapping)))
