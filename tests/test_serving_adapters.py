@@ -190,3 +190,85 @@ def test_bad_messages_requests_are_400s_that_say_why(body: dict[str, Any], messa
         anthropic_messages.parse(msgspec.json.encode(body))
     assert (e.value.status, e.value.kind, e.value.message) == (400, "invalid_request_error",
                                                                message)
+
+
+def _reasoning_chunks() -> list[Chunk]:
+    """Reasoning, then the reply's text, as the chat path streams a thinking model's turn."""
+    raw = [{"choices": [{"index": 0, "finish_reason": None,
+                         "delta": {"role": "assistant", "reasoning": "The index is LMDB."}}]},
+           {"choices": [{"index": 0, "finish_reason": None,
+                         "delta": {"role": "assistant", "reasoning": " Say so.",
+                                   "content": "In LMDB."}}]},
+           {"choices": [{"index": 0, "finish_reason": "stop", "delta": {"role": "assistant"}}]}]
+    return [decode_chunk(json.dumps(c).encode()) for c in raw]
+
+
+def test_reasoning_streams_as_a_thinking_block_then_text() -> None:
+    from anthropic.lib.streaming._messages import accumulate_event
+    from anthropic.types import RawMessageStreamEvent
+    from pydantic import TypeAdapter
+
+    ex = _messages_exchange(stream=True)
+    data = ex.start(USAGE) + b"".join(ex.event(c) for c in _reasoning_chunks()) + \
+        ex.finish(Finish("stop", USAGE))
+    adapter: Any = TypeAdapter(RawMessageStreamEvent)
+    snapshot = None
+    bufs: dict[int, bytes] = {}
+    deltas = []
+    for name, payload in _events(data):
+        if name == "ping":
+            continue
+        if name == "content_block_delta":
+            deltas.append(payload["delta"]["type"])
+        snapshot = accumulate_event(event=adapter.validate_python(payload),
+                                    current_snapshot=snapshot, json_bufs=bufs)
+    assert deltas == ["thinking_delta", "thinking_delta", "text_delta"]
+    assert snapshot is not None and snapshot.stop_reason == "end_turn"
+    thinking, text = snapshot.content
+    assert thinking.type == "thinking" and thinking.thinking == "The index is LMDB. Say so."
+    assert text.type == "text" and text.text == "In LMDB."
+    # sent back in the next request's history, it is the reasoning the template renders
+    nxt = anthropic_messages.parse(json.dumps({
+        "model": "local", "max_tokens": 8, "messages": [
+            {"role": "user", "content": "Where is the index?"},
+            {"role": "assistant", "content": [b.model_dump() for b in snapshot.content]},
+            {"role": "user", "content": "Thanks."}]}).encode())
+    assistant = nxt.chat.messages[1]
+    assert (assistant.reasoning_content, assistant.content) == ("The index is LMDB. Say so.",
+                                                                "In LMDB.")
+
+
+def test_reasoning_is_a_reasoning_item_of_the_response() -> None:
+    ex = responses.parse(json.dumps({"model": "local", "input": "Where is the index?"}).encode(),
+                         responses.ResponseStore())
+    for c in _reasoning_chunks():
+        assert ex.event(c) == b""
+    resp = openai.types.responses.Response.model_validate_json(
+        ex.finish(Finish("stop", USAGE)))
+    assert [o.type for o in resp.output] == ["reasoning", "message"]
+    assert resp.output[0].content[0].text == "The index is LMDB. Say so."
+    assert resp.output_text == "In LMDB." and resp.status == "completed"
+
+
+def test_the_response_store_is_bounded_and_keyed_by_salt() -> None:
+    from kvstore.serving.chat import ChatMessage
+
+    store = responses.ResponseStore(max_items=3, max_bytes=10_000)
+    conv = [ChatMessage("user", "x" * 100)]
+    for i in range(5):
+        store.put(f"r{i}", None, conv)
+    assert len(store) == 3
+    with pytest.raises(ApiError) as e:
+        store.get("r1", None)
+    assert (e.value.status, e.value.message) == (404, "Previous response with id 'r1' not "
+                                                 "found.")
+    assert store.get("r4", None) == conv
+    with pytest.raises(ApiError):
+        store.get("r4", "another tenant")
+    store.put("big", None, [ChatMessage("user", "y" * 4000)])
+    store.put("big2", None, [ChatMessage("user", "y" * 4000)])
+    store.put("big3", None, [ChatMessage("user", "y" * 4000)])
+    assert len(store) == 2  # 10,000 bytes hold two of them
+    store.put("huge", None, [ChatMessage("user", "z" * 20_000)])  # over the whole budget
+    with pytest.raises(ApiError):
+        store.get("huge", None)
