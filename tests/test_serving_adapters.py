@@ -17,7 +17,7 @@ from mlx_lm.tool_parsers.json_tools import parse_tool_call
 
 from kvstore.mlx_lm.seam import strip_cache_control
 from kvstore.serving import anthropic_messages, responses
-from kvstore.serving.chat import ApiError, CacheUsage, Chunk, Finish, decode_chunk
+from kvstore.serving.chat import ApiError, CacheUsage, Chunk, Finish, Progress, decode_chunk
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -272,3 +272,13 @@ def test_the_response_store_is_bounded_and_keyed_by_salt() -> None:
     store.put("huge", None, [ChatMessage("user", "z" * 20_000)])  # over the whole budget
     with pytest.raises(ApiError):
         store.get("huge", None)
+
+
+def test_a_long_prefill_keeps_both_streams_alive() -> None:
+    m = _messages_exchange(stream=True)
+    assert m.event(Progress(512, 4096)) == b'event: ping\ndata: {"type":"ping"}\n\n'
+    assert m.event(Progress(1024, 4096)) == b""  # at most one a second
+    r = responses.parse(json.dumps({"model": "local", "input": "x", "stream": True}).encode(),
+                        responses.ResponseStore())
+    assert r.event(Progress(512, 4096)) == b": keepalive 512/4096\n\n"
+    assert r.event(Progress(1024, 4096)) == b""

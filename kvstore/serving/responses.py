@@ -220,6 +220,7 @@ class ResponsesExchange(Exchange):
         self.output: list[dict[str, Any]] = []
         self.open: str | None = None  # "message" or "reasoning": the item being streamed
         self.reply = ChatMessage("assistant", "")
+        self.last_ping = 0.0
 
     # --- the response object ---------------------------------------------------------
 
@@ -343,7 +344,15 @@ class ResponsesExchange(Exchange):
                 + self._ev("response.in_progress", response=self._response("in_progress", None)))
 
     def event(self, ev: Chunk | Progress) -> bytes:
-        if isinstance(ev, Progress) or ev.delta is None:
+        if isinstance(ev, Progress):
+            # the Responses stream has no ping: a comment keeps a long prefill's connection
+            # busy (SSE parsers skip it)
+            now = time.monotonic()
+            if not self.stream or now - self.last_ping < 1.0:
+                return b""
+            self.last_ping = now
+            return f": keepalive {ev.done}/{ev.total}\n\n".encode()
+        if ev.delta is None:
             return b""
         d, out = ev.delta, b""
         if d.reasoning:
