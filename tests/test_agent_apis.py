@@ -348,3 +348,26 @@ def test_store_false_and_unknown_ids_are_404s_in_openais_shape(oai: Any) -> None
     assert bad.value.body["message"] == (
         "input[0]: items of type 'computer_call' are not supported (supported: message, "
         "function_call, function_call_output, reasoning)")
+
+
+def test_concurrent_requests_each_get_their_own_figures(claude: Any, oai: Any) -> None:
+    """Requests in one batch: each answer's figures are its own prompt's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [SYSTEM + f"Session {i}. " + "Explain the store. " * (3 * i + 1) for i in range(4)]
+    want = [claude.messages.count_tokens(model="local", messages=[
+        {"role": "user", "content": p}]).input_tokens for p in prompts]
+    assert len(set(want)) == 4
+
+    def ask(i: int) -> int:
+        if i % 2:
+            r = oai.responses.create(model="local", input=prompts[i], max_output_tokens=8,
+                                     store=False)
+            return int(r.usage.input_tokens)
+        m = claude.messages.create(model="local", max_tokens=8, messages=[
+            {"role": "user", "content": prompts[i]}])
+        return _sums(m.usage)
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(ask, range(4)))
+    assert got == want
