@@ -371,3 +371,21 @@ def test_concurrent_requests_each_get_their_own_figures(claude: Any, oai: Any) -
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(ask, range(4)))
     assert got == want
+
+
+def test_a_cache_salt_keeps_an_agents_prompts_apart(claude: Any, oai: Any) -> None:
+    turn = [{"role": "user", "content": "A tenant's question about the remote tier."}]
+
+    def read(salt: str) -> int:
+        m = claude.messages.create(model="local", max_tokens=2, system=SYSTEM, messages=turn,
+                                   extra_body={"cache_salt": salt})
+        return int(m.usage.cache_read_input_tokens)
+
+    read("tenant-a")
+    assert read("tenant-a") > 0  # its own prompt, again
+    assert read("tenant-b") == 0  # another salt shares nothing, not even the system prompt
+    first = oai.responses.create(model="local", input="hello", max_output_tokens=2,
+                                 extra_body={"cache_salt": "tenant-a"})
+    with pytest.raises(openai.NotFoundError):  # a kept response is its tenant's alone
+        oai.responses.create(model="local", input="x", previous_response_id=first.id,
+                             max_output_tokens=2, extra_body={"cache_salt": "tenant-b"})
