@@ -17,7 +17,10 @@ log and ``/metrics`` count.
 
 :data:`RELIED_ON` lists every name of ``mlx_lm.server`` that kvstore relies on (here, in
 ``serve.py``, ``tenants.py``, ``metrics.py`` and ``prefill.py``); :func:`check_server`
-names the first one an mlx-lm upgrade moved (tests/test_mlx_lm_seam.py runs it).
+names the first one an mlx-lm upgrade moved (tests/test_mlx_lm_seam.py runs it). What
+names cannot say (the handler's instance attributes set in its ``__init__``, the stream's
+``data:`` / ``: keepalive n/m`` / ``[DONE]`` lines) the end-to-end tests of
+tests/test_agent_apis.py check.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ RELIED_ON: tuple[tuple[str, str, str], ...] = (
     ("APIHandler.handle_completion", "params: self, request, stop_words",
      "seam: streams chat chunks to the handler's wfile"),
     ("APIHandler.handle_chat_completions", "function", "seam: builds the chat request"),
+    ("APIHandler._set_cors_headers", "params: self", "seam: the agent APIs' answers carry "
+     "the server's CORS headers"),
     ("APIHandler.validate_model_parameters", "function", "tenants: checks cache_salt"),
     ("ResponseGenerator", "class", "serve, prefill: the tokenize step swapped for "
      "checkpoints"),
