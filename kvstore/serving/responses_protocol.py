@@ -60,7 +60,7 @@ ITEM_TYPES: dict[str, type[Any]] = {"message": InputMessage, "function_call": Fu
                                     "reasoning": Reasoning}
 
 
-class FunctionTool(Struct, kw_only=True):
+class FunctionTool(Struct, kw_only=True, omit_defaults=True):
     """A ``function`` tool; tools of other types (``web_search``, ``custom``, …) are
     accepted and left out of the prompt."""
 
