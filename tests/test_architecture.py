@@ -32,7 +32,12 @@ TIERS: dict[str, set[str]] = {
     "kvstore.store": BASE
     | {"kvstore.schema", "kvstore.blocks", "kvstore.index", "kvstore.codecs", "kvstore.formats",
        "kvstore.catalog", "kvstore.remote"},
+    # the agent APIs' adapters: wire types and conversions, knowing nothing of mlx-lm
+    "kvstore.serving": {"kvstore.errors"},
 }
+#: What a tier may import outside kvstore and the standard library (a tier not named here:
+#: anything).
+THIRD_PARTY: dict[str, set[str]] = {"kvstore.serving": {"msgspec"}}
 #: Above the store (cli/, mlx_lm/, bench/, the top-level modules): anything but the index,
 #: which only the store composes. The integrations never import the command line.
 TOP_FORBIDDEN = {"kvstore.index"}
@@ -225,6 +230,16 @@ def test_the_store_parts_depend_one_way() -> None:
     bad = [f"{m}:{line} imports {t}" for m in sorted(MODULES) if m.startswith("kvstore.store.")
            for t, line in _imports(m)
            if t.startswith("kvstore.store.") and _store_part(t) > _store_part(m)]
+    assert not bad, "\n".join(bad)
+
+
+def test_tiers_import_only_the_libraries_they_may() -> None:
+    import sys
+
+    bad = [f"{m}:{line} imports {t}" for m in sorted(MODULES) for t, line in _imports(m)
+           if (allowed := THIRD_PARTY.get(_tier(m))) is not None
+           and not t.startswith("kvstore") and t.split(".")[0] not in sys.stdlib_module_names
+           and t.split(".")[0] not in allowed and t != "__future__"]
     assert not bad, "\n".join(bad)
 
 

@@ -1,0 +1,12 @@
+"""The APIs coding agents speak, as adapters to one internal chat request (issue 34).
+
+- ``chat.py``: the internal request (an OpenAI chat-completions body) and the events that
+  answer it (chat chunks, progress, the finish with the request's cache figures);
+- ``anthropic_protocol.py`` + ``anthropic_messages.py``: the Anthropic Messages API
+  (``/v1/messages``, ``/v1/messages/count_tokens``);
+- ``responses_protocol.py`` + ``responses.py``: the OpenAI Responses API (``/v1/responses``).
+
+A protocol module declares the wire types (msgspec Structs that validate and bound); a
+serving module converts to the internal request and the events back. Nothing here knows
+mlx-lm: ``kvstore.mlx_lm.seam`` runs the request through mlx-lm's chat path.
+"""
