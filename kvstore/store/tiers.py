@@ -38,9 +38,9 @@ from ..blocks import Digest
 from ..catalog.base import PushStats, Tier
 from ..catalog.find import Match, find
 from ..catalog.keys import TokenKeys
-from ..catalog.records import cut_manifest, encoded, records_of
+from ..catalog.records import Records, cut_manifest, encoded, records_of
 from ..catalog.signing import UnsignedManifestError
-from ..errors import EntryNotFoundError, KVStoreError
+from ..errors import DigestMismatchError, EntryNotFoundError, KVStoreError, ManifestError
 from .background import Background
 from .counters import StoreCounters
 from .entries import Pulled, PullReport, resolve_id
@@ -211,6 +211,10 @@ class Tiers:
             return None
         try:
             got = self.write_back(hit, inline=True)
+        except (ManifestError, DigestMismatchError) as e:  # the entry's fault, not the tier's
+            self.counters.add(remote_errors=1)
+            _log.warning("kvstore: pull of %s from %s failed: %s", hit.entry_id, tier, e)
+            return None
         except (KVStoreError, OSError) as e:
             self.counters.add(remote_errors=1)
             self.down(tier, f"pull of {hit.entry_id} failed: {e}")
@@ -279,6 +283,7 @@ class Tiers:
         if got is None or rec is None:
             raise EntryNotFoundError(f"no entry {match.entry_id} on the {tier.name} tier")
         m = got[1]
+        _check_match(match, rec, tier.catalog.where(match.digest))
         short = cut_manifest(m, -(-match.length // m.block_tokens)) if match.trimmable else None
         if short is not None:
             raw, digest = encoded(short)
@@ -481,3 +486,18 @@ class Tiers:
             t.close()
         return st
 
+
+def _check_match(match: Match, rec: Records, where: str) -> None:
+    """A ManifestError when ``match`` (a lower tier's lookup's) claims what the entry's
+    manifest contradicts: another length or trimmability, more tokens than the entry
+    holds, or a shorter prefix of an entry that cannot be cut. The lookup checks each
+    marker against the manifest (kvstore.remote.catalog); this is the last look before
+    its blocks are used, and a lie found here is the entry's fault, never the tier's."""
+    if (match.trimmable != rec.trimmable or match.n_tokens != rec.n_tokens
+            or not 0 < match.length <= rec.n_tokens
+            or (not rec.trimmable and match.length != rec.n_tokens)):
+        raise ManifestError(
+            f"{where}: a match of {match.length} tokens of an entry of {match.n_tokens} "
+            f"({'trimmable' if match.trimmable else 'exact length only'}) contradicts its "
+            f"manifest ({rec.n_tokens} tokens, "
+            f"{'trimmable' if rec.trimmable else 'exact length only'}): not used")
