@@ -79,6 +79,8 @@ class Tiers:
         self._failed = Retries()  # pushes waiting to be tried again, or given up
         self.retry = PushRetry()
         self._queued: set[bytes] = set()  # in the queue or being copied
+        #: Entries pulled unsigned that a push was told to sign (``push(sign_pulled=True)``).
+        self._sign_pulled: set[bytes] = set()
         self._workers: list[threading.Thread] = []
         self._n_workers = workers
         self._requests = cf.ThreadPoolExecutor(4, thread_name_prefix="kvstore-tier-lookup")
@@ -288,6 +290,8 @@ class Tiers:
         if short is not None:
             raw, digest = encoded(short)
             rec = records_of(short, raw, digest, priority=rec.priority)
+        # nobody checked who wrote what a tier without a key gives: a keyed push won't sign it
+        rec = replace(rec, pulled_unsigned=not tier.signed)
         need = list(rec.blocks)
         missing = [d for d in need if not self.root.blocks.exists(d)]
         nbytes = sum(rec.blocks[d] for d in missing)
@@ -422,17 +426,26 @@ class Tiers:
             return PushStats()  # deleted or evicted locally meanwhile
         st = PushStats()
         for tier in self.lower:
+            if tier.signed and rec.pulled_unsigned and digest not in self._sign_pulled:
+                st.pulled_unsigned += 1  # signing it would vouch for whoever wrote it
+                continue
             self._ready(tier)
             got = tier.take(rec, self.root.blocks)
             st.add(PushStats(entries=1, blocks=got.blocks, bytes=got.bytes,
                              present=got.present))
         return st
 
-    def push(self, timeout: float | None = None, *, everything: bool = False) -> PushStats:
+    def push(self, timeout: float | None = None, *, everything: bool = False,
+             sign_pulled: bool = False) -> PushStats:
         """Wait until what is queued (and what failed before) is on the lower tiers, a
         failed upload being tried again as :attr:`retry` says, until it is given up; with
         ``everything``, first queue every root entry the first lower tier lacks, or holds
-        but does not trust (with a signing key: pushed unsigned; pushing it signs it)."""
+        but does not trust (with a signing key: pushed unsigned; pushing it signs it).
+
+        A tier that signs is not given the entries this root pulled without the key
+        (:attr:`Records.pulled_unsigned <kvstore.catalog.records.Records.pulled_unsigned>`:
+        nothing checked who wrote them; counted in ``pulled_unsigned``) unless
+        ``sign_pulled`` (with ``everything``) says to sign them too."""
         tier = self._first()
         with self._cv:
             retry = self._failed.take()  # tried now, their counts afresh
@@ -443,6 +456,9 @@ class Tiers:
             have = set(tier.catalog)
             for d in self.root.catalog:
                 if d not in have or not tier.catalog.trusts(d):
+                    if sign_pulled:
+                        with self._cv:
+                            self._sign_pulled.add(d)
                     self.enqueue(d)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
@@ -453,6 +469,8 @@ class Tiers:
                 self._cv.wait(left)
             st, self._stats = self._stats, PushStats()
             st.pending = self._outstanding
+            if not self._outstanding:
+                self._sign_pulled.clear()
             st.failed = len(self._failed)  # entries not on it (not tries that failed)
         for t in self.lower:
             t.flush()

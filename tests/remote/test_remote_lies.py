@@ -16,7 +16,7 @@ import boto3
 import mlx.core as mx
 import msgspec
 import pytest
-from helpers.kv import NS, T, hybrid_cache, make_cache, matches, open_store, tokens_for
+from helpers.kv import T, hybrid_cache, make_cache, matches, open_store, tokens_for
 
 import kvstore
 from kvstore.catalog import keys as P
