@@ -156,7 +156,9 @@ class PushStats:
     ``shed``: saves not queued because the queue was full; ``pending``: still queued
     when a push timed out. While serving, a failed upload is tried again after a pause
     (``retried``: the tries so scheduled) a bounded number of times, then given up
-    (``given_up``: entries, kept for the next push).
+    (``given_up``: entries, kept for the next push). ``pulled_unsigned``: entries this
+    root pulled without the signing key that a signing tier was not given (a keyed push
+    signs them only when told to: ``Store.push(sign_pulled=True)``).
     """
 
     entries: int = 0
@@ -168,18 +170,19 @@ class PushStats:
     pending: int = 0
     retried: int = 0
     given_up: int = 0
+    pulled_unsigned: int = 0
     errors: list[str] = field(default_factory=list)
 
     def add(self, other: PushStats) -> None:
         for f in ("entries", "blocks", "bytes", "present", "failed", "shed", "pending",
-                  "retried", "given_up"):
+                  "retried", "given_up", "pulled_unsigned"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.errors.extend(other.errors)
 
     def as_dict(self) -> dict[str, object]:
         return {f: getattr(self, f) for f in
                 ("entries", "blocks", "bytes", "present", "failed", "shed", "pending",
-                 "retried", "given_up", "errors")}
+                 "retried", "given_up", "pulled_unsigned", "errors")}
 
 
 class Tier(abc.ABC):
@@ -191,6 +194,13 @@ class Tier(abc.ABC):
     #: Seconds a lookup or a request may take (None: the tier answers inline, on this
     #: machine); a store leaves a tier that failed alone for a while.
     timeout: float | None = None
+
+    @property
+    def signed(self) -> bool:
+        """Whether the tier signs what it takes and gives out only what is signed (a remote
+        with a signing key); what a tier that is not signed gives out is vouched for by
+        nobody (:attr:`Records.pulled_unsigned <.records.Records.pulled_unsigned>`)."""
+        return False
 
     @abc.abstractmethod
     def take(self, rec: Records, source: BlockStore) -> Copied:

@@ -55,6 +55,9 @@ class Records:
     last_access: int  # ms since the epoch
     priority: int  # PRIORITIES' value
     hits: int = 0
+    #: Pulled from a lower tier that checks no signature (no signing key): nothing vouches
+    #: for who wrote it, and a keyed push does not sign it unless told to.
+    pulled_unsigned: bool = False
 
     @property
     def depth_keys(self) -> list[bytes]:
@@ -98,6 +101,7 @@ def records_of(
     priority: int | None = None,
     last_access: int | None = None,
     hits: int = 0,
+    pulled_unsigned: bool = False,
 ) -> Records:
     """The records of the entry with manifest ``m`` (encoded ``raw``, named ``digest``:
     computed when not given).
@@ -105,7 +109,8 @@ def records_of(
     ``priority``: the entry's, as its saver gave it or the tier it comes from kept it;
     None when nobody knows it (a record lost and rebuilt, an entry from a tier that keeps
     none): then the manifest's cache type says it (:func:`priority_of`). ``last_access``
-    (ms since the epoch): None is now.
+    (ms since the epoch): None is now. ``pulled_unsigned``: the entry came from a tier
+    whose signatures nobody checked (:attr:`Records.pulled_unsigned`).
     """
     if raw is None:
         raw = encode_manifest(m)
@@ -129,6 +134,7 @@ def records_of(
         last_access=int(time.time() * 1000) if last_access is None else last_access,
         priority=priority_of(m) if priority is None else priority,
         hits=hits,
+        pulled_unsigned=pulled_unsigned,
     )
 
 

@@ -22,6 +22,7 @@ ENV_KEY_FILE = "KVSTORE_SIGNING_KEY_FILE"
 MIN_KEY_BYTES = 16
 SCHEME = "hmac-sha256-v1"  # the tag's value is ``<SCHEME>:<64 hex>``
 _DOMAIN = b"kvstore manifest " + SCHEME.encode()
+_PRIO_DOMAIN = b"kvstore priority " + SCHEME.encode()
 
 
 class SigningKeyError(KVStoreError, ValueError):
@@ -90,6 +91,20 @@ class Signer:
         mac = hmac.new(self._key, self._head, hashlib.sha256)
         mac.update(raw)
         return f"{SCHEME}:{mac.hexdigest()}"
+
+    def tag_priority(self, digest: bytes, priority: int) -> str:
+        """The tag of an entry's priority (kept beside its manifest's, in the object's
+        metadata): HMAC-SHA256 over its own domain string, the store, the entry's digest and
+        the priority, so it vouches for this priority of this entry in this store only."""
+        mac = hmac.new(self._key, _PRIO_DOMAIN + b"\0" + self.store.encode() + b"\0",
+                       hashlib.sha256)
+        mac.update(digest + b"\0" + str(int(priority)).encode())
+        return f"{SCHEME}:{mac.hexdigest()}"
+
+    def check_priority(self, digest: bytes, priority: int, tag: str | None) -> bool:
+        """Whether ``tag`` is this key's over the entry's ``priority``."""
+        return bool(tag) and hmac.compare_digest(
+            str(tag).encode(), self.tag_priority(digest, priority).encode())
 
     def check(self, raw: bytes, tag: str | None, where: str) -> None:
         """Nothing when ``tag`` is this key's over ``raw``; else an UnsignedManifestError."""

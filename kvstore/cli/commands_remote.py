@@ -37,12 +37,15 @@ def _say(line: str) -> None:
 @click.command()
 @click.option("--timeout", type=click.FloatRange(min=0), default=None, metavar="S",
               help="Give up waiting after S seconds (default: wait until done).")
+@click.option("--sign-pulled", is_flag=True,
+              help="With a signing key, also sign the entries this root pulled without "
+                   "it (by default they are not pushed: nothing checked who wrote them).")
 @json_option
 @common
-def push(timeout: float | None, as_json: bool) -> None:
+def push(timeout: float | None, sign_pulled: bool, as_json: bool) -> None:
     """Upload every local entry the remote lacks (blocks it has are not sent again)."""
     with open_store(remote=remote_url(), push=False) as store:
-        st = store.push(timeout, everything=True)
+        st = store.push(timeout, everything=True, sign_pulled=sign_pulled)
         url = str(store.remote)
     if as_json:
         emit({"remote": url, **st.as_dict()})
@@ -52,6 +55,9 @@ def push(timeout: float | None, as_json: bool) -> None:
              f"{st.present} already there")
         for e in st.errors[:5]:
             click.echo(f"  failed: {e}", err=True)
+        if st.pulled_unsigned:
+            _say(f"not signed: {H.plural(st.pulled_unsigned, 'entry', 'entries')} this root "
+                 f"pulled without the signing key (--sign-pulled signs them)")
     if st.failed or st.pending:
         raise UserError(f"{st.failed + st.pending} entries not pushed (run 'kvstore push' again)")
 

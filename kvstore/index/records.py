@@ -28,6 +28,10 @@ class EntryRecord(msgspec.Struct, kw_only=True):
     last_access: int
     hits: int = 0
     priority: int = 0  # -1 checkpoint (evicted first), 0 assistant, 1 user, 2 system
+    #: Pulled from a remote by a reader without the signing key (nothing checked who wrote
+    #: it): a keyed push does not sign it unless told to (``kvstore push --sign-pulled``).
+    #: False: saved here, pulled with the key, or recorded before this field existed.
+    pulled_unsigned: bool = False
 
 
 class Totals(msgspec.Struct, kw_only=True):

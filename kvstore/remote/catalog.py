@@ -17,6 +17,18 @@ cached, and is logged and reported (``on_refused``) once per entry. A refusal st
 ``REFUSED_FOR`` seconds: lookups in that time do not fetch the manifest again (a bucket
 seeded with unsigned entries costs one GET each, not one per lookup); after it the
 manifest is read again, since a machine with the key may have signed it meanwhile.
+
+Markers are unsigned hints for finding a manifest (their names say an entry, its length,
+whether it trims, the depth or exact key it is listed under). Before a lookup uses an
+entry a marker names, what the marker says is checked against the manifest (the signed
+one, with a key): its namespace is the query's (``c_0``), its tokens are the query's up
+to the depth (or, for an exact marker, all of them), its length and its trimmability
+are the manifest's own. A marker the manifest contradicts is a **lie**: refused, logged
+and reported (``on_refused``) once per marker object, never judged again, and never a
+failure of the remote (the entry it names is not refused for it: a genuine entry named
+by a forged marker is still found by its own markers). With a key, an entry's priority is the
+one its own signature (``kvstore-prio-sig``, :meth:`Signer.tag_priority`) vouches for,
+else the signed manifest's cache type: never the unsigned ``priority`` metadata alone.
 """
 
 from __future__ import annotations
@@ -35,7 +47,7 @@ from ..blocks import Digest
 from ..catalog import keys as P
 from ..catalog.base import Catalog, Ensure, open_manifest
 from ..catalog.find import DepthReader, Match
-from ..catalog.records import PRIORITY_NAMES, Records, priority_of, records_of
+from ..catalog.records import PRIORITY_NAMES, Records, priority_of, records_of, trimmable
 from ..catalog.signing import Signer, UnsignedManifestError
 from ..errors import DigestMismatchError, ManifestError
 from ..schema import MAX_MANIFEST_BYTES, Manifest
@@ -59,8 +71,11 @@ LISTED = 16  # markers one probe lists
 CACHED = 512  # manifests kept decoded
 PRIORITY_META = "priority"  # the manifest object's metadata key: the entry's priority
 SIG_META = "kvstore-sig"  # the manifest object's metadata key: its signature (signed entries)
+PRIO_SIG_META = "kvstore-prio-sig"  # the metadata key of the priority's signature
 REFUSED_LOGGED = 4096  # refused entries remembered (each is logged once)
 REFUSED_FOR = 60.0  # seconds a refusal stands before the manifest is read again
+LIES_KEPT = 4096  # lying marker objects remembered (each is logged and reported once)
+EXACT_LISTED = 8  # exact markers one exact probe lists
 #: The priority a manifest object's metadata names (-1 for a checkpoint); any other value,
 #: or none (an older kvstore pushed it), leaves the manifest's cache type to say it.
 _PRIORITY_META_VALUES = {str(p): p for p in PRIORITY_NAMES}
@@ -71,7 +86,9 @@ _log = logging.getLogger("kvstore")
 class _Cached:
     raw: bytes
     manifest: Manifest
-    priority: int  # the object's metadata's, else the manifest's cache type's
+    priority: int  # the object's metadata's (with a key: signed), else the cache type's
+    trimmable: bool  # the manifest's own: every layer can serve a shorter prefix
+    root_key: bytes  # c_0 of its namespace, codec, block size and hash
 
 
 class RemoteReader(DepthReader):
@@ -93,16 +110,17 @@ class RemoteReader(DepthReader):
         return bool(self._markers(k, chain_key))
 
     def best_at(self, tk: P.TokenKeys, k: int) -> Match | None:
-        hit = self.catalog.judge(self._markers(k, tk.chain[k]), tk)
-        # entries a reader with the key refused hide nothing: judge the depth above them
+        hit = self.catalog.judge(self._markers(k, tk.chain[k]), tk, k)
+        # refused entries and lying markers hide nothing: judge the depth above them
         while hit is None and k > self.first_depth and self.catalog.all_refused(
-                self._markers(k, tk.chain[k])):
+                self._markers(k, tk.chain[k]), tk.chain[k]):
             k -= 1
-            hit = self.catalog.judge(self._markers(k, tk.chain[k]), tk)
+            hit = self.catalog.judge(self._markers(k, tk.chain[k]), tk, k)
         return hit
 
     def exact_later(self, tk: P.TokenKeys) -> Callable[[], Match | None]:
-        fut = self.catalog.pool.submit(self.catalog.exact_entry, tk.exact_key())
+        fut = self.catalog.pool.submit(self.catalog.exact_entry, tk.exact_key(),
+                                       tk.chain[0], tk.le)
         n_q = len(tk)
 
         def result() -> Match | None:
@@ -140,6 +158,8 @@ class RemoteCatalog(Catalog):
         self.clock: Callable[[], float] = time.monotonic
         #: Refused entries: when each was last refused (by ``clock``), and why.
         self._refused: OrderedDict[bytes, tuple[float, UnsignedManifestError]] = OrderedDict()
+        #: Marker objects (their keys) whose manifest contradicts them: lies, never used.
+        self._lies: OrderedDict[str, None] = OrderedDict()
         #: Manifests being read now: the one read each thread asking for them waits on.
         self._fetching: dict[bytes, Future[_Cached | None]] = {}
 
@@ -156,20 +176,64 @@ class RemoteCatalog(Catalog):
         listed = self.client.list(marker_dir(self.prefix, chain_key), limit=LISTED)
         return [m for o in listed if (m := parse_marker(o.key)) is not None]
 
-    def exact_entry(self, exact_key: bytes) -> tuple[bytes, bool] | None:
+    def exact_entry(self, exact_key: bytes, root_key: bytes | None = None,
+                    tokens: bytes | None = None) -> tuple[bytes, bool] | None:
         """``(entry, trimmable)`` of the complete entry the exact key names, or None (with a
-        signing key: the first whose manifest is signed)."""
-        for o in self.client.list(exact_dir(self.prefix, exact_key), limit=4):
+        signing key: the first whose manifest is signed).
+
+        ``root_key`` and ``tokens`` (``c_0`` and the u32 LE tokens the exact key was made
+        of): the entry's manifest must say the same namespace, the same tokens and the
+        trimmability its marker says; an exact marker it contradicts is a lie
+        (:meth:`_lie`), skipped."""
+        for o in self.client.list(exact_dir(self.prefix, exact_key), limit=EXACT_LISTED):
             got = parse_exact(o.key)
-            if got is not None and (self.signer is None or self.usable(got[0])):
+            if got is None or self.lied(o.key):
+                continue
+            if tokens is None and self.signer is None:
                 return got
+            try:
+                cached = self._get(got[0])
+            except (ManifestError, DigestMismatchError):
+                continue
+            if cached is None:
+                continue
+            if tokens is not None and root_key is not None:
+                why = _contradiction(cached, root_key, len(tokens) // 4, got[1])
+                if why is None and cached.manifest.tokens != tokens:
+                    why = "the entry's tokens are not the ones its exact key names"
+                if why is not None:
+                    self._lie(o.key, got[0], why)
+                    continue
+            return got
         return None
 
-    def all_refused(self, markers: list[Marker]) -> bool:
-        """Whether every entry the markers name was refused (only a reader with the key
-        refuses)."""
+    def all_refused(self, markers: list[Marker], chain_key: bytes | None = None) -> bool:
+        """Whether every entry the markers name was refused, or (``chain_key``: the depth
+        they were listed under) its marker found lying."""
         with self._lock:
-            return bool(markers) and all(m.entry in self._refused for m in markers)
+            return bool(markers) and all(
+                m.entry in self._refused or (chain_key is not None and marker_key(
+                    self.prefix, chain_key, m.entry, m.n_tokens, m.trimmable) in self._lies)
+                for m in markers)
+
+    def lied(self, key: str) -> bool:
+        """Whether the marker object ``key`` was found lying."""
+        with self._lock:
+            return key in self._lies
+
+    def _lie(self, key: str, entry: bytes, why: str) -> None:
+        """Remember a marker object the manifest it names contradicts; log and report it
+        the first time (as a refusal: ``on_refused`` with the entry it names)."""
+        with self._lock:
+            if key in self._lies:
+                return
+            self._lies[key] = None
+            while len(self._lies) > LIES_KEPT:
+                self._lies.popitem(last=False)
+        _log.warning("kvstore: %s%s: refused, the marker lies: %s (manifest %s)", self.url,
+                     key.removeprefix(self.prefix), why, entry.hex())
+        if self.on_refused is not None:
+            self.on_refused(entry)
 
     def trusts(self, digest: bytes) -> bool:
         return self.signer is None or self.usable(digest)
@@ -185,16 +249,24 @@ class RemoteCatalog(Catalog):
         got = self.exact_entry(exact_key)
         return None if got is None else got[0]
 
-    def judge(self, markers: list[Marker], tk: P.TokenKeys) -> Match | None:
-        """The best of the entries ``markers`` name for the query, from their manifests
-        (read in parallel, at most ``SCAN`` of each kind)."""
-        n_q = len(tk)
+    def judge(self, markers: list[Marker], tk: P.TokenKeys, k: int) -> Match | None:
+        """The best of the entries ``markers`` (listed at depth ``k`` of the query) name for
+        the query, from their manifests (read in parallel, at most ``SCAN`` of each kind).
+
+        Each marker is checked against its manifest first: the entry's namespace is the
+        query's, its tokens are the query's for the ``k`` blocks the marker stands under,
+        and its length and trimmability are the ones the marker's name says. A marker the
+        manifest contradicts is a lie (:meth:`_lie`): its entry is not judged for it."""
+        n_q, T = len(tk), tk.block_tokens
         trim = sorted((m for m in markers if m.trimmable), key=lambda m: -m.n_tokens)
         whole = sorted((m for m in markers if not m.trimmable and m.n_tokens <= n_q),
                        key=lambda m: -m.n_tokens)
         cands = (trim[:SCAN] + whole[:SCAN])[: 2 * SCAN]
 
         def one(m: Marker) -> Match | None:
+            key = marker_key(self.prefix, tk.chain[k], m.entry, m.n_tokens, m.trimmable)
+            if self.lied(key):
+                return None
             try:
                 got = self._get(m.entry)
             except (RemoteNotFoundError, ManifestError, DigestMismatchError):
@@ -203,14 +275,21 @@ class RemoteCatalog(Catalog):
                 return None
             man = got.manifest
             lcp = P.common_tokens(man.tokens, tk.le)
-            if m.trimmable:
+            why = _contradiction(got, tk.chain[0], m.n_tokens, m.trimmable)
+            if why is None and min(lcp, man.n_tokens) < k * T:
+                why = (f"it lists the entry under block {k} of the query, whose first "
+                       f"{k * T} tokens the entry does not hold")
+            if why is not None:
+                self._lie(key, m.entry, why)
+                return None
+            if got.trimmable:
                 length = min(lcp, man.n_tokens, n_q)
             elif lcp >= man.n_tokens:
                 length = man.n_tokens
             else:
                 return None
             exact = length == n_q == man.n_tokens
-            return (Match(Digest(m.entry), length, exact, m.trimmable, man.n_tokens,
+            return (Match(Digest(m.entry), length, exact, got.trimmable, man.n_tokens,
                           where=self.name) if length else None)
 
         hits = [h for h in run_all(self.pool, one, cands) if h is not None]
@@ -279,13 +358,28 @@ class RemoteCatalog(Catalog):
             self._refuse(digest, e)
             raise
         kept = _PRIORITY_META_VALUES.get(meta.get(PRIORITY_META, ""))
-        got = _Cached(raw, m, priority_of(m) if kept is None else kept)
+        if self.signer is not None:  # unsigned metadata steers nothing a keyed reader does:
+            kept = self._signed_priority(digest, kept, meta.get(PRIO_SIG_META))
+        got = _Cached(raw, m, priority_of(m) if kept is None else kept, trimmable(m.layers),
+                      P.root_key(m.namespace, m.codec, m.block_tokens, m.hash))
         with self._lock:
             self._refused.pop(digest, None)  # signed since it was refused
             self._cache[digest] = got
             while len(self._cache) > CACHED:
                 self._cache.popitem(last=False)
         return got
+
+    def _signed_priority(self, digest: bytes, said: int | None, tag: str | None
+                         ) -> int | None:
+        """The priority the priority's tag vouches for (the one the metadata says first, then
+        the others: a priority rewritten beside a copied tag is still found), or None."""
+        assert self.signer is not None
+        if not tag:
+            return None
+        for p in ([] if said is None else [said]) + [p for p in PRIORITY_NAMES if p != said]:
+            if self.signer.check_priority(digest, p, tag):
+                return p
+        return None
 
     def manifest(self, digest: bytes) -> tuple[bytes, Manifest] | None:
         got = self._get(digest)
@@ -353,6 +447,7 @@ class RemoteCatalog(Catalog):
         meta = {PRIORITY_META: str(rec.priority)}
         if self.signer is not None:
             meta[SIG_META] = self.signer.tag(rec.manifest)
+            meta[PRIO_SIG_META] = self.signer.tag_priority(rec.digest, rec.priority)
         if self.client.put(key, rec.manifest, metadata=meta):
             return True
         if self.signer is None:
@@ -361,7 +456,7 @@ class RemoteCatalog(Catalog):
             raw, there = self.client.get_with_metadata(key)
         except RemoteNotFoundError:
             raw, there = b"", {}
-        if raw != rec.manifest or there.get(SIG_META) != meta[SIG_META]:
+        if raw != rec.manifest or any(there.get(k) != meta[k] for k in meta):
             self.client.put(key, rec.manifest, if_absent=False, metadata=meta)
             self.forget(rec.digest)
         return False
@@ -375,7 +470,7 @@ class RemoteCatalog(Catalog):
         machines pushing the same tokens at once may both publish: a lookup then finds
         either, never a wrong one.
         """
-        if self.exact_entry(rec.exact_key) is not None:
+        if self.exact_entry(rec.exact_key, rec.chain[0], rec.tokens) is not None:
             return False
         if not self.put_manifest(rec) and self.on_reused is not None:
             self.on_reused(rec.digest)
@@ -404,6 +499,21 @@ class RemoteCatalog(Catalog):
         self.client.delete(manifest_key(self.prefix, digest))
         self.forget(digest)
         return True
+
+
+def _contradiction(got: _Cached, root_key: bytes, n_tokens: int, trim: bool) -> str | None:
+    """What a marker's name says (the namespace of the chain it is under, the entry's
+    length, whether it trims) that the entry's manifest contradicts, or None."""
+    m = got.manifest
+    if got.root_key != root_key:
+        return ("the entry is of another namespace (model, tokenizer, tenant), codec or "
+                "block size than the chain it is listed under")
+    if m.n_tokens != n_tokens:
+        return f"it says {n_tokens} tokens, the manifest {m.n_tokens}"
+    if got.trimmable != trim:
+        return ("it says the entry serves shorter prefixes; the manifest's layers do not"
+                if trim else "it says the entry does not trim; the manifest's layers do")
+    return None
 
 
 __all__ = ["RemoteCatalog", "RemoteReader"]

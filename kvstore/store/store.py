@@ -124,10 +124,15 @@ class Store:
         self.tiers.close()
         self._access.close(self.index.close)
 
-    def push(self, timeout: float | None = None, *, everything: bool = False) -> PushStats:
+    def push(self, timeout: float | None = None, *, everything: bool = False,
+             sign_pulled: bool = False) -> PushStats:
         """Wait until the saves queued for the remote are on it (``everything``: first queue
-        every local entry the remote lacks); returns what was uploaded."""
-        return self.tiers.push(timeout, everything=everything)
+        every local entry the remote lacks); returns what was uploaded.
+
+        With a signing key, an entry this root pulled without the key is not pushed (so
+        not signed: nothing checked who wrote it; counted in ``pulled_unsigned``) unless
+        ``sign_pulled`` (with ``everything``) says to sign it too."""
+        return self.tiers.push(timeout, everything=everything, sign_pulled=sign_pulled)
 
     def pull(self, entry_ids: Sequence[str] | None = None) -> PullReport:
         """Download remote entries (all, or these ids or unique prefixes) into this root."""

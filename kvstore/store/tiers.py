@@ -38,9 +38,9 @@ from ..blocks import Digest
 from ..catalog.base import PushStats, Tier
 from ..catalog.find import Match, find
 from ..catalog.keys import TokenKeys
-from ..catalog.records import cut_manifest, encoded, records_of
+from ..catalog.records import Records, cut_manifest, encoded, records_of
 from ..catalog.signing import UnsignedManifestError
-from ..errors import EntryNotFoundError, KVStoreError
+from ..errors import DigestMismatchError, EntryNotFoundError, KVStoreError, ManifestError
 from .background import Background
 from .counters import StoreCounters
 from .entries import Pulled, PullReport, resolve_id
@@ -79,6 +79,8 @@ class Tiers:
         self._failed = Retries()  # pushes waiting to be tried again, or given up
         self.retry = PushRetry()
         self._queued: set[bytes] = set()  # in the queue or being copied
+        #: Entries pulled unsigned that a push was told to sign (``push(sign_pulled=True)``).
+        self._sign_pulled: set[bytes] = set()
         self._workers: list[threading.Thread] = []
         self._n_workers = workers
         self._requests = cf.ThreadPoolExecutor(4, thread_name_prefix="kvstore-tier-lookup")
@@ -211,6 +213,10 @@ class Tiers:
             return None
         try:
             got = self.write_back(hit, inline=True)
+        except (ManifestError, DigestMismatchError) as e:  # the entry's fault, not the tier's
+            self.counters.add(remote_errors=1)
+            _log.warning("kvstore: pull of %s from %s failed: %s", hit.entry_id, tier, e)
+            return None
         except (KVStoreError, OSError) as e:
             self.counters.add(remote_errors=1)
             self.down(tier, f"pull of {hit.entry_id} failed: {e}")
@@ -279,10 +285,13 @@ class Tiers:
         if got is None or rec is None:
             raise EntryNotFoundError(f"no entry {match.entry_id} on the {tier.name} tier")
         m = got[1]
+        _check_match(match, rec, tier.catalog.where(match.digest))
         short = cut_manifest(m, -(-match.length // m.block_tokens)) if match.trimmable else None
         if short is not None:
             raw, digest = encoded(short)
             rec = records_of(short, raw, digest, priority=rec.priority)
+        # nobody checked who wrote what a tier without a key gives: a keyed push won't sign it
+        rec = replace(rec, pulled_unsigned=not tier.signed)
         need = list(rec.blocks)
         missing = [d for d in need if not self.root.blocks.exists(d)]
         nbytes = sum(rec.blocks[d] for d in missing)
@@ -417,17 +426,26 @@ class Tiers:
             return PushStats()  # deleted or evicted locally meanwhile
         st = PushStats()
         for tier in self.lower:
+            if tier.signed and rec.pulled_unsigned and digest not in self._sign_pulled:
+                st.pulled_unsigned += 1  # signing it would vouch for whoever wrote it
+                continue
             self._ready(tier)
             got = tier.take(rec, self.root.blocks)
             st.add(PushStats(entries=1, blocks=got.blocks, bytes=got.bytes,
                              present=got.present))
         return st
 
-    def push(self, timeout: float | None = None, *, everything: bool = False) -> PushStats:
+    def push(self, timeout: float | None = None, *, everything: bool = False,
+             sign_pulled: bool = False) -> PushStats:
         """Wait until what is queued (and what failed before) is on the lower tiers, a
         failed upload being tried again as :attr:`retry` says, until it is given up; with
         ``everything``, first queue every root entry the first lower tier lacks, or holds
-        but does not trust (with a signing key: pushed unsigned; pushing it signs it)."""
+        but does not trust (with a signing key: pushed unsigned; pushing it signs it).
+
+        A tier that signs is not given the entries this root pulled without the key
+        (:attr:`Records.pulled_unsigned <kvstore.catalog.records.Records.pulled_unsigned>`:
+        nothing checked who wrote them; counted in ``pulled_unsigned``) unless
+        ``sign_pulled`` (with ``everything``) says to sign them too."""
         tier = self._first()
         with self._cv:
             retry = self._failed.take()  # tried now, their counts afresh
@@ -438,6 +456,9 @@ class Tiers:
             have = set(tier.catalog)
             for d in self.root.catalog:
                 if d not in have or not tier.catalog.trusts(d):
+                    if sign_pulled:
+                        with self._cv:
+                            self._sign_pulled.add(d)
                     self.enqueue(d)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
@@ -448,6 +469,8 @@ class Tiers:
                 self._cv.wait(left)
             st, self._stats = self._stats, PushStats()
             st.pending = self._outstanding
+            if not self._outstanding:
+                self._sign_pulled.clear()
             st.failed = len(self._failed)  # entries not on it (not tries that failed)
         for t in self.lower:
             t.flush()
@@ -481,3 +504,18 @@ class Tiers:
             t.close()
         return st
 
+
+def _check_match(match: Match, rec: Records, where: str) -> None:
+    """A ManifestError when ``match`` (a lower tier's lookup's) claims what the entry's
+    manifest contradicts: another length or trimmability, more tokens than the entry
+    holds, or a shorter prefix of an entry that cannot be cut. The lookup checks each
+    marker against the manifest (kvstore.remote.catalog); this is the last look before
+    its blocks are used, and a lie found here is the entry's fault, never the tier's."""
+    if (match.trimmable != rec.trimmable or match.n_tokens != rec.n_tokens
+            or not 0 < match.length <= rec.n_tokens
+            or (not rec.trimmable and match.length != rec.n_tokens)):
+        raise ManifestError(
+            f"{where}: a match of {match.length} tokens of an entry of {match.n_tokens} "
+            f"({'trimmable' if match.trimmable else 'exact length only'}) contradicts its "
+            f"manifest ({rec.n_tokens} tokens, "
+            f"{'trimmable' if rec.trimmable else 'exact length only'}): not used")

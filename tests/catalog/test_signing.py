@@ -108,3 +108,21 @@ def test_the_key_never_shows(entry: Entry) -> None:
     with pytest.raises(UnsignedManifestError) as e:
         s.check(entry.records.manifest, None, "here")
     assert "k" * 16 not in str(e.value)
+
+
+def test_the_priority_tag_binds_the_store_the_entry_and_the_priority(entry: Entry) -> None:
+    """The priority's own tag (kvstore-prio-sig): HMAC-SHA256 over its domain, the store,
+    the entry's digest and the priority; it vouches for that priority of that entry in that
+    store only."""
+    s = Signer(KEY, STORE)
+    tag = s.tag_priority(entry.digest, 2)
+    want = hmac.new(KEY, b"kvstore priority hmac-sha256-v1\0" + STORE.encode() + b"\0"
+                    + entry.digest + b"\0" + b"2", hashlib.sha256).hexdigest()
+    assert tag == f"hmac-sha256-v1:{want}"
+    assert s.check_priority(entry.digest, 2, tag)
+    assert not s.check_priority(entry.digest, -1, tag)  # another priority
+    assert not s.check_priority(b"\0" * 32, 2, tag)  # another entry
+    assert not Signer(KEY, STORE + "x").check_priority(entry.digest, 2, tag)  # another store
+    assert not Signer(b"o" * 32, STORE).check_priority(entry.digest, 2, tag)  # another key
+    assert not s.check_priority(entry.digest, 2, None)
+    assert tag != s.tag(entry.records.manifest)  # never a manifest's tag

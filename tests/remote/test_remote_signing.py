@@ -406,3 +406,48 @@ def test_the_cli_with_a_key_file(tmp_path: Path, url: str) -> None:
         cache, n = c.restore(s_toks)
         assert n == len(s_toks) and cache is not None and matches(cache, s_toks, n)
         assert [e.id for e in c.entries()] == [good]
+
+
+def test_a_keyed_push_does_not_sign_what_was_pulled_unsigned(tmp_path: Path, url: str) -> None:
+    """The key migration does not launder poison: a machine without the key restores an
+    attacker's unsigned entry (it lands in its root, recorded as pulled unsigned), then
+    runs ``kvstore push`` with the key: its own save is signed, the pulled entry is not
+    (counted); only ``--sign-pulled`` signs it."""
+    p, own = tokens_for(14, 3 * T + 1), tokens_for(15, 2 * T + 3)
+    with keyless(tmp_path / "x", url) as x:  # the attacker: P's prefix, other KV
+        bad = save_and_push(x, p, cache_of=tokens_for(16, 3 * T + 1))
+    with keyless(tmp_path / "m", url) as m:
+        cache, n = m.restore(p)
+        assert n == len(p) and cache is not None and not matches(cache, p, n)
+        rec = m.local.catalog.records(bytes.fromhex(bad))
+        assert rec is not None and rec.pulled_unsigned
+        mine = save_and_push(m, own)
+        rec = m.local.catalog.records(bytes.fromhex(mine))
+        assert rec is not None and not rec.pulled_unsigned
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_SIGNING")}
+    env["KVSTORE_SIGNING_KEY"] = KEY
+
+    def push(*args: str) -> Any:
+        p = subprocess.run([sys.executable, "-m", "kvstore", "--root", str(tmp_path / "m"),
+                            "--remote", url, "push", *args, "--json"], capture_output=True,
+                           text=True, timeout=120, env=env)
+        assert p.returncode == 0, (args, p.stdout, p.stderr)
+        return json.loads(p.stdout)
+
+    st = push()  # the documented migration
+    assert (st["entries"], st["pulled_unsigned"], st["failed"]) == (1, 1, 0)
+    assert "kvstore-sig" not in manifest_of(url, bad)[1]
+    raw, meta = manifest_of(url, mine)
+    assert meta["kvstore-sig"] == expected_tag(url, raw)
+    with keyed(tmp_path / "b", url) as b:  # a keyed reader still refuses the poison
+        assert b.restore(p) == (None, 0)
+        assert b.counters.values().remote_refused == 1
+        cache, n = b.restore(own)
+        assert n == len(own) and cache is not None and matches(cache, own, n)
+    st = push()  # again: still not signed, counted again
+    assert (st["entries"], st["pulled_unsigned"]) == (0, 1)
+    st = push("--sign-pulled")  # told explicitly: signed
+    assert (st["entries"], st["pulled_unsigned"], st["failed"]) == (1, 0, 0)
+    raw, meta = manifest_of(url, bad)
+    assert meta["kvstore-sig"] == expected_tag(url, raw)
+    assert push()["pulled_unsigned"] == 0  # signed on the remote now: nothing left to do

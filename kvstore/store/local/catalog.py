@@ -51,7 +51,8 @@ def entry_record(rec: Records) -> EntryRecord:
     """The index's bookkeeping of an entry, from its records."""
     return EntryRecord(namespace=rec.namespace, n_tokens=rec.n_tokens,
                        logical_bytes=rec.logical_bytes, created_at=rec.created_at,
-                       last_access=rec.last_access, hits=rec.hits, priority=rec.priority)
+                       last_access=rec.last_access, hits=rec.hits, priority=rec.priority,
+                       pulled_unsigned=rec.pulled_unsigned)
 
 
 def save_plan(rec: Records, ensure: Ensure) -> SavePlan:
@@ -204,7 +205,8 @@ class LocalCatalog(Catalog):
         if entry is None:  # a record lost: what the manifest alone says
             return records_of(m, raw, digest, last_access=m.created_at)
         return records_of(m, raw, digest, priority=entry.priority,
-                          last_access=entry.last_access, hits=entry.hits)
+                          last_access=entry.last_access, hits=entry.hits,
+                          pulled_unsigned=entry.pulled_unsigned)
 
     def __iter__(self) -> Iterator[bytes]:
         with self.index.read() as txn:

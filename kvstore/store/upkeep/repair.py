@@ -181,7 +181,7 @@ def _cut(
         rec = records_of(short, raw, to, last_access=short.created_at)
     else:  # the cut keeps the entry's own bookkeeping
         rec = records_of(short, raw, to, priority=old.priority, last_access=old.last_access,
-                         hits=old.hits)
+                         hits=old.hits, pulled_unsigned=old.pulled_unsigned)
     save = save_plan(rec, lambda ds: None)  # its blocks are the entry's own, referenced
     have = idx.find_exact(save.exact_key, txn)
     if save.exact_key in taken or (
