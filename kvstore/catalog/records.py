@@ -55,6 +55,7 @@ class Records:
     last_access: int  # ms since the epoch
     priority: int  # PRIORITIES' value
     hits: int = 0
+    pin_ttl: int = 0  # ms: a cache breakpoint's pin (EntryRecord.pin_ttl); 0: none
 
     @property
     def depth_keys(self) -> list[bytes]:
@@ -98,6 +99,7 @@ def records_of(
     priority: int | None = None,
     last_access: int | None = None,
     hits: int = 0,
+    pin_ttl: int = 0,
 ) -> Records:
     """The records of the entry with manifest ``m`` (encoded ``raw``, named ``digest``:
     computed when not given).
@@ -105,7 +107,8 @@ def records_of(
     ``priority``: the entry's, as its saver gave it or the tier it comes from kept it;
     None when nobody knows it (a record lost and rebuilt, an entry from a tier that keeps
     none): then the manifest's cache type says it (:func:`priority_of`). ``last_access``
-    (ms since the epoch): None is now.
+    (ms since the epoch): None is now. ``pin_ttl`` (ms): the pin of a cache breakpoint,
+    which only the root keeps (a tier below it records none).
     """
     if raw is None:
         raw = encode_manifest(m)
@@ -129,6 +132,7 @@ def records_of(
         last_access=int(time.time() * 1000) if last_access is None else last_access,
         priority=priority_of(m) if priority is None else priority,
         hits=hits,
+        pin_ttl=pin_ttl,
     )
 
 

@@ -28,6 +28,13 @@ class EntryRecord(msgspec.Struct, kw_only=True):
     last_access: int
     hits: int = 0
     priority: int = 0  # -1 checkpoint (evicted first), 0 assistant, 1 user, 2 system
+    #: a cache breakpoint's pin (ms; 0: none): kept from eviction while ``now`` is before
+    #: ``last_access + pin_ttl`` (kvstore.store.upkeep.gc caps what pins may hold)
+    pin_ttl: int = 0
+
+    def pinned(self, now: int) -> bool:
+        """Whether the entry's pin still holds at ``now`` (ms since the epoch)."""
+        return self.pin_ttl > 0 and now < self.last_access + self.pin_ttl
 
 
 class Totals(msgspec.Struct, kw_only=True):
