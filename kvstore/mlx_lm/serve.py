@@ -15,7 +15,8 @@ Two more of mlx-lm's functions are swapped for the call: the HTTP server's start
 so that a port taken meanwhile stops mlx-lm's generation thread (else the process
 waits on it forever), and the Hugging Face cache scan behind ``GET /v1/models``,
 which raises when no hub cache exists (a model served from a directory needs none).
-Three more carry a request's ``cache_salt`` (see :mod:`kvstore.mlx_lm.tenants`).
+Three more carry a request's ``cache_salt`` (see :mod:`kvstore.mlx_lm.tenants`), and
+three its ``cache_control`` breakpoints (:mod:`kvstore.mlx_lm.cache_control`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from kvstore.mlx_lm import PersistentPromptCache
 from kvstore.mlx_lm.prefill import segmenting_tokenize
 from kvstore.store.tiers import DEFAULT_DEADLINE
 
+from .cache_control import breakpoint_server
 from .metrics import ServeMetrics
 from .requests import RequestLog
 from .tenants import salted_server
@@ -429,6 +431,7 @@ def _serve(argv: list[str]) -> int:
                          _hub_scan_or_none(getattr(server, "scan_cache_dir"))),  # noqa: B009
                 _swapped(sys, "argv", ["kvstore serve", *rest]),
                 salted_server(server),
+                breakpoint_server(server),
                 _sigterm_interrupts(),
             ):
                 server.main()  # type: ignore[no-untyped-call]

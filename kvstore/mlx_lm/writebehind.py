@@ -92,6 +92,7 @@ class Job:
     stem: int = 0  # a later snapshot sharing this many leading tokens replaces it
     since: float = 0.0  # time.monotonic() when it was deferred
     metadata: dict[str, str] | None = None  # stored instead of {"cache_type": cache_type}
+    pin_ttl: float = 0.0  # a cache breakpoint's (seconds): saved pinned, never deferred
 
 
 @dataclass(frozen=True)
@@ -154,13 +155,14 @@ class WriteBehind:
 
     def submit(self, namespace: Namespace, tokens: list[int], prompt_cache: list[Any],
                cache_type: str, *, stem: int | None = None,
-               metadata: dict[str, str] | None = None) -> str:
+               metadata: dict[str, str] | None = None, pin_ttl: float = 0.0) -> str:
         """Queue or defer a snapshot of ``tokens`` (the cache holds exactly them); returns
         ``queued``, ``deferred`` or ``closed`` (dropped: the queue is closed).
 
         A checkpoint (``cache_type`` ``"checkpoint"``) is queued, never deferred, and waits
         here while another checkpoint waits in the queue. ``metadata`` is stored with the
-        entry (default ``{"cache_type": cache_type}``).
+        entry (default ``{"cache_type": cache_type}``). A cache breakpoint's snapshot
+        (``pin_ttl`` > 0, seconds) is queued, never deferred, and saved pinned.
 
         ``stem`` (default: all of ``tokens``): a later snapshot that shares this many
         leading tokens with this one continues its conversation and replaces it while it
@@ -170,9 +172,9 @@ class WriteBehind:
         job = Job(namespace, tokens, list(prompt_cache), cache_type,
                   sum(int(c.nbytes) for c in prompt_cache), _can_trim(prompt_cache),
                   stem=len(tokens) if stem is None else min(stem, len(tokens)),
-                  metadata=metadata)
+                  metadata=metadata, pin_ttl=pin_ttl)
         checkpoint = cache_type == CHECKPOINT
-        defer = (not checkpoint and job.trimmable and self.defer_seconds > 0
+        defer = (not checkpoint and not pin_ttl and job.trimmable and self.defer_seconds > 0
                  and not self._new_block(job))
         with self._cond:
             if checkpoint:  # memory stays bounded: one checkpoint waits at most
@@ -320,6 +322,7 @@ class WriteBehind:
                 priority=job.cache_type,  # type: ignore[arg-type]
                 namespace=job.namespace,
                 reuse_prefix=self.reuse_prefix,
+                pin_ttl=job.pin_ttl,
             )
         except Exception:
             logger.warning("kvstore: background save of %d tokens failed", n, exc_info=True)
