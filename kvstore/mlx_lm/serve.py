@@ -115,8 +115,9 @@ def _parser() -> argparse.ArgumentParser:
         type=parse_budget,
         default=None,
         metavar="SIZE",
-        help="disk budget of the root; least recently used entries are evicted "
-        "above it after each save",
+        help="disk budget of the root: its block files' bytes on disk, unreferenced blocks "
+        "still in their grace included; least recently used entries are evicted above it "
+        "after each save (the most recent and cache breakpoints last; docs/CLI.md)",
     )
     g.add_argument(
         "--min-tokens",
