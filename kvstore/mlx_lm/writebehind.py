@@ -333,21 +333,36 @@ class WriteBehind:
 
     def pending(self, namespace: Namespace, tokens: Sequence[int],
                 have: int) -> tuple[int, list[Any]] | None:
-        """``(n, cache)``: a copy of the longest snapshot queued or being written (not a
-        deferred one: mlx-lm's memory tier holds those) whose ``n`` tokens are a prefix of
-        ``tokens[:-1]`` and more than ``have``; None when there is none."""
+        """``(n, cache)``: a copy of the snapshot queued, being written or deferred that
+        serves the longest prefix ``n`` of ``tokens[:-1]``, more than ``have``; None when
+        there is none. A snapshot whose tokens are that prefix serves it; a trimmable one
+        also serves the prefix it shares with ``tokens`` (its copy cut back to it), as
+        mlx-lm's LRU does: the next turn re-renders a reply's tokens. (A deferred snapshot
+        is mlx-lm's memory tier's too, but its LRU may have evicted it since: concurrent
+        conversations through a small LRU.)"""
+        limit = len(tokens) - 1
         with self._cond:
-            jobs = [*self._queue, *([self._current] if self._current is not None else [])]
-            best = max(
-                (j for j in jobs
-                 if j.namespace == namespace and have < len(j.tokens) < len(tokens)
-                 and list(tokens[: len(j.tokens)]) == j.tokens),
-                key=lambda j: len(j.tokens),
-                default=None,
-            )
+            jobs = [*self._queue, *([self._current] if self._current is not None else []),
+                    *self._deferred]
+            best: Job | None = None
+            best_n = have
+            for j in jobs:
+                if j.namespace != namespace:
+                    continue
+                if len(j.tokens) <= limit and list(tokens[: len(j.tokens)]) == j.tokens:
+                    n = len(j.tokens)
+                elif j.trimmable:
+                    n = min(common_prefix(j.tokens, tokens), limit)
+                else:
+                    continue
+                if n > best_n:
+                    best, best_n = j, n
             if best is None:
                 return None
-            return len(best.tokens), copy.deepcopy(best.cache)
+            cache = copy.deepcopy(best.cache)
+        if best_n < len(best.tokens):
+            _cache.trim_prompt_cache(cache, len(best.tokens) - best_n)
+        return best_n, cache
 
     # --- waiting and closing ------------------------------------------------------------
 
