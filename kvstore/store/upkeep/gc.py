@@ -22,11 +22,19 @@ frees only the blocks whose refcount falls to zero, so the planner simulates
 the refcounts and keeps evicting until the *live* bytes are within the
 budget. The blocks it zeroes are unlinked in the eviction's own transaction
 when the grace allows it (grace 0), otherwise by a later compact once the
-grace has passed: with a grace ``g``, physical bytes stay within
+grace has passed: with a grace ``g``, a compact leaves physical bytes within
 ``max_bytes`` plus the garbage of the last ``g`` seconds, and within
-``max_bytes`` exactly with ``g = 0``. A per-namespace budget counts, for each
-namespace, the distinct blocks its own entries reference (a block shared by
-two namespaces counts in both).
+``max_bytes`` exactly with ``g = 0``. The budget after a save (:func:`plan_budget`,
+``Store.open(max_bytes=...)``) bounds the physical bytes themselves: the garbage still
+in its grace is unlinked too, the oldest first, while they would be over it (issue 36).
+A per-namespace budget counts, for each namespace, the distinct blocks its own entries
+reference (a block shared by two namespaces counts in both).
+
+**Pins.** An entry saved with a pin (a cache breakpoint's, ``EntryRecord.pin_ttl``) is
+never a victim while its TTL has not passed since its last use, as long as the pinned
+entries' distinct blocks fit in :data:`PIN_SHARE` of the budget, the most recently used
+first (:func:`kept_pins`); the others are ordinary entries for that plan. Pins alone can
+therefore never hold the root over its budget.
 
 **Order** (:mod:`kvstore.catalog.thinning`, shared with the remote's compaction).
 Checkpoints go first, thinned (the intermediate ones by level, then the deepest of each
@@ -34,7 +42,11 @@ conversation). Then victims are chosen as mlx-lm's ``LRUPromptCache.CacheOrder.p
 does, so the disk tier behaves like the memory tier in front of it: one
 least-recently-used queue per priority (assistant, user, system); take from the lowest
 class whose queue is at least as long as the next class's, else move up. A restore
-counts as an access (``Store.load`` stamps ``last_access``).
+counts as an access (``Store.load`` stamps ``last_access``). The budget after a save
+takes the most recently used entries, up to :data:`YOUNG_SHARE` of the budget, only after
+every other (:func:`_young`): what a request has just written (a new conversation's
+checkpoints, which the order above puts first) is not its first victim, and concurrent
+conversations each keep their latest entries.
 
 Verification and repair live in :mod:`kvstore.store.upkeep.verify` and
 :mod:`kvstore.store.upkeep.repair`.
