@@ -197,3 +197,21 @@ def test_pins_in_memory_are_bounded_by_half_the_lru(tmp_path: Path) -> None:
     assert len(pc) == 5
     pc.close()
     store.close()
+
+
+def test_a_top_level_mark_pins_the_conversation_up_to_its_last_message(tmp_path: Path) -> None:
+    """The SDK's automatic caching (``cache_control`` at the top of the body): the entry
+    ends where the last message ends, before the generation prompt; priority user."""
+    model = make_tiny_model(tmp_path / "model", "llama")
+    _, tok = mlx_lm.load(str(model))
+    messages = plain(QUESTIONS[0])
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+    at = common(tok.apply_chat_template(messages, add_generation_prompt=False), prompt)
+    assert 300 < at < len(prompt)
+    root = tmp_path / "root"
+    with serve(model, root, tmp_path / "a.log") as (_, client):
+        r = client.chat.completions.create(model="default_model", messages=messages,
+                                           max_tokens=3, temperature=0,
+                                           extra_body={"cache_control": MARK})
+        assert r.usage.prompt_tokens == len(prompt)
+    assert pinned_entries(root) == {at: ("user", 300_000)}

@@ -171,11 +171,9 @@ def _order(snap: _Snapshot, rows: list[tuple[bytes, EntryRecord]],
     return EvictionOrder(rows, checkpoint_order(rows, tokens_of), last)
 
 
-def _fitting(snap: _Snapshot, digests: Iterable[bytes], cap: int | None, *,
-             at_least_one: bool = False) -> list[bytes]:
+def _fitting(snap: _Snapshot, digests: Iterable[bytes], cap: int | None) -> list[bytes]:
     """The leading ``digests`` whose distinct blocks together hold at most ``cap`` bytes
-    (None: all of them): the first that does not fit ends the list (``at_least_one``: unless
-    it is the first)."""
+    (None: all of them): the first that does not fit ends the list."""
     out: list[bytes] = []
     seen: set[bytes] = set()
     total = 0
@@ -184,7 +182,7 @@ def _fitting(snap: _Snapshot, digests: Iterable[bytes], cap: int | None, *,
         for b in new:
             snap.ref(b)
         add = sum(snap.sizes[b] for b in new)
-        if cap is not None and total + add > cap and (out or not at_least_one):
+        if cap is not None and total + add > cap:
             break
         out.append(d)
         seen.update(new)
@@ -202,11 +200,20 @@ def kept_pins(snap: _Snapshot, budget: int | None, now: int) -> set[bytes]:
     return set(_fitting(snap, (d for _, d in pinned), cap))
 
 
-def _young(snap: _Snapshot, rows: list[tuple[bytes, EntryRecord]], budget: int) -> list[bytes]:
-    """The most recently used of ``rows`` (at least one) whose distinct blocks fit in
-    :data:`YOUNG_SHARE` of ``budget``, least recently used first: evicted last."""
-    recent = sorted(((rec.last_access, d) for d, rec in rows), reverse=True)
-    young = _fitting(snap, (d for _, d in recent), int(budget * YOUNG_SHARE), at_least_one=True)
+def _young(rows: list[tuple[bytes, EntryRecord]], budget: int) -> list[bytes]:
+    """The most recently used of ``rows`` (at least one) whose bytes fit in
+    :data:`YOUNG_SHARE` of ``budget``, least recently used first: evicted last. Counted by
+    the entries' logical bytes (a block two of them share counts twice: fewer are young),
+    from their records alone: no manifest is read, whatever the budget."""
+    cap = int(budget * YOUNG_SHARE)
+    young: list[bytes] = []
+    total = 0
+    for _, d, size in sorted(((rec.last_access, d, rec.logical_bytes) for d, rec in rows),
+                             reverse=True):
+        if young and total + size > cap:
+            break
+        young.append(d)
+        total += size
     return young[::-1]
 
 
@@ -287,7 +294,7 @@ def _plan_in(
                         ns_bytes -= sizes.get(b, 0)
     if max_bytes is not None and live > max_bytes:
         rows = [(d, rec) for d, rec in snap.entries.items() if d not in pins and d not in chosen]
-        order = _order(snap, rows, _young(snap, rows, max_bytes) if young and rows else ())
+        order = _order(snap, rows, _young(rows, max_bytes) if young and rows else ())
         while live > max_bytes:
             v = order.pop(chosen)
             if v is None:
