@@ -54,6 +54,7 @@ Verification and repair live in :mod:`kvstore.store.upkeep.verify` and
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +75,8 @@ PIN_SHARE = 0.5
 #: save evicts only after every other entry (a request's own entries are never its first
 #: victims, whatever their priority).
 YOUNG_SHARE = 0.25
+#: At most this many entries are young (each costs the plan a manifest read).
+YOUNG_MAX = 64
 
 
 @dataclass
@@ -200,21 +203,13 @@ def kept_pins(snap: _Snapshot, budget: int | None, now: int) -> set[bytes]:
     return set(_fitting(snap, (d for _, d in pinned), cap))
 
 
-def _young(rows: list[tuple[bytes, EntryRecord]], budget: int) -> list[bytes]:
-    """The most recently used of ``rows`` (at least one) whose bytes fit in
-    :data:`YOUNG_SHARE` of ``budget``, least recently used first: evicted last. Counted by
-    the entries' logical bytes (a block two of them share counts twice: fewer are young),
-    from their records alone: no manifest is read, whatever the budget."""
-    cap = int(budget * YOUNG_SHARE)
-    young: list[bytes] = []
-    total = 0
-    for _, d, size in sorted(((rec.last_access, d, rec.logical_bytes) for d, rec in rows),
-                             reverse=True):
-        if young and total + size > cap:
-            break
-        young.append(d)
-        total += size
-    return young[::-1]
+def _young(snap: _Snapshot, rows: list[tuple[bytes, EntryRecord]], budget: int) -> list[bytes]:
+    """The most recently used of ``rows`` (at least one, at most :data:`YOUNG_MAX`) whose
+    distinct blocks fit in :data:`YOUNG_SHARE` of ``budget``, least recently used first:
+    evicted last. (At most YOUNG_MAX manifests are read, whatever the budget.)"""
+    recent = heapq.nlargest(YOUNG_MAX, ((rec.last_access, d) for d, rec in rows))
+    young = _fitting(snap, (d for _, d in recent), int(budget * YOUNG_SHARE))
+    return (young or [recent[0][1]])[::-1]
 
 
 def plan_evictions(
@@ -294,7 +289,7 @@ def _plan_in(
                         ns_bytes -= sizes.get(b, 0)
     if max_bytes is not None and live > max_bytes:
         rows = [(d, rec) for d, rec in snap.entries.items() if d not in pins and d not in chosen]
-        order = _order(snap, rows, _young(rows, max_bytes) if young and rows else ())
+        order = _order(snap, rows, _young(snap, rows, max_bytes) if young and rows else ())
         while live > max_bytes:
             v = order.pop(chosen)
             if v is None:
