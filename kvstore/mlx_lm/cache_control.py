@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -50,6 +51,8 @@ __all__ = [
     "pin_type",
     "take_breakpoints",
 ]
+
+logger = logging.getLogger("kvstore.mlx_lm")
 
 FIELD = "cache_control"
 #: The TTLs a mark may name, in seconds (Anthropic's two).
@@ -144,8 +147,13 @@ def parse_pin_type(cache_type: str) -> tuple[float, str] | None:
 def _partial(messages: Sequence[Any], tools: Sequence[Any] | None,
              bp: Breakpoint) -> tuple[list[Any], list[Any] | None, str]:
     """The messages and tools that end with ``bp``'s block, and its priority."""
-    if bp.tool is not None:
-        return list(messages), list(tools or [])[: bp.tool + 1], "system"
+    if bp.tool is not None:  # tools are rendered in the system part: the leading system
+        lead = []               # messages and the tools up to the marked one
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("system", "developer"):
+                break
+            lead.append(dict(m))
+        return lead, list(tools or [])[: bp.tool + 1], "system"
     i = bp.message if bp.message is not None else len(messages) - 1
     msgs = [dict(m) for m in messages[: i + 1]]
     last = msgs[-1]
@@ -172,10 +180,14 @@ def positions(server: Any, generator: Any, tokenizer: Any, messages: Sequence[An
     for bp in marks:
         msgs, tl, priority = _partial(messages, tools, bp)
         msgs = copy.deepcopy(msgs)
-        server.process_message_content(msgs)
-        rendered = tokenizer.apply_chat_template(msgs, add_generation_prompt=False,
-                                                 **{**chat_args, "tools": tl, "tokenize": True})
-        n = common_prefix(list(rendered), list(prompt))
+        try:
+            server.process_message_content(msgs)
+            rendered = tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=False, **{**chat_args, "tools": tl, "tokenize": True})
+            n = common_prefix(list(rendered), list(prompt))
+        except Exception:  # noqa: BLE001 - a template that cannot render a part: no pin
+            logger.warning("kvstore: cache breakpoint %s not placed", bp, exc_info=True)
+            continue
         if 0 < n < len(prompt):
             ttl = max(bp.ttl, out.get(n, (0.0, ""))[0])
             out[n] = (ttl, priority)

@@ -189,7 +189,7 @@ class PersistentPromptCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by the memory tier (its pins too)."""
-        return int(self._memory.nbytes) + sum(p.nbytes for p in self._pins.values())
+        return int(self._memory.nbytes) + sum(p.nbytes for p in list(self._pins.values()))
 
     def stats_by_type(self) -> dict[str, dict[str, int]]:
         """Memory-tier entries and bytes per cache type, as mlx-lm reports them."""
