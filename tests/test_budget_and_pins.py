@@ -4,12 +4,15 @@ passed since their last use, within half the budget (issue 34, item 4)."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
+from click.testing import CliRunner
 from helpers.kv import hybrid_cache, make_cache, matches, open_store, sound_store, tokens_for
 
 import kvstore
+from kvstore.cli.main import cli
 from kvstore.index import now_ms
 from kvstore.store.upkeep.gc import PIN_SHARE
 
@@ -128,3 +131,16 @@ def test_pins_alone_never_take_the_root_over_its_budget(tmp_path: Path) -> None:
     assert int(16 * BLOCK * PIN_SHARE) == 8 * BLOCK
     assert kept == saved[-4:]  # 2 pinned (8 blocks) + 2 ordinary, the most recent, in 16
     sound_store(s)
+
+
+def test_ls_json_shows_a_pin(tmp_path: Path) -> None:
+    s = open_store(tmp_path / "r")
+    pinned, plain = tokens_for(1, 40), tokens_for(2, 40)
+    a = s.save(pinned, make_cache(pinned), priority="system", pin_ttl=3600)
+    s.save(plain, make_cache(plain))
+    s.close()
+    out = CliRunner().invoke(cli, ["--root", str(tmp_path / "r"), "ls", "--json"])
+    assert out.exit_code == 0, out.output
+    got = {e["id"]: e for e in json.loads(out.output)["entries"]}
+    assert got[a.id]["pin"] == {"ttl": 3600.0, "until": got[a.id]["last_access"] + 3_600_000}
+    assert [e.get("pin") for i, e in got.items() if i != a.id] == [None]
