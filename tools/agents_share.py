@@ -11,6 +11,7 @@ default LRU (10 entries) and no budget, then a tight one (an LRU of one entry an
 budget of about two conversations).
 
 Usage: python tools/agents_share.py [--turns 5] [--system-words 900] [--agents 1 2 4]
+       [--tight-bytes 2M] [--think 0] [--serve-args '--defer-seconds 0']
        [--model DIR] (default: a tiny random-weight llama built in a scratch directory)
 """
 
@@ -56,7 +57,7 @@ def _serve(model: Path, root: Path, log: Path, extra: list[str]) -> tuple[Any, i
 
 
 def _agent(client: Any, system: str, agent: int, turns: int,
-           out: list[tuple[int, int, int]], started: threading.Event) -> None:
+           out: list[tuple[int, int, int]], started: threading.Event, think: float) -> None:
     """One agent's conversation; appends (turn, prompt tokens, cached tokens) per request.
     Agent 0 sets ``started`` after its first reply; the others wait for it (subagents start
     once their parent has run), then all run at once."""
@@ -66,6 +67,8 @@ def _agent(client: Any, system: str, agent: int, turns: int,
     for turn in range(turns):
         if turn == 1 and agent == 0:
             started.set()
+        if turn:
+            time.sleep(think)  # a tool runs: the write-behind queue drains meanwhile
         messages.append({"role": "user",
                          "content": sample_text(60, seed=1000 * agent + turn)})
         r = client.chat.completions.create(model="default_model", messages=messages,
@@ -76,7 +79,7 @@ def _agent(client: Any, system: str, agent: int, turns: int,
 
 
 def run(model: Path, scratch: Path, agents: int, turns: int, system: str,
-        extra: list[str], label: str) -> None:
+        extra: list[str], label: str, think: float = 0.0) -> None:
     root = scratch / f"root-{label}-{agents}"
     proc, port = _serve(model, root, scratch / "serve.log", extra)
     try:
@@ -85,7 +88,8 @@ def run(model: Path, scratch: Path, agents: int, turns: int, system: str,
         results: list[list[tuple[int, int, int]]] = [[] for _ in range(agents)]
         started = threading.Event()
         threads = [threading.Thread(target=_agent,
-                                    args=(client, system, a, turns, results[a], started))
+                                    args=(client, system, a, turns, results[a], started,
+                                          think))
                    for a in range(agents)]
         for t in threads:
             t.start()
@@ -109,6 +113,10 @@ def main() -> None:
     ap.add_argument("--agents", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--tight-bytes", default="2M", help="the tight setting's --max-bytes")
+    ap.add_argument("--think", type=float, default=0.0,
+                    help="seconds each agent waits between turns (its tools run)")
+    ap.add_argument("--serve-args", default="", help="more kvstore serve options, for both "
+                    "settings (e.g. '--defer-seconds 0': every snapshot to disk at once)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
@@ -119,10 +127,12 @@ def main() -> None:
               "(mean) | worst later request |")
         print("|---|---|---|---|---|---|")
         for n in a.agents:
-            run(model, scratch, n, a.turns, system, [], "default LRU, no budget")
+            run(model, scratch, n, a.turns, system, a.serve_args.split(),
+                "default LRU, no budget", a.think)
         for n in a.agents:
             run(model, scratch, n, a.turns, system,
-                ["--prompt-cache-size", "1", "--max-bytes", a.tight_bytes], "LRU 1, budget")
+                ["--prompt-cache-size", "1", "--max-bytes", a.tight_bytes,
+                 *a.serve_args.split()], "LRU 1, budget", a.think)
 
 
 if __name__ == "__main__":
