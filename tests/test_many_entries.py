@@ -49,9 +49,9 @@ def test_a_compact_plan_reads_the_refs_of_its_victims_blocks_alone(
     seen: list[gc._Snapshot] = []
     plan_in = gc._plan_in
 
-    def spy(snap: gc._Snapshot, *a: object) -> object:
+    def spy(snap: gc._Snapshot, *a: object, **kw: object) -> object:
         seen.append(snap)
-        return plan_in(snap, *a)  # type: ignore[arg-type]
+        return plan_in(snap, *a, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(gc, "_plan_in", spy)
     monkeypatch.setattr(sweep, "BATCH", 2)

@@ -15,7 +15,8 @@ import pytest
 from mlx_lm.server import ToolCallFormatter
 from mlx_lm.tool_parsers.json_tools import parse_tool_call
 
-from kvstore.mlx_lm.seam import strip_cache_control
+from kvstore.mlx_lm.cache_control import take_breakpoints
+from kvstore.mlx_lm.seam import carry_cache_control
 from kvstore.serving import anthropic_messages, responses
 from kvstore.serving.chat import ApiError, CacheUsage, Chunk, Finish, Progress, decode_chunk
 
@@ -166,8 +167,16 @@ def test_cache_control_rides_on_parts_and_body_and_is_stripped_before_templating
     assert tool["content"] == [{"type": "text", "text": "x",
                                 "cache_control": {"type": "ephemeral"}}]
     assert body["tools"][0]["cache_control"] == {"type": "ephemeral"}
-    stripped = json.dumps(strip_cache_control(body))
-    assert "cache_control" not in stripped
+    carried = carry_cache_control(body)
+    assert "cache_control" not in assistant["tool_calls"][0]
+    assert assistant["cache_control"] == {"type": "ephemeral"}  # the call ends the message
+    with pytest.raises(ValueError, match="A maximum of 4 blocks with cache_control"):
+        take_breakpoints(json.loads(json.dumps(carried)))  # six marks: Anthropic allows 4
+    del carried["cache_control"], carried["tools"][0]["cache_control"]
+    marks = take_breakpoints(carried)  # what the breakpoint hook reads, and takes out
+    assert [(b.ttl, b.message, b.part) for b in marks] == [
+        (3600.0, 0, 0), (300.0, 1, 1), (300.0, 2, None), (300.0, 3, 0)]
+    assert "cache_control" not in json.dumps(carried)
 
 
 @pytest.mark.parametrize(("body", "message"), [

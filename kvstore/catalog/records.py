@@ -58,6 +58,7 @@ class Records:
     #: Pulled from a lower tier that checks no signature (no signing key): nothing vouches
     #: for who wrote it, and a keyed push does not sign it unless told to.
     pulled_unsigned: bool = False
+    pin_ttl: int = 0  # ms: a cache breakpoint's pin (EntryRecord.pin_ttl); 0: none
 
     @property
     def depth_keys(self) -> list[bytes]:
@@ -102,6 +103,7 @@ def records_of(
     last_access: int | None = None,
     hits: int = 0,
     pulled_unsigned: bool = False,
+    pin_ttl: int = 0,
 ) -> Records:
     """The records of the entry with manifest ``m`` (encoded ``raw``, named ``digest``:
     computed when not given).
@@ -110,7 +112,8 @@ def records_of(
     None when nobody knows it (a record lost and rebuilt, an entry from a tier that keeps
     none): then the manifest's cache type says it (:func:`priority_of`). ``last_access``
     (ms since the epoch): None is now. ``pulled_unsigned``: the entry came from a tier
-    whose signatures nobody checked (:attr:`Records.pulled_unsigned`).
+    whose signatures nobody checked (:attr:`Records.pulled_unsigned`). ``pin_ttl`` (ms):
+    the pin of a cache breakpoint, which only the root keeps (a tier below it records none).
     """
     if raw is None:
         raw = encode_manifest(m)
@@ -135,6 +138,7 @@ def records_of(
         priority=priority_of(m) if priority is None else priority,
         hits=hits,
         pulled_unsigned=pulled_unsigned,
+        pin_ttl=pin_ttl,
     )
 
 

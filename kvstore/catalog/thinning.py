@@ -97,12 +97,16 @@ def checkpoint_order(
 
 class EvictionOrder:
     """``first`` in its order (the checkpoints, thinned), then mlx-lm's ``CacheOrder``:
-    per-priority LRU queues and its balance rule."""
+    per-priority LRU queues and its balance rule; ``last`` (in its order) after everything
+    else (the budget after a save puts the most recently used entries there, so that what a
+    request has just written is not the first thing it evicts)."""
 
-    def __init__(self, rows: Iterable[tuple[bytes, Ranked]], first: Sequence[bytes] = ()
-                 ) -> None:
-        self._first = deque(first)
-        early = set(first)
+    def __init__(self, rows: Iterable[tuple[bytes, Ranked]], first: Sequence[bytes] = (),
+                 last: Sequence[bytes] = ()) -> None:
+        late = set(last)
+        self._first = deque(d for d in first if d not in late)
+        self._last = deque(last)
+        early = set(first) | late
         by_class: dict[int, list[tuple[float, bytes]]] = {0: [], 1: [], 2: []}
         for d, rec in rows:
             if d not in early:
@@ -126,6 +130,8 @@ class EvictionOrder:
         for q in reversed(lrus):  # only the last is non-empty by now, if any
             if q:
                 return q.popleft()
+        if self._last:
+            return self._last.popleft()
         return None
 
     def drain(self) -> list[bytes]:

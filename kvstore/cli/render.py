@@ -260,7 +260,8 @@ def ns_json(ns: Namespace) -> dict[str, str]:
 
 def entry_json(e: Entry, unique: int | None = None, m: Manifest | None = None
                ) -> dict[str, Any]:
-    """An entry's fields; a checkpoint's (given its manifest ``m``) add ``checkpoint``."""
+    """An entry's fields; a checkpoint's (given its manifest ``m``) add ``checkpoint``, a
+    pinned one's (a cache breakpoint's) ``pin``."""
     d: dict[str, Any] = {"id": e.id, "namespace": ns_json(e.namespace), "n_tokens": e.n_tokens,
                          "logical_bytes": e.logical_bytes}
     if unique is not None:
@@ -270,6 +271,8 @@ def entry_json(e: Entry, unique: int | None = None, m: Manifest | None = None
     info = checkpoint_info(e, m)
     if info is not None:
         d["checkpoint"] = info
+    if e.pin_ttl:
+        d["pin"] = {"ttl": e.pin_ttl / 1000, "until": e.last_access + e.pin_ttl}
     return d
 
 

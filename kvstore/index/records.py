@@ -32,6 +32,13 @@ class EntryRecord(msgspec.Struct, kw_only=True):
     #: it): a keyed push does not sign it unless told to (``kvstore push --sign-pulled``).
     #: False: saved here, pulled with the key, or recorded before this field existed.
     pulled_unsigned: bool = False
+    #: a cache breakpoint's pin (ms; 0: none): kept from eviction while ``now`` is before
+    #: ``last_access + pin_ttl`` (kvstore.store.upkeep.gc caps what pins may hold)
+    pin_ttl: int = 0
+
+    def pinned(self, now: int) -> bool:
+        """Whether the entry's pin still holds at ``now`` (ms since the epoch)."""
+        return self.pin_ttl > 0 and now < self.last_access + self.pin_ttl
 
 
 class Totals(msgspec.Struct, kw_only=True):

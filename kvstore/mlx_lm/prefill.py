@@ -21,7 +21,7 @@ import array
 import hashlib
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ __all__ = [
     "Prefilled",
     "checkpoint_costs",
     "checkpoint_positions",
+    "cut_segments",
     "default_every",
     "needs_checkpoints",
     "prefill",
@@ -266,6 +267,28 @@ def split_segments(
             a = p
         out.append(list(seg[a - pos :]))
         kinds.append(kind)
+        pos = end
+    return out, kinds
+
+
+def cut_segments(segments: Sequence[Sequence[int]], types: Sequence[str],
+                 marks: Mapping[int, str]) -> tuple[list[list[int]], list[str]]:
+    """mlx-lm server's prompt segments (from token 0) cut again at each absolute position of
+    ``marks``: the piece that ends at a mark gets the mark's type (a segment's own end
+    included), every other piece its segment's."""
+    out: list[list[int]] = []
+    kinds: list[str] = []
+    pos = 0
+    for seg, kind in zip(segments, types, strict=True):
+        end = pos + len(seg)
+        a = pos
+        for p in sorted(m for m in marks if pos < m <= end):
+            out.append(list(seg[a - pos : p - pos]))
+            kinds.append(marks[p])
+            a = p
+        if a < end:
+            out.append(list(seg[a - pos :]))
+            kinds.append(kind)
         pos = end
     return out, kinds
 

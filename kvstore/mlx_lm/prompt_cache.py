@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import hashlib
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,6 +33,7 @@ from kvstore import Namespace, Store
 from kvstore.store.tenants import salt_tag, tenant_key, tenant_namespace
 from kvstore.store.upkeep.usage import Counts, failure_reason
 
+from .cache_control import parse_pin_type
 from .fingerprint import fingerprint_model, fingerprint_model_dir, namespace_for_path
 from .persist_stats import PersistStats
 from .prefill import CHECKPOINT, parse_checkpoint_type
@@ -60,6 +64,20 @@ class TenantKey(NamedTuple):
 
     model_key: Hashable
     tag: str
+
+
+@dataclass
+class _Pin:
+    """A cache breakpoint's cache, held in memory beside mlx-lm's LRU until ``ttl`` seconds
+    have passed since ``used``."""
+
+    model_key: Hashable
+    tokens: list[int]
+    cache: list[Any]
+    nbytes: int
+    ttl: float
+    cache_type: str
+    used: float
 
 
 class PersistentPromptCache:
@@ -95,6 +113,13 @@ class PersistentPromptCache:
     long: what is not pulled by then is computed (the local match or nothing) and its pull
     goes on in the background, so the next request with that prefix restores it locally.
     It is the store's setting: every cache of that store gets it.
+
+    Cache breakpoints (:mod:`kvstore.mlx_lm.cache_control`: ``kvstore serve`` cuts a
+    request's prompt at each one and inserts the cache there with a pinned segment type)
+    are held in memory beside the LRU, out of its reach, until their TTL has passed since
+    their last use (by ``clock``, seconds), and saved to the store pinned for the same TTL.
+    At most half the LRU's entries and half its bytes are pinned: beyond that, and when its
+    TTL has passed, the least recently used pin is handed to the LRU as an ordinary entry.
     """
 
     def __init__(
@@ -110,6 +135,7 @@ class PersistentPromptCache:
         reuse_prefix: bool = True,
         defer_seconds: float = DEFAULT_DEFER_SECONDS,
         remote_deadline: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if remote_deadline is not None:
             if not remote_deadline > 0:  # NaN too
@@ -123,6 +149,9 @@ class PersistentPromptCache:
         self.ns = ns
         self.observers: list[CacheObserver] = []
         self._memory = _cache.LRUPromptCache(max_size=max_size, max_bytes=max_bytes)
+        self.clock = clock
+        self._pins: OrderedDict[tuple[Hashable, tuple[int, ...]], _Pin] = OrderedDict()
+        self._marks: dict[int, float] = {}  # the next request's breakpoints: position -> TTL
         self._namespaces: dict[Hashable, Namespace | None] = {}
         self._tag: str | None = None  # of the current tenant's salt; None: no salt
         self._salt_key: bytes | None = None
@@ -155,12 +184,12 @@ class PersistentPromptCache:
         return int(self._memory.max_bytes)
 
     def __len__(self) -> int:
-        return len(self._memory)
+        return len(self._memory) + len(self._pins)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the memory tier."""
-        return int(self._memory.nbytes)
+        """Bytes held by the memory tier (its pins too)."""
+        return int(self._memory.nbytes) + sum(p.nbytes for p in list(self._pins.values()))
 
     def stats_by_type(self) -> dict[str, dict[str, int]]:
         """Memory-tier entries and bytes per cache type, as mlx-lm reports them."""
@@ -182,8 +211,13 @@ class PersistentPromptCache:
         """
         t0 = time.perf_counter()
         model_key = self._tenant(model_key)
+        self._expire_pins()
         cache, rest = self._memory.fetch_nearest_cache(model_key, tokens)
         have = len(tokens) - len(rest) if cache is not None else 0
+        pinned = self._fetch_pinned(model_key, tokens, have)
+        if pinned is not None:
+            cache, rest = pinned
+            have = len(tokens) - len(rest)
         tier, miss = ("memory" if have else None), None
         if cache is None or rest:
             # A snapshot still waiting to be written (a checkpoint the writer has not
@@ -203,6 +237,7 @@ class PersistentPromptCache:
         else:
             self._count("memory_hits")
         reused = len(tokens) - len(rest) if cache is not None else 0
+        self._use_breakpoints(model_key, tokens, reused)
         namespace = self.namespace_for(model_key)
         rec = RequestRecord(self._requests.next_id(),
                             namespace.model_id if namespace is not None else "-",
@@ -235,6 +270,15 @@ class PersistentPromptCache:
         write-behind queue; the next one waits for the writer to take it.
         """
         model_key = self._tenant(model_key)
+        pin = parse_pin_type(cache_type)
+        if pin is not None:  # a cache breakpoint: pinned, in memory and in the store
+            ttl, base = pin
+            self._pin(model_key, tokens, prompt_cache, ttl, base)
+            rec, _ = self._requests.owner(tokens)
+            outcome = self._enqueue(model_key, tokens, prompt_cache, base, len(tokens),
+                                    pin_ttl=ttl)
+            self._requests.inserted(rec, False, outcome)
+            return
         checkpoint = parse_checkpoint_type(cache_type)
         if checkpoint is not None:  # a cut inside a request's prompt: one of its saves
             rec, _ = self._requests.owner(tokens)
@@ -249,6 +293,72 @@ class PersistentPromptCache:
         stem = rec.prompt_tokens if rec is not None and reply else len(tokens)
         outcome = self._enqueue(model_key, tokens, prompt_cache, cache_type, stem)
         self._requests.inserted(rec, reply, outcome)
+
+    # --- cache breakpoints ---------------------------------------------------------
+
+    def set_breakpoints(self, marks: Mapping[int, float]) -> None:
+        """The next request's cache breakpoints: token position -> TTL (seconds). Its fetch
+        counts a use of each one it reuses (the memory pin's and the store entry's TTL run
+        from then); ``kvstore serve`` calls this before each fetch."""
+        self._marks = dict(marks)
+
+    def _pin(self, model_key: Hashable, tokens: list[int], prompt_cache: list[Any],
+             ttl: float, cache_type: str) -> None:
+        key = (model_key, tuple(tokens))
+        self._pins[key] = _Pin(model_key, list(tokens), prompt_cache,
+                               sum(int(c.nbytes) for c in prompt_cache), ttl, cache_type,
+                               self.clock())
+        self._pins.move_to_end(key)
+        self._expire_pins()
+
+    def _expire_pins(self) -> None:
+        """Hand the pins whose TTL has passed, and the least recently used ones beyond half
+        the LRU's entries or bytes, to the LRU as ordinary entries."""
+        now = self.clock()
+        for key in [k for k, p in self._pins.items() if now - p.used >= p.ttl]:
+            self._release(key)
+        most = max(1, self.max_size // 2)
+        while self._pins and (len(self._pins) > most
+                              or sum(p.nbytes for p in self._pins.values()) > self.max_bytes // 2):
+            self._release(next(iter(self._pins)))
+
+    def _release(self, key: tuple[Hashable, tuple[int, ...]]) -> None:
+        pin = self._pins.pop(key)
+        self._memory.insert_cache(pin.model_key, pin.tokens, pin.cache,
+                                  cache_type=pin.cache_type)
+
+    def _fetch_pinned(self, model_key: Hashable, tokens: list[int], have: int
+                      ) -> tuple[list[Any], list[int]] | None:
+        """A copy of the longest pin that is a prefix of ``tokens[:-1]`` longer than
+        ``have``, and the tokens after it (a use of the pin)."""
+        best: _Pin | None = None
+        for (mk, _), pin in self._pins.items():
+            n = len(pin.tokens)
+            if mk == model_key and have < n < len(tokens) \
+                    and (best is None or n > len(best.tokens)) and tokens[:n] == pin.tokens:
+                best = pin
+        if best is None:
+            return None
+        n = len(best.tokens)
+        return copy.deepcopy(best.cache), list(tokens[n:])
+
+    def _use_breakpoints(self, model_key: Hashable, tokens: list[int], reused: int) -> None:
+        """Count a use of each pin that ``reused`` covers: the request's own breakpoints (in
+        memory and in the store), and any memory pin that is a prefix of its prompt."""
+        marks, self._marks = self._marks, {}
+        now = self.clock()
+        for (mk, _), pin in list(self._pins.items()):
+            n = len(pin.tokens)
+            if mk == model_key and n <= reused and tokens[:n] == pin.tokens:
+                pin.used = now
+                self._pins.move_to_end((mk, tuple(pin.tokens)))
+        namespace = self.namespace_for(model_key) if marks else None
+        for n in sorted(marks):
+            if n <= reused and namespace is not None:
+                try:
+                    self.store.touch(tokens[:n], namespace=namespace)
+                except Exception:  # noqa: BLE001 - a stamp never fails a request
+                    logger.warning("kvstore: breakpoint use not recorded", exc_info=True)
 
     # --- tenants ---------------------------------------------------------------
 
@@ -381,7 +491,7 @@ class PersistentPromptCache:
 
     def _enqueue(
         self, model_key: Hashable, tokens: list[int], prompt_cache: list[Any], cache_type: str,
-        stem: int, *, metadata: dict[str, str] | None = None,
+        stem: int, *, metadata: dict[str, str] | None = None, pin_ttl: float = 0.0,
     ) -> str:
         """Hand a snapshot to the write-behind queue; what became of it (the log's ``reply``):
         ``queued``, ``deferred``, ``short`` (under `min_tokens`), ``memory_only`` (a model
@@ -396,7 +506,7 @@ class PersistentPromptCache:
             self._count("skipped")
             return "memory_only"
         return self._writer.submit(namespace, list(tokens[:n]), prompt_cache, cache_type,
-                                   stem=min(stem, n), metadata=metadata)
+                                   stem=min(stem, n), metadata=metadata, pin_ttl=pin_ttl)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:

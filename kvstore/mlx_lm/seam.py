@@ -58,7 +58,7 @@ from kvstore.serving.responses import ResponseStore
 from .requests import CacheObserver, RequestRecord
 
 __all__ = ["RELIED_ON", "SeamError", "agent_apis", "check_server", "created_tokens",
-           "strip_cache_control"]
+           "carry_cache_control"]
 
 logger = logging.getLogger("kvstore.serve")
 
@@ -143,21 +143,18 @@ def check_server(server: Any) -> None:
                 raise SeamError(f"mlx_lm.server.{name} has no field {missing[0]!r} ({why})")
 
 
-def strip_cache_control(body: dict[str, Any]) -> dict[str, Any]:
-    """The chat body without the Anthropic breakpoints the adapters carry (the body's
-    ``cache_control``, and each content part's, tool call's and tool's), so the chat
-    template never renders them. The breakpoints' consumer replaces this function."""
-    body.pop("cache_control", None)
+def carry_cache_control(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat body with the Anthropic breakpoints the adapters carry placed where
+    :mod:`kvstore.mlx_lm.cache_control` reads them (the body's ``cache_control``, a
+    content part's, a message's, a tool's): a tool call's mark becomes its assistant
+    message's, which ends with the call. That module's hook, run by mlx-lm's
+    ``validate_model_parameters`` on the inner request, takes them all out of the body
+    before the chat template sees it."""
     for m in body.get("messages") or []:
-        content = m.get("content")
-        if isinstance(content, list):
-            for p in content:
-                if isinstance(p, dict):
-                    p.pop("cache_control", None)
         for c in m.get("tool_calls") or []:
-            c.pop("cache_control", None)
-    for t in body.get("tools") or []:
-        t.pop("cache_control", None)
+            mark = c.pop("cache_control", None)
+            if mark is not None:
+                m["cache_control"] = mark
     return body
 
 
@@ -438,7 +435,7 @@ class _Served:
     def _inner(self, chat: ChatRequest, sink: _Sink, generator: Any) -> Any:
         """A second handler of the server's class on the chat-completions path, writing to
         ``sink``: mlx-lm's own do_POST runs the request as any chat request."""
-        data = json.dumps(strip_cache_control(chat.body())).encode()
+        data = json.dumps(carry_cache_control(chat.body())).encode()
         h = self.h
         inner = object.__new__(type(h))
         headers = http.client.HTTPMessage()

@@ -15,7 +15,8 @@ Two more of mlx-lm's functions are swapped for the call: the HTTP server's start
 so that a port taken meanwhile stops mlx-lm's generation thread (else the process
 waits on it forever), and the Hugging Face cache scan behind ``GET /v1/models``,
 which raises when no hub cache exists (a model served from a directory needs none).
-Three more carry a request's ``cache_salt`` (see :mod:`kvstore.mlx_lm.tenants`), and
+Three more carry a request's ``cache_salt`` (see :mod:`kvstore.mlx_lm.tenants`), three
+its ``cache_control`` breakpoints (:mod:`kvstore.mlx_lm.cache_control`), and
 :mod:`kvstore.mlx_lm.seam` adds the agent APIs (Anthropic Messages, OpenAI Responses).
 """
 
@@ -40,6 +41,7 @@ from kvstore.mlx_lm import PersistentPromptCache
 from kvstore.mlx_lm.prefill import segmenting_tokenize
 from kvstore.store.tiers import DEFAULT_DEADLINE
 
+from .cache_control import breakpoint_server
 from .metrics import ServeMetrics
 from .requests import RequestLog
 from .seam import agent_apis
@@ -115,8 +117,9 @@ def _parser() -> argparse.ArgumentParser:
         type=parse_budget,
         default=None,
         metavar="SIZE",
-        help="disk budget of the root; least recently used entries are evicted "
-        "above it after each save",
+        help="disk budget of the root: its block files' bytes on disk, unreferenced blocks "
+        "still in their grace included; least recently used entries are evicted above it "
+        "after each save (the most recent and cache breakpoints last; docs/CLI.md)",
     )
     g.add_argument(
         "--min-tokens",
@@ -432,6 +435,7 @@ def _serve(argv: list[str]) -> int:
                 _swapped(sys, "argv", ["kvstore serve", *rest]),
                 salted_server(server),
                 agent_apis(server),  # /v1/messages, /v1/responses (kvstore.serving)
+                breakpoint_server(server),
                 _sigterm_interrupts(),
             ):
                 server.main()  # type: ignore[no-untyped-call]

@@ -92,6 +92,7 @@ class Job:
     stem: int = 0  # a later snapshot sharing this many leading tokens replaces it
     since: float = 0.0  # time.monotonic() when it was deferred
     metadata: dict[str, str] | None = None  # stored instead of {"cache_type": cache_type}
+    pin_ttl: float = 0.0  # a cache breakpoint's (seconds): saved pinned, never deferred
 
 
 @dataclass(frozen=True)
@@ -154,13 +155,14 @@ class WriteBehind:
 
     def submit(self, namespace: Namespace, tokens: list[int], prompt_cache: list[Any],
                cache_type: str, *, stem: int | None = None,
-               metadata: dict[str, str] | None = None) -> str:
+               metadata: dict[str, str] | None = None, pin_ttl: float = 0.0) -> str:
         """Queue or defer a snapshot of ``tokens`` (the cache holds exactly them); returns
         ``queued``, ``deferred`` or ``closed`` (dropped: the queue is closed).
 
         A checkpoint (``cache_type`` ``"checkpoint"``) is queued, never deferred, and waits
         here while another checkpoint waits in the queue. ``metadata`` is stored with the
-        entry (default ``{"cache_type": cache_type}``).
+        entry (default ``{"cache_type": cache_type}``). A cache breakpoint's snapshot
+        (``pin_ttl`` > 0, seconds) is queued, never deferred, and saved pinned.
 
         ``stem`` (default: all of ``tokens``): a later snapshot that shares this many
         leading tokens with this one continues its conversation and replaces it while it
@@ -170,9 +172,9 @@ class WriteBehind:
         job = Job(namespace, tokens, list(prompt_cache), cache_type,
                   sum(int(c.nbytes) for c in prompt_cache), _can_trim(prompt_cache),
                   stem=len(tokens) if stem is None else min(stem, len(tokens)),
-                  metadata=metadata)
+                  metadata=metadata, pin_ttl=pin_ttl)
         checkpoint = cache_type == CHECKPOINT
-        defer = (not checkpoint and job.trimmable and self.defer_seconds > 0
+        defer = (not checkpoint and not pin_ttl and job.trimmable and self.defer_seconds > 0
                  and not self._new_block(job))
         with self._cond:
             if checkpoint:  # memory stays bounded: one checkpoint waits at most
@@ -320,6 +322,7 @@ class WriteBehind:
                 priority=job.cache_type,  # type: ignore[arg-type]
                 namespace=job.namespace,
                 reuse_prefix=self.reuse_prefix,
+                pin_ttl=job.pin_ttl,
             )
         except Exception:
             logger.warning("kvstore: background save of %d tokens failed", n, exc_info=True)
@@ -330,21 +333,36 @@ class WriteBehind:
 
     def pending(self, namespace: Namespace, tokens: Sequence[int],
                 have: int) -> tuple[int, list[Any]] | None:
-        """``(n, cache)``: a copy of the longest snapshot queued or being written (not a
-        deferred one: mlx-lm's memory tier holds those) whose ``n`` tokens are a prefix of
-        ``tokens[:-1]`` and more than ``have``; None when there is none."""
+        """``(n, cache)``: a copy of the snapshot queued, being written or deferred that
+        serves the longest prefix ``n`` of ``tokens[:-1]``, more than ``have``; None when
+        there is none. A snapshot whose tokens are that prefix serves it; a trimmable one
+        also serves the prefix it shares with ``tokens`` (its copy cut back to it), as
+        mlx-lm's LRU does: the next turn re-renders a reply's tokens. (A deferred snapshot
+        is mlx-lm's memory tier's too, but its LRU may have evicted it since: concurrent
+        conversations through a small LRU.)"""
+        limit = len(tokens) - 1
         with self._cond:
-            jobs = [*self._queue, *([self._current] if self._current is not None else [])]
-            best = max(
-                (j for j in jobs
-                 if j.namespace == namespace and have < len(j.tokens) < len(tokens)
-                 and list(tokens[: len(j.tokens)]) == j.tokens),
-                key=lambda j: len(j.tokens),
-                default=None,
-            )
+            jobs = [*self._queue, *([self._current] if self._current is not None else []),
+                    *self._deferred]
+            best: Job | None = None
+            best_n = have
+            for j in jobs:
+                if j.namespace != namespace:
+                    continue
+                if len(j.tokens) <= limit and list(tokens[: len(j.tokens)]) == j.tokens:
+                    n = len(j.tokens)
+                elif j.trimmable:
+                    n = min(common_prefix(j.tokens, tokens), limit)
+                else:
+                    continue
+                if n > best_n:
+                    best, best_n = j, n
             if best is None:
                 return None
-            return len(best.tokens), copy.deepcopy(best.cache)
+            cache = copy.deepcopy(best.cache)
+        if best_n < len(best.tokens):
+            _cache.trim_prompt_cache(cache, len(best.tokens) - best_n)
+        return best_n, cache
 
     # --- waiting and closing ------------------------------------------------------------
 

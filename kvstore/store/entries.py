@@ -45,6 +45,7 @@ class Entry:
     last_access: int
     hits: int
     priority: str
+    pin_ttl: int = 0  # ms: a cache breakpoint's pin (kept until last_access + pin_ttl); 0: none
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ def entries_of(
             last_access=rec.last_access,
             hits=rec.hits,
             priority=PRIORITY_NAMES.get(rec.priority, "assistant"),
+            pin_ttl=rec.pin_ttl,
         )
 
 

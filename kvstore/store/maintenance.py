@@ -53,12 +53,13 @@ class Maintenance:
 
     def compact(self, max_bytes: int | None, namespace_max_bytes: int | None,
                 grace: float = DEFAULT_GRACE, dry_run: bool = False,
-                progress: Progress | None = None) -> CompactReport:
+                progress: Progress | None = None, *, now: int | None = None) -> CompactReport:
         """Plan a compaction (:func:`.gc.plan_compact`); its report, or what executing it did
-        (``progress(phase, done, total)`` follows the work)."""
+        (``progress(phase, done, total)`` follows the work). ``now`` (ms): the time pins
+        are judged by."""
         self.access.flush()
         plan = plan_compact(self.root, max_bytes=max_bytes,
-                            namespace_max_bytes=namespace_max_bytes, grace=grace)
+                            namespace_max_bytes=namespace_max_bytes, grace=grace, now=now)
         plan.progress = progress
         return plan.report() if dry_run else plan.execute()
 

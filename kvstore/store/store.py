@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Unpack
 
@@ -25,7 +25,7 @@ from ..errors import (
     NamespaceRequiredError,
     ReadOnlyStoreError,
 )
-from ..index import Index, IndexRead
+from ..index import Index, IndexRead, now_ms
 from ..schema import Manifest, Namespace, TensorSpec
 from .counters import StoreCounters
 from .data.restore import read_entry
@@ -93,6 +93,8 @@ class Store:
         self.maintenance = Maintenance(local, self._access)
         self.views = IndexViews(local)
         self.counters = StoreCounters()
+        #: ms since the epoch: the time pins are judged by (a test moves it)
+        self.clock: Callable[[], int] = now_ms
         self.tiers.counters = self.counters
         self.served = Served(local, self._access, self.tiers, self._keys,
                              lambda t, ns: self._find(t, ns, lower=False))
@@ -187,6 +189,7 @@ class Store:
         attachments: Sequence[AttachmentData] = (),
         reuse_prefix: bool = False,
         created_at: int | None = None,
+        pin_ttl: float = 0,
     ) -> EntryInfo:
         """Store ``cache`` (a list of mlx-lm cache objects) as the state after ``tokens``.
 
@@ -204,8 +207,16 @@ class Store:
         ``created_at`` (ms since the epoch, default now) is the manifest's creation
         time, part of what names the entry: an imported file passes its own, so
         importing it again after a removal gives back the same entry id.
+
+        ``pin_ttl`` (seconds; 0: none) pins the entry, a cache breakpoint's: it is kept from
+        eviction (the budget after a save, ``compact``) until ``pin_ttl`` has passed since
+        its last use, within the pins' share of the budget (:mod:`kvstore.store.upkeep.gc`);
+        an entry saved again with a pin gets it (the longer of the two) and a fresh use.
         """
         self._check_writable("save")
+        if not pin_ttl >= 0:  # NaN too
+            raise ValueError(f"pin_ttl must be >= 0 seconds, got {pin_ttl}")
+        pin_ms = int(pin_ttl * 1000)
         ns = self._ns(namespace)
         meta = check_args(cache, metadata, priority)
         tk = self._keys(tokens, ns)
@@ -214,27 +225,41 @@ class Store:
             existing = self.index.find_exact(tk.exact_key(), txn)
             rec = self.index.get_entry(existing, txn) if existing else None
         if existing and rec is not None:
+            if pin_ms:
+                self.local.catalog.pin(existing, pin_ms, self.clock())
             return EntryInfo(existing.hex(), n, rec.logical_bytes, 0, created=False)
         d = draft(self.local, ns, tk, cache, attachments, meta, priority, created_at,
-                  reuse_prefix=reuse_prefix)
+                  reuse_prefix=reuse_prefix, pin_ttl=pin_ms)
         r = d.records
         crash_point("before_commit")
         try:
             created = self.local.catalog.commit(r, d.ensure)
         except PrefixGone:  # the transaction was aborted: save our own bytes instead
             return self.save(tk.tokens, cache, namespace=ns, metadata=meta, priority=priority,
-                             attachments=attachments, created_at=r.created_at)
+                             attachments=attachments, created_at=r.created_at, pin_ttl=pin_ttl)
         crash_point("after_commit")
         if created and self.tiers.write_behind:
             self.tiers.enqueue(r.digest)
         if created and self.max_bytes is not None:
-            report = plan_budget(self.local, self.max_bytes, grace=self.gc_grace).execute()
+            report = plan_budget(self.local, self.max_bytes, grace=self.gc_grace,
+                                 now=self.clock()).execute()
             self.counters.add(evicted_entries=len(report.evicted),
                               freed_bytes=report.freed_bytes)
         if not created:  # a concurrent save of the same tokens won
             eid = (self.local.catalog.exact(r.exact_key) or r.digest).hex()
             return EntryInfo(eid, n, r.logical_bytes, d.new_bytes, created=False)
         return EntryInfo(r.digest.hex(), n, r.logical_bytes, d.new_bytes)
+
+    def touch(self, tokens: Any, *, namespace: Namespace | None = None) -> bool:
+        """Count a use of the local entry of exactly ``tokens`` (its last access, which a
+        pin's TTL runs from) without a lookup or a hit; False when there is none. For a
+        caller that served those tokens from memory (a cache breakpoint reused there)."""
+        tk = self._keys(tokens, self._ns(namespace))
+        digest = self.local.catalog.exact(tk.exact_key())
+        if digest is None:
+            return False
+        self._access.touch(digest)
+        return True
 
     # --- lookup ----------------------------------------------------------------------------
 
@@ -429,7 +454,7 @@ class Store:
         if not dry_run:
             self._check_writable("compact")
         return self.maintenance.compact(max_bytes, namespace_max_bytes, grace, dry_run,
-                                        progress)
+                                        progress, now=self.clock())
 
     def verify(self, *, read_data: bool = False, repair: bool = False, dry_run: bool = False,
                progress: Progress | None = None) -> VerifyReport:

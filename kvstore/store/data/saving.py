@@ -72,6 +72,7 @@ def draft(
     created_at: int | None,
     *,
     reuse_prefix: bool,
+    pin_ttl: int = 0,
 ) -> Draft:
     """Write the blocks of ``cache`` that are not stored yet and make its records.
 
@@ -123,7 +124,7 @@ def draft(
                     raise PrefixGone
                 root.blocks.put(d, pieces[d])
 
-    rec = records_of(manifest, raw, digest, priority=PRIORITIES[priority])
+    rec = records_of(manifest, raw, digest, priority=PRIORITIES[priority], pin_ttl=pin_ttl)
     return Draft(rec, ensure, new_bytes)
 
 

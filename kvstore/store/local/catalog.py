@@ -52,7 +52,7 @@ def entry_record(rec: Records) -> EntryRecord:
     return EntryRecord(namespace=rec.namespace, n_tokens=rec.n_tokens,
                        logical_bytes=rec.logical_bytes, created_at=rec.created_at,
                        last_access=rec.last_access, hits=rec.hits, priority=rec.priority,
-                       pulled_unsigned=rec.pulled_unsigned)
+                       pulled_unsigned=rec.pulled_unsigned, pin_ttl=rec.pin_ttl)
 
 
 def save_plan(rec: Records, ensure: Ensure) -> SavePlan:
@@ -188,6 +188,18 @@ class LocalCatalog(Catalog):
         with self.index.read() as txn:
             return self.index.find_exact(exact_key, txn)
 
+    def pin(self, digest: bytes, pin_ttl: int, stamp: int) -> bool:
+        """Give entry ``digest`` a pin of at least ``pin_ttl`` ms and its last access
+        ``stamp``, in one write transaction; False when it is gone."""
+        with self.index.write() as txn:
+            rec = self.index.get_entry(digest, txn)
+            if rec is None:
+                return False
+            rec.pin_ttl = max(rec.pin_ttl, pin_ttl)
+            rec.last_access = max(rec.last_access, stamp)
+            self.index.put_entry(txn, digest, rec)
+        return True
+
     def manifest_bytes(self, digest: bytes) -> bytes | None:
         with self.index.read() as txn:
             return self.index.get_manifest(digest, txn)
@@ -206,7 +218,7 @@ class LocalCatalog(Catalog):
             return records_of(m, raw, digest, last_access=m.created_at)
         return records_of(m, raw, digest, priority=entry.priority,
                           last_access=entry.last_access, hits=entry.hits,
-                          pulled_unsigned=entry.pulled_unsigned)
+                          pulled_unsigned=entry.pulled_unsigned, pin_ttl=entry.pin_ttl)
 
     def __iter__(self) -> Iterator[bytes]:
         with self.index.read() as txn:

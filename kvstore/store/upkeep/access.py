@@ -54,6 +54,13 @@ class AccessLog:
                 self._lookups += 1
             self._arm()
 
+    def touch(self, digest: bytes) -> None:
+        """Stamp entry ``digest``'s last access (no hit, no lookup); a timer writes it."""
+        with self._lock:
+            self._adopt_after_fork()
+            self._hits.setdefault(digest, 0)
+            self._arm()
+
     def note_request(self, prompt_tokens: int, reused_tokens: int, tier: str | None,
                      miss: str | None) -> None:
         """Count one request (checked by the caller); a timer writes the counts."""

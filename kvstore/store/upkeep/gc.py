@@ -22,11 +22,19 @@ frees only the blocks whose refcount falls to zero, so the planner simulates
 the refcounts and keeps evicting until the *live* bytes are within the
 budget. The blocks it zeroes are unlinked in the eviction's own transaction
 when the grace allows it (grace 0), otherwise by a later compact once the
-grace has passed: with a grace ``g``, physical bytes stay within
+grace has passed: with a grace ``g``, a compact leaves physical bytes within
 ``max_bytes`` plus the garbage of the last ``g`` seconds, and within
-``max_bytes`` exactly with ``g = 0``. A per-namespace budget counts, for each
-namespace, the distinct blocks its own entries reference (a block shared by
-two namespaces counts in both).
+``max_bytes`` exactly with ``g = 0``. The budget after a save (:func:`plan_budget`,
+``Store.open(max_bytes=...)``) bounds the physical bytes themselves: the garbage still
+in its grace is unlinked too, the oldest first, while they would be over it (issue 36).
+A per-namespace budget counts, for each namespace, the distinct blocks its own entries
+reference (a block shared by two namespaces counts in both).
+
+**Pins.** An entry saved with a pin (a cache breakpoint's, ``EntryRecord.pin_ttl``) is
+never a victim while its TTL has not passed since its last use, as long as the pinned
+entries' distinct blocks fit in :data:`PIN_SHARE` of the budget, the most recently used
+first (:func:`kept_pins`); the others are ordinary entries for that plan. Pins alone can
+therefore never hold the root over its budget.
 
 **Order** (:mod:`kvstore.catalog.thinning`, shared with the remote's compaction).
 Checkpoints go first, thinned (the intermediate ones by level, then the deepest of each
@@ -34,7 +42,11 @@ conversation). Then victims are chosen as mlx-lm's ``LRUPromptCache.CacheOrder.p
 does, so the disk tier behaves like the memory tier in front of it: one
 least-recently-used queue per priority (assistant, user, system); take from the lowest
 class whose queue is at least as long as the next class's, else move up. A restore
-counts as an access (``Store.load`` stamps ``last_access``).
+counts as an access (``Store.load`` stamps ``last_access``). The budget after a save
+takes the most recently used entries, up to :data:`YOUNG_SHARE` of the budget, only after
+every other (:func:`_young`): what a request has just written (a new conversation's
+checkpoints, which the order above puts first) is not its first victim, and concurrent
+conversations each keep their latest entries.
 
 Verification and repair live in :mod:`kvstore.store.upkeep.verify` and
 :mod:`kvstore.store.upkeep.repair`.
@@ -42,7 +54,8 @@ Verification and repair live in :mod:`kvstore.store.upkeep.verify` and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import heapq
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +68,15 @@ from .sweep import batches, orphan_files, stale_tmp_files, unlink_orphans, unlin
 from .verify import Progress
 
 DEFAULT_GRACE = 600.0  # seconds
+#: The share of a budget that pinned entries (cache breakpoints within their TTL) may hold:
+#: beyond it the least recently used pins are evicted as ordinary entries.
+PIN_SHARE = 0.5
+#: The share of a budget that the most recently used entries fill, which the budget after a
+#: save evicts only after every other entry (a request's own entries are never its first
+#: victims, whatever their priority).
+YOUNG_SHARE = 0.25
+#: At most this many entries are young (each costs the plan a manifest read).
+YOUNG_MAX = 64
 
 
 @dataclass
@@ -85,6 +107,9 @@ class CompactReport:
 
 
 # --- helpers -------------------------------------------------------------------------
+
+
+_ANY_TIME = 1 << 62  # a cutoff no zero_since passes: every unreferenced block is past it
 
 
 def _cutoff_ms(grace: float) -> int:
@@ -136,39 +161,87 @@ def _snapshot(root: Root, txn: Any) -> _Snapshot:
     return _Snapshot(root, txn, entries, root.index.totals(txn))
 
 
-def _order(snap: _Snapshot, rows: list[tuple[bytes, EntryRecord]]) -> EvictionOrder:
+def _order(snap: _Snapshot, rows: list[tuple[bytes, EntryRecord]],
+           last: Sequence[bytes] = ()) -> EvictionOrder:
     """The eviction order of ``rows``: checkpoints thinned first (their tokens read from
-    their manifests, in the plan's read transaction), then mlx-lm's classes."""
+    their manifests, in the plan's read transaction), then mlx-lm's classes, ``last``
+    after them."""
 
     def tokens_of(digest: bytes) -> bytes | None:
         raw = snap.root.index.get_manifest(digest, snap.txn)
         return None if raw is None else bytes(open_manifest(raw, digest).tokens)
 
-    return EvictionOrder(rows, checkpoint_order(rows, tokens_of))
+    return EvictionOrder(rows, checkpoint_order(rows, tokens_of), last)
+
+
+def _fitting(snap: _Snapshot, digests: Iterable[bytes], cap: int | None) -> list[bytes]:
+    """The leading ``digests`` whose distinct blocks together hold at most ``cap`` bytes
+    (None: all of them): the first that does not fit ends the list."""
+    out: list[bytes] = []
+    seen: set[bytes] = set()
+    total = 0
+    for d in digests:
+        new = [b for b in dict.fromkeys(snap.blocks(d)) if b not in seen]
+        for b in new:
+            snap.ref(b)
+        add = sum(snap.sizes[b] for b in new)
+        if cap is not None and total + add > cap:
+            break
+        out.append(d)
+        seen.update(new)
+        total += add
+    return out
+
+
+def kept_pins(snap: _Snapshot, budget: int | None, now: int) -> set[bytes]:
+    """The pinned entries (:meth:`EntryRecord.pinned` at ``now``) a plan must not evict: the
+    most recently used first, as long as their distinct blocks fit in :data:`PIN_SHARE` of
+    ``budget``; the older ones are ordinary entries for this plan (None: no budget, all)."""
+    pinned = sorted(((rec.last_access, d) for d, rec in snap.entries.items()
+                     if rec.pinned(now)), reverse=True)
+    cap = None if budget is None else int(budget * PIN_SHARE)
+    return set(_fitting(snap, (d for _, d in pinned), cap))
+
+
+def _young(snap: _Snapshot, rows: list[tuple[bytes, EntryRecord]], budget: int) -> list[bytes]:
+    """The most recently used of ``rows`` (at least one, at most :data:`YOUNG_MAX`) whose
+    distinct blocks fit in :data:`YOUNG_SHARE` of ``budget``, least recently used first:
+    evicted last. (At most YOUNG_MAX manifests are read, whatever the budget.)"""
+    recent = heapq.nlargest(YOUNG_MAX, ((rec.last_access, d) for d, rec in rows))
+    young = _fitting(snap, (d for _, d in recent), int(budget * YOUNG_SHARE))
+    return (young or [recent[0][1]])[::-1]
 
 
 def plan_evictions(
-    root: Root, max_bytes: int | None, namespace_max_bytes: int | None
+    root: Root, max_bytes: int | None, namespace_max_bytes: int | None, *,
+    now: int | None = None,
 ) -> tuple[list[bytes], int]:
     """Victims (in order) that bring live bytes within the budgets; and live bytes after."""
-    victims, live, _ = _plan(root, max_bytes, namespace_max_bytes)
+    victims, live, _ = _plan(root, max_bytes, namespace_max_bytes, now=now)
     return victims, live
 
 
 def _plan(
-    root: Root, max_bytes: int | None, namespace_max_bytes: int | None
+    root: Root, max_bytes: int | None, namespace_max_bytes: int | None, *,
+    now: int | None = None,
 ) -> tuple[list[bytes], int, dict[bytes, int]]:
     """`plan_evictions`, and the blocks (with their sizes) the victims leave unreferenced.
 
     One read transaction: the entries, refs and manifests it reads are one snapshot."""
     with root.index.read() as txn:
-        return _plan_in(_snapshot(root, txn), max_bytes, namespace_max_bytes)
+        return _plan_in(_snapshot(root, txn), max_bytes, namespace_max_bytes,
+                        now=now_ms() if now is None else now)
 
 
 def _plan_in(
-    snap: _Snapshot, max_bytes: int | None, namespace_max_bytes: int | None
+    snap: _Snapshot, max_bytes: int | None, namespace_max_bytes: int | None, *,
+    now: int, young: bool = False,
 ) -> tuple[list[bytes], int, dict[bytes, int]]:
+    """The victims, live bytes after them and the blocks they zero. Pinned entries within
+    their share are never victims (:func:`kept_pins`); with ``young`` (the budget after a
+    save) the most recently used entries go last (:func:`_young`)."""
     counts, sizes = snap.counts, snap.sizes
+    pins = kept_pins(snap, max_bytes if max_bytes is not None else namespace_max_bytes, now)
     live = snap.live_bytes()
     victims: list[bytes] = []
     chosen: set[bytes] = set()
@@ -194,7 +267,8 @@ def _plan_in(
     if namespace_max_bytes is not None:
         by_ns: dict[str, list[tuple[bytes, EntryRecord]]] = {}
         for d, rec in snap.entries.items():
-            by_ns.setdefault(rec.namespace, []).append((d, rec))
+            if d not in pins:
+                by_ns.setdefault(rec.namespace, []).append((d, rec))
         for rows in by_ns.values():
             ns_count: dict[bytes, int] = {}
             for d, _ in rows:
@@ -214,7 +288,8 @@ def _plan_in(
                     if ns_count[b] == 0:
                         ns_bytes -= sizes.get(b, 0)
     if max_bytes is not None and live > max_bytes:
-        order = _order(snap, list(snap.entries.items()))
+        rows = [(d, rec) for d, rec in snap.entries.items() if d not in pins and d not in chosen]
+        order = _order(snap, rows, _young(snap, rows, max_bytes) if young and rows else ())
         while live > max_bytes:
             v = order.pop(chosen)
             if v is None:
@@ -292,18 +367,22 @@ class CompactPlan(Plan[CompactReport]):
     tmp: list[str]  # stale temp files of tmp/
     held: dict[bytes, tuple[int, int]]  # unreferenced blocks the grace keeps: (size, since)
     tmp_bytes: int = 0  # what the stale temp files hold
+    #: unreferenced blocks still in their grace that the budget unlinks all the same, oldest
+    #: first, because the root's bytes on disk would stay over it (:func:`plan_budget`)
+    pressed: list[tuple[bytes, int]] = field(default_factory=list)
     #: told ``(phase, done, total)`` as :meth:`execute` goes ("evict", then "sweep")
     progress: Progress | None = None
 
     def empty(self) -> bool:
-        return not (self.victims or self.zero_refs or self.orphans or self.tmp)
+        return not (self.victims or self.zero_refs or self.orphans or self.tmp or self.pressed)
 
     def report(self) -> CompactReport:
         """What executing the plan would do (the dry run's report)."""
         r = CompactReport(physical_before=self.physical_before, dry_run=True, grace=self.grace)
         r.evicted = [v.hex() for v in self.victims]
-        r.freed_blocks = len(self.zero_refs)
-        r.freed_bytes = sum(ref.size for _, ref in self.zero_refs)
+        r.freed_blocks = len(self.zero_refs) + len(self.pressed)
+        r.freed_bytes = (sum(ref.size for _, ref in self.zero_refs)
+                         + sum(size for _, size in self.pressed))
         r.orphans_removed = len(self.orphans)
         r.orphan_bytes = sum(size for _, size in self.orphans)
         r.tmp_removed = len(self.tmp)
@@ -349,6 +428,9 @@ class CompactPlan(Plan[CompactReport]):
             with root.index.write() as txn:
                 _unlink_zero(root, txn, batch, self.cutoff, report)
             sweep(len(batch))
+        for batch in batches([d for d, _ in self.pressed]):  # whatever their grace
+            with root.index.write() as txn:
+                _unlink_zero(root, txn, batch, _ANY_TIME, report)
         report.orphans_removed, report.orphan_bytes = unlink_orphans(
             root, self.orphans, self.cutoff
         )
@@ -375,13 +457,15 @@ def plan_compact(
     max_bytes: int | None = None,
     namespace_max_bytes: int | None = None,
     grace: float = DEFAULT_GRACE,
+    now: int | None = None,
 ) -> CompactPlan:
     """Plan a compact: the evictions the budgets need, and the garbage past the grace (zero-ref
-    blocks, orphan block files, stale temp files)."""
+    blocks, orphan block files, stale temp files). ``now`` (ms since the epoch, default the
+    clock's): the time pins are judged by."""
     _check(grace, max_bytes=max_bytes, namespace_max_bytes=namespace_max_bytes)
     root.index.reader_check()
     physical = root.index.totals().physical_bytes
-    victims, live, zeroed = _plan(root, max_bytes, namespace_max_bytes)
+    victims, live, zeroed = _plan(root, max_bytes, namespace_max_bytes, now=now)
     cutoff = _cutoff_ms(grace)
     with root.index.read() as txn:
         zero = [(d, r) for d, r in root.index.iter_refs(txn) if r.refcount == 0]
@@ -405,21 +489,42 @@ def plan_compact(
     )
 
 
-def plan_budget(root: Root, max_bytes: int, *, grace: float) -> CompactPlan:
-    """The plan that brings a root within ``max_bytes`` after a save: the evictions, and the
-    zero-ref blocks past the grace (no orphan or temp file sweep). Cheap when the root is
-    within the budget (one read of the totals: an empty plan)."""
+def plan_budget(root: Root, max_bytes: int, *, grace: float,
+                now: int | None = None) -> CompactPlan:
+    """The plan that brings a root's bytes on disk within ``max_bytes`` after a save.
+
+    The block files the index knows count, the unreferenced ones still in their grace too:
+    it evicts until the live bytes fit (the most recently used entries last, pinned ones
+    within their share never: :func:`_plan_in`), unlinks the unreferenced blocks past the
+    grace, and then, while the bytes on disk would still be over the budget, unlinks those
+    still in their grace too, the longest unreferenced first (the evictions' own last): the
+    grace gives way to the bound. A reader that found such a block a moment before gets a
+    miss for its entry (never wrong data), as under ``grace=0``. No orphan or temp file
+    sweep. Cheap when the root is within the budget (one read of the totals: an empty
+    plan). ``now`` (ms, default the clock's): the time pins are judged by.
+    """
     _check(grace, max_bytes=max_bytes)
     t = root.index.totals()
     cutoff = _cutoff_ms(grace)
-    if t.live_bytes <= max_bytes and t.physical_bytes <= max_bytes:
+    if t.physical_bytes <= max_bytes:  # live bytes are part of them
         return CompactPlan(root, max_bytes, None, grace, cutoff, t.physical_bytes, [],
                            t.live_bytes, {}, [], [], [], {})
-    victims, live, zeroed = _plan(root, max_bytes, None)
+    stamp = now_ms() if now is None else now
     with root.index.read() as txn:
+        snap = _snapshot(root, txn)
+        victims, live, zeroed = _plan_in(snap, max_bytes, None, now=stamp, young=True)
         zero = [(d, r) for d, r in root.index.iter_refs(txn) if r.refcount == 0]
+    past = [(d, r) for d, r in zero if r.zero_since <= cutoff]
+    held = sorted((r.zero_since, d, r.size) for d, r in zero if r.zero_since > cutoff)
+    on_disk = live + sum(size for *_, size in held) + sum(zeroed.values())
+    pressed: list[tuple[bytes, int]] = []
+    for d, size in [*((d, size) for _, d, size in held), *zeroed.items()]:
+        if on_disk <= max_bytes:
+            break
+        pressed.append((d, size))
+        on_disk -= size
     return CompactPlan(root, max_bytes, None, grace, cutoff, t.physical_bytes, victims, live,
-                       zeroed, [(d, r) for d, r in zero if r.zero_since <= cutoff], [], [], {})
+                       zeroed, past, [], [], {}, pressed=pressed)
 
 
 def compact(
@@ -469,10 +574,13 @@ def _fill_held(report: CompactReport, held: dict[bytes, tuple[int, int]], grace:
 
 __all__ = [
     "DEFAULT_GRACE",
+    "PIN_SHARE",
+    "YOUNG_SHARE",
     "CompactPlan",
     "CompactReport",
     "EvictionOrder",
     "compact",
+    "kept_pins",
     "plan_budget",
     "plan_compact",
     "plan_evictions",

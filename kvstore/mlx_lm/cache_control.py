@@ -1,0 +1,255 @@
+"""Cache breakpoints: a chat request's ``cache_control`` marks (Anthropic's prompt caching, as
+OpenRouter carries it on chat messages) made entries that the store keeps for their TTL.
+
+A breakpoint is ``{"type": "ephemeral"}`` (optionally ``"ttl": "5m"`` or ``"1h"``; 5m by
+default) on a message's content part (``{"type": "text", "text": ..., "cache_control":
+...}``), on a message, or on a tool definition; a ``cache_control`` field at the top of the
+body is the SDK's automatic caching: a breakpoint at the last block of the last message.
+At most :data:`MAX_BREAKPOINTS`, as Anthropic allows.
+
+mlx-lm's server templates a request in its generation thread, so the marks travel with the
+request, as a request's salt does (:mod:`kvstore.mlx_lm.tenants`):
+
+1. the handler reads and strips the marks from the body (``validate_model_parameters``,
+   in the handler's thread): the chat template never sees them; a malformed mark is a
+   400 answer;
+2. ``ResponseGenerator.generate``, next in that thread, hands them on with the request;
+3. ``ResponseGenerator._tokenize``, in the generation thread, finds each mark's token
+   position: the messages up to and including the marked block are rendered with the
+   same chat template (no generation prompt) and the position is where that rendering
+   parts from the whole prompt (one rendering per mark). Mlx-lm's prompt segments are
+   cut there too, so the server hands the cache at exactly that token to the prompt cache,
+   with a segment type that names the pin (:func:`pin_type`); the positions are also given
+   to the prompt cache (``set_breakpoints``), which counts a use of each one a request
+   reuses.
+
+The prompt cache keeps the entry in memory beside mlx-lm's LRU and saves it to the store
+with its TTL (``Store.save(pin_ttl=...)``): see :class:`~kvstore.mlx_lm.PersistentPromptCache`
+and :mod:`kvstore.store.upkeep.gc` for how long and within which share of the budgets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from .prefill import cut_segments
+from .writebehind import common_prefix
+
+__all__ = [
+    "FIELD",
+    "MAX_BREAKPOINTS",
+    "TTLS",
+    "Breakpoint",
+    "breakpoint_server",
+    "parse_pin_type",
+    "pin_type",
+    "take_breakpoints",
+]
+
+logger = logging.getLogger("kvstore.mlx_lm")
+
+FIELD = "cache_control"
+#: The TTLs a mark may name, in seconds (Anthropic's two).
+TTLS = {"5m": 300.0, "1h": 3600.0}
+MAX_BREAKPOINTS = 4
+_request = threading.local()  # the marks of the request the handler's thread serves
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakpoint:
+    """Where a mark is: ``message`` (an index into the messages) and ``part`` (into its
+    content list; None: the whole message), or ``tool`` (an index into the tools)."""
+
+    ttl: float
+    message: int | None = None
+    part: int | None = None
+    tool: int | None = None
+
+
+def _ttl(mark: object, where: str) -> float:
+    if not isinstance(mark, dict) or mark.get("type") != "ephemeral":
+        raise ValueError(f"{where}: cache_control must be {{\"type\": \"ephemeral\"}} "
+                         "(optionally with \"ttl\": \"5m\" or \"1h\")")
+    ttl = mark.get("ttl", "5m")
+    if ttl not in TTLS:
+        raise ValueError(f"{where}: cache_control ttl must be \"5m\" or \"1h\", not {ttl!r}")
+    return TTLS[ttl]
+
+
+def take_breakpoints(body: dict[str, Any]) -> list[Breakpoint]:
+    """The marks of a chat request ``body``, removed from it (ValueError: a malformed one,
+    or more than :data:`MAX_BREAKPOINTS`)."""
+    found: list[Breakpoint] = []
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                continue
+            if FIELD in m:
+                found.append(Breakpoint(_ttl(m.pop(FIELD), f"messages[{i}]"), message=i))
+            content = m.get("content")
+            if isinstance(content, list):
+                for j, p in enumerate(content):
+                    if isinstance(p, dict) and FIELD in p:
+                        found.append(Breakpoint(_ttl(p.pop(FIELD), f"messages[{i}].content[{j}]"),
+                                                message=i, part=j))
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        for k, t in enumerate(tools):
+            if isinstance(t, dict) and FIELD in t:
+                found.append(Breakpoint(_ttl(t.pop(FIELD), f"tools[{k}]"), tool=k))
+    if FIELD in body:  # automatic caching: the last block of the last message
+        ttl = _ttl(body.pop(FIELD), FIELD)
+        if isinstance(messages, list) and messages:
+            last = messages[-1]
+            content = last.get("content") if isinstance(last, dict) else None
+            part = len(content) - 1 if isinstance(content, list) and content else None
+            found.append(Breakpoint(ttl, message=len(messages) - 1, part=part))
+    if len(found) > MAX_BREAKPOINTS:
+        raise ValueError(f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be "
+                         f"provided. Found {len(found)}.")
+    return found
+
+
+# --- the segment type of a pinned cut -----------------------------------------------------
+
+_TYPE_PREFIX = "pin:"
+
+
+def pin_type(ttl: float, priority: str) -> str:
+    """The segment type of a cut at a breakpoint (what ``insert_cache`` receives)."""
+    return f"{_TYPE_PREFIX}{ttl:g}:{priority}"
+
+
+def parse_pin_type(cache_type: str) -> tuple[float, str] | None:
+    """``(ttl, priority)`` of a pinned cut's segment type; None for any other type."""
+    if not cache_type.startswith(_TYPE_PREFIX):
+        return None
+    ttl, _, priority = cache_type[len(_TYPE_PREFIX):].partition(":")
+    try:
+        seconds = float(ttl)
+    except ValueError:
+        return None
+    if priority not in ("system", "user", "assistant") or not seconds > 0:
+        return None
+    return seconds, priority
+
+
+# --- positions ----------------------------------------------------------------------------
+
+
+def _partial(messages: Sequence[Any], tools: Sequence[Any] | None,
+             bp: Breakpoint) -> tuple[list[Any], list[Any] | None, str]:
+    """The messages and tools that end with ``bp``'s block, and its priority."""
+    if bp.tool is not None:  # tools are rendered in the system part: the leading system
+        lead = []               # messages and the tools up to the marked one
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("system", "developer"):
+                break
+            lead.append(dict(m))
+        return lead, list(tools or [])[: bp.tool + 1], "system"
+    i = bp.message if bp.message is not None else len(messages) - 1
+    msgs = [dict(m) for m in messages[: i + 1]]
+    last = msgs[-1]
+    content = last.get("content")
+    if bp.part is not None and isinstance(content, list):
+        last["content"] = content[: bp.part + 1]
+    role = last.get("role")
+    return msgs, list(tools) if tools else None, "system" if role in ("system", "developer") \
+        else "user"
+
+
+def positions(server: Any, generator: Any, tokenizer: Any, messages: Sequence[Any],
+              tools: Sequence[Any] | None, args: Any, prompt: Sequence[int],
+              marks: Sequence[Breakpoint]) -> dict[int, tuple[float, str]]:
+    """Each mark's token position in ``prompt`` (the messages up to its block rendered as
+    mlx-lm's server renders the whole prompt, without a generation prompt, then the common
+    prefix with ``prompt``) -> ``(ttl, priority)``; positions that are 0 or the whole prompt
+    are left out (no cut can be made there). The longest TTL wins where two meet."""
+    chat_args = dict(getattr(generator.model_provider.cli_args, "chat_template_args", None)
+                     or {})
+    if getattr(args, "chat_template_kwargs", None):
+        chat_args.update(args.chat_template_kwargs)
+    out: dict[int, tuple[float, str]] = {}
+    for bp in marks:
+        msgs, tl, priority = _partial(messages, tools, bp)
+        msgs = copy.deepcopy(msgs)
+        try:
+            server.process_message_content(msgs)
+            rendered = tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=False, **{**chat_args, "tools": tl, "tokenize": True})
+            n = common_prefix(list(rendered), list(prompt))
+        except Exception:  # noqa: BLE001 - a template that cannot render a part: no pin
+            logger.warning("kvstore: cache breakpoint %s not placed", bp, exc_info=True)
+            continue
+        if 0 < n < len(prompt):
+            ttl = max(bp.ttl, out.get(n, (0.0, ""))[0])
+            out[n] = (ttl, priority)
+    return out
+
+
+@contextlib.contextmanager
+def breakpoint_server(server: Any) -> Iterator[None]:
+    """mlx-lm's ``server`` module with the three hooks of this module's docstring, for the
+    duration of the block."""
+
+    @dataclasses.dataclass
+    class MarkedRequest(server.CompletionRequest):  # type: ignore[misc]
+        breakpoints: tuple[Breakpoint, ...] = ()
+        original: tuple[Any, Any] = (None, None)  # messages and tools, as sent (marks gone)
+
+    handler, generator = server.APIHandler, server.ResponseGenerator
+    validate, generate, tokenize = (handler.validate_model_parameters, generator.generate,
+                                    generator._tokenize)
+
+    def validate_model_parameters(self: Any) -> None:
+        _request.marks = ()
+        validate(self)
+        body = self.body
+        if isinstance(body, dict) and isinstance(body.get("messages"), list):
+            _request.marks = tuple(take_breakpoints(body))
+        elif isinstance(body, dict):
+            body.pop(FIELD, None)
+
+    def generate_marked(self: Any, request: Any, generation_args: Any, *args: Any,
+                        **kwargs: Any) -> Any:
+        marks = getattr(_request, "marks", ())
+        _request.marks = ()
+        if marks and getattr(request, "request_type", None) == "chat":
+            request = MarkedRequest(**{f.name: getattr(request, f.name)
+                                       for f in dataclasses.fields(request)},
+                                    breakpoints=marks,
+                                    original=(copy.deepcopy(request.messages),
+                                              copy.deepcopy(request.tools)))
+        return generate(self, request, generation_args, *args, **kwargs)
+
+    def tokenize_marked(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
+        out = tokenize(self, tokenizer, request, args)
+        marks: tuple[Breakpoint, ...] = getattr(request, "breakpoints", ())
+        found: Mapping[int, tuple[float, str]] = {}
+        if marks and out[4] is None and tokenizer.has_chat_template:
+            messages, tools = request.original
+            found = positions(server, self, tokenizer, messages, tools, args, out[0], marks)
+        note = getattr(self.prompt_cache, "set_breakpoints", None)
+        if note is not None:
+            note({n: ttl for n, (ttl, _) in found.items()})
+        if not found:
+            return out
+        prompt, segments, types, state, vision = out
+        pieces, kinds = cut_segments(segments, types, {n: pin_type(ttl, priority)
+                                                       for n, (ttl, priority) in found.items()})
+        return prompt, pieces, kinds, state, vision
+
+    handler.validate_model_parameters = validate_model_parameters
+    generator.generate, generator._tokenize = generate_marked, tokenize_marked
+    try:
+        yield
+    finally:
+        handler.validate_model_parameters = validate
+        generator.generate, generator._tokenize = generate, tokenize
