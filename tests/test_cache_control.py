@@ -215,3 +215,31 @@ def test_a_top_level_mark_pins_the_conversation_up_to_its_last_message(tmp_path:
                                            extra_body={"cache_control": MARK})
         assert r.usage.prompt_tokens == len(prompt)
     assert pinned_entries(root) == {at: ("user", 300_000)}
+
+
+@pytest.mark.slow
+def test_a_messages_breakpoint_is_pinned_as_a_chat_one_is(tmp_path: Path) -> None:
+    """The Anthropic SDK's ``cache_control`` on a system block, through ``/v1/messages``
+    (the adapter carries it to the chat body, the breakpoint hook takes it out): an entry
+    that ends exactly where the system message ends, pinned for its ``ttl`` of an hour;
+    the next request reads it back (``cache_read_input_tokens``), and the three usage
+    figures add up to the prompt."""
+    anthropic = pytest.importorskip("anthropic")
+    model = make_tiny_model(tmp_path / "model", "llama")
+    _, tok = mlx_lm.load(str(model))
+    system_only = tok.apply_chat_template(plain("")[:1], add_generation_prompt=False)
+    prompt = tok.apply_chat_template(plain(QUESTIONS[0]), add_generation_prompt=True)
+    at = common(system_only, prompt)
+    root = tmp_path / "root"
+    system = [{"type": "text", "text": SYSTEM,
+               "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    with serve(model, root, tmp_path / "a.log") as (port, _):
+        client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="unused",
+                                     max_retries=0, timeout=300)
+        usage = [client.messages.create(model="default_model", max_tokens=3, system=system,
+                                        messages=[{"role": "user", "content": q}]).usage
+                 for q in QUESTIONS[:2]]
+    assert pinned_entries(root) == {at: ("system", 3_600_000)}
+    for u in usage:
+        assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens > at
+    assert usage[0].cache_read_input_tokens == 0 and usage[1].cache_read_input_tokens >= at
