@@ -62,11 +62,14 @@ def demo(model_name: str | None) -> int:
     """Try kvstore on a tiny local model, or on a real one with --model.
 
     Runs a multi-session chat twice (two processes) and shows the second run
-    restoring its prompt cache from the store.
+    restoring its prompt cache from the store. Without --root it uses a root of its own
+    (kvstore-demo in the user cache dir), never the default root.
     """
-    from ..demo import run_demo
+    from ..demo import demo_root, run_demo
 
-    return int(run_demo(opts().resolved_root(), quiet=opts().quiet, model=model_name) or 0)
+    own = opts().root is None
+    root = demo_root() if own else opts().resolved_root()
+    return int(run_demo(root, quiet=opts().quiet, model=model_name, own_root=own) or 0)
 
 
 @click.group(name="model")
