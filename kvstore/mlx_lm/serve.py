@@ -455,12 +455,14 @@ def serving_handler(base: Any, serving: Serving) -> Any:
         def handle_models_request(self) -> None:
             # mlx-lm writes the headers and the body in one go: take them, rename the
             # served model's entry (mlx-lm lists its absolute path) and send them on
-            real, self.wfile = self.wfile, io.BytesIO()
+            me: Any = self  # http.server's handler: wfile is set per connection
+            real, taken = me.wfile, io.BytesIO()
+            me.wfile = taken
             try:
                 super().handle_models_request()
-                head, sep, body = self.wfile.getvalue().partition(b"\r\n\r\n")
+                head, sep, body = taken.getvalue().partition(b"\r\n\r\n")
             finally:
-                self.wfile = real
+                me.wfile = real
             listing = json.loads(body)
             resolved = str(Path(serving.path).expanduser().resolve())
             for model in listing.get("data", []):
@@ -485,7 +487,7 @@ def serving_handler(base: Any, serving: Serving) -> Any:
                 if self.stream:
                     self.wfile.write(b"data: " + _error_body(message) + b"\n\n")
                 elif getattr(self, "_headers_buffer", None):  # mlx-lm chose 200, sent nothing
-                    self._headers_buffer = []
+                    self._headers_buffer: list[bytes] = []
                     body = _error_body(message)
                     self.send_response(500)
                     self.send_header("Content-Type", "application/json")
@@ -505,9 +507,13 @@ def serving_run(run_http: Any, serving: Serving, handler_class: Any, root: Path)
     serves with ``handler_class`` (see :func:`serving_handler`)."""
 
     def run(host: str, port: int, response_generator: Any, *args: Any, **kwargs: Any) -> Any:
-        while not serving.loaded.wait(0.2):
-            if not response_generator.generation_available():
-                break
+        try:
+            while not serving.loaded.wait(0.2):
+                if not response_generator.generation_available():
+                    break
+        except BaseException:  # Ctrl-C while the model loads: stop mlx-lm's thread too
+            response_generator.stop_and_join()
+            raise
         if serving.error is not None or not serving.loaded.is_set():
             response_generator.stop_and_join()
             cause = serving.error
