@@ -190,3 +190,38 @@ def test_a_stream_cut_by_a_stop_ends_in_an_error_the_client_sees(
     assert proc.wait(60) == 0
     assert re.search(r"ERROR - kvstore: generation stopped before the answer was complete",
                      log.read_text())
+
+
+@pytest.mark.slow
+def test_a_hub_id_in_the_local_hugging_face_cache_is_served_and_listed_by_it(
+    tmp_path: Path, tiny: Path,
+) -> None:
+    """Offline, a repo id the Hugging Face cache holds loads before the port is bound, and
+    is the id ``/v1/models`` lists (mlx-lm's own scan passed it over) and a request uses."""
+    import shutil
+
+    repo = tmp_path / "hf-home" / "hub" / "models--someone--tiny-llama"
+    shutil.copytree(tiny, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-P", "-m", "kvstore", "serve", "--model", "someone/tiny-llama",
+             "--root", str(tmp_path / "root"), "--host", "127.0.0.1", "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT, text=True, env=_env(tmp_path))
+        try:
+            wait_healthy(proc, port, log, 120)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                                   timeout=60, max_retries=0)
+            assert [m.id for m in client.models.list().data] == ["someone/tiny-llama"]
+            r = client.chat.completions.create(model="someone/tiny-llama", max_tokens=2,
+                                               messages=[{"role": "user", "content": "Hi"}])
+            assert r.usage is not None and r.usage.completion_tokens >= 1
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0
+    assert (f"kvstore: serving someone/tiny-llama on http://127.0.0.1:{port}, cache root "
+            f"{tmp_path / 'root'}, no checkpoints (this model's cache can be trimmed)"
+            ) in log.read_text().splitlines()

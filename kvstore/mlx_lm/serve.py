@@ -369,11 +369,14 @@ class Serving:
     def __init__(self, asked: str, path: str, every: int | None, block_tokens: int) -> None:
         self.asked, self.path = asked, path
         self.id = short_id(asked, path)
-        resolved = str(Path(path).expanduser().resolve())
         # the names a request's "model" may use for it (mlx-lm itself knows "default_model"
-        # and the path as given): the name it was started with, the directory's name, the
-        # listed id and the absolute path
-        self.aliases = {a for a in (asked, self.id, Path(resolved).name, resolved) if a} - {path}
+        # and the path as given): the name it was started with, the listed id and, for a
+        # directory, its name and its absolute path
+        names = [asked, self.id]
+        if Path(path).expanduser().is_dir():
+            resolved = Path(path).expanduser().resolve()
+            names += [resolved.name, str(resolved)]
+        self.aliases = {a for a in names if a} - {path}
         self.every, self.block_tokens = every, block_tokens
         self.loaded = threading.Event()
         self.error: BaseException | None = None
@@ -408,8 +411,8 @@ class Serving:
         else:
             how = "--checkpoint-every" if self.every is not None else "this model's default"
             ckpt = f"a checkpoint every {self.interval} prompt tokens ({how})"
-        return (f"kvstore: serving {self.id} ({self.path}) on http://{host}:{port}, "
-                f"cache root {root}, {ckpt}")
+        what = self.id if self.path == self.id else f"{self.id} ({self.path})"
+        return f"kvstore: serving {what} on http://{host}:{port}, cache root {root}, {ckpt}"
 
 
 def serving_provider(base: Any, serving: Serving) -> Any:
@@ -465,9 +468,14 @@ def serving_handler(base: Any, serving: Serving) -> Any:
                 me.wfile = real
             listing = json.loads(body)
             resolved = str(Path(serving.path).expanduser().resolve())
-            for model in listing.get("data", []):
+            models = listing.setdefault("data", [])
+            for model in models:
                 if model.get("id") == resolved:
                     model["id"] = serving.id
+            if all(model.get("id") != serving.id for model in models):
+                # a hub id mlx-lm's cache scan passed over (it wants files a model may lack)
+                models.append({"id": serving.id, "object": "model",
+                               "created": getattr(self, "created", 0)})
             self.wfile.write(head + sep + json.dumps(listing).encode())
             self.wfile.flush()
 
