@@ -225,3 +225,41 @@ def test_a_hub_id_in_the_local_hugging_face_cache_is_served_and_listed_by_it(
     assert (f"kvstore: serving someone/tiny-llama on http://127.0.0.1:{port}, cache root "
             f"{tmp_path / 'root'}, no checkpoints (this model's cache can be trimmed)"
             ) in log.read_text().splitlines()
+
+
+@pytest.mark.slow
+def test_an_answer_cut_by_a_stop_before_it_was_sent_is_a_500(
+    server: tuple[subprocess.Popen[str], int, Path],
+) -> None:
+    """Not streamed: mlx-lm had chosen 200 and sent nothing yet; the client now gets a 500
+    naming the cause instead of a dropped connection."""
+    import threading
+
+    proc, port, log = server
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                           timeout=60, max_retries=0)
+    got: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            client.chat.completions.create(
+                model="tiny-llama", max_tokens=100_000, temperature=0.0,
+                messages=[{"role": "user", "content": "Tell me a long story."}])
+        except BaseException as e:  # noqa: BLE001 - what the client saw is the point
+            got.append(e)
+
+    t = threading.Thread(target=ask)
+    t.start()
+    deadline = time.monotonic() + 60
+    while "Prompt processing progress" not in log.read_text():  # it is generating
+        assert time.monotonic() < deadline and t.is_alive(), log.read_text()
+        time.sleep(0.1)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert proc.wait(60) == 0
+    (e,) = got
+    assert isinstance(e, openai.InternalServerError), repr(e)
+    assert e.status_code == 500
+    assert e.message == ("Error code: 500 - generation stopped before the answer was "
+                         "complete: the server is shutting down")
