@@ -483,6 +483,8 @@ def serving_handler(base: Any, serving: Serving) -> Any:
             with serving.request():
                 try:
                     super().handle_completion(request, stop_words)
+                except (BrokenPipeError, ConnectionResetError):  # the client left: no one
+                    logger.info("kvstore: the client left before its answer was complete")
                 except Exception as e:  # noqa: BLE001 - the client must hear of it
                     self._failed(e)
 
