@@ -32,7 +32,7 @@ from kvstore import Store
 from kvstore.mlx_lm import PersistentPromptCache
 from kvstore.tiny import make_tiny_model, sample_text
 
-__all__ = ["run_demo", "main"]
+__all__ = ["demo_root", "run_demo", "main"]
 
 T = TypeVar("T")
 
@@ -314,24 +314,47 @@ def _second(argv: list[str], quiet: bool) -> int:
         raise
 
 
-def run_demo(root: str | Path, *, quiet: bool = False, model: str | None = None) -> int:
+def demo_root() -> Path:
+    """The demo's own root, when ``kvstore demo`` is not given ``--root``: beside the default
+    root in the user cache dir (``kvstore-demo``), never the default root itself (the demo's
+    tiny-model entries have no business among a user's)."""
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("kvstore-demo", appauthor=False))
+
+
+def run_demo(root: str | Path, *, quiet: bool = False, model: str | None = None,
+             own_root: bool = False) -> int:
     """Run the demo against the cache root `root`; 0 when the second process reused the cache.
 
     `model`: None (the tiny model), a known model name (``smollm2``) or an mlx-lm model
-    directory.
+    directory. `own_root`: `root` is the demo's own (:func:`demo_root`, no ``--root``
+    given); the demo says so, and at the end how to look at it and remove it.
     """
     say: Callable[[str], None] = (lambda s: None) if quiet else _print
     root = Path(root)
+    where = f"cache root {root}"
+    if own_root:
+        where += " (the demo's own, not your default root; --root DIR chooses another)"
+    code = _run_demo(root, say, where, quiet, model)
+    if own_root:
+        say(f"the demo's entries stay in {root}: 'kvstore --root {root} ls' (or tree) "
+            f"shows them, 'rm -r {root}' removes them")
+    return code
+
+
+def _run_demo(root: Path, say: Callable[[str], None], where: str, quiet: bool,
+              model: str | None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as tmp:
         real_dir = _real_model(model, say)
         real = real_dir is not None
         if real_dir is not None:
             model_dir = real_dir
-            say(f"cache root {root}; each request that reuses a prefix is also prefilled "
+            say(f"{where}; each request that reuses a prefix is also prefilled "
                 "from nothing, to time it")
         else:
             model_dir = make_tiny_model(Path(tmp) / "tiny-llama", "llama")
-            say(f"cache root {root}")
+            say(where)
         _first_process(root, model_dir, say, quiet, real)
         say("starting a second Python process (cold) on the same root ...")
         argv = [

@@ -113,3 +113,28 @@ def test_unknown_model_and_empty_cache(tmp_path: Path, monkeypatch: pytest.Monke
     assert cached_model("smollm2") is None
     with pytest.raises(ModelFetchError, match="unknown model 'gpt5'; known: smollm2"):
         fetch_model("gpt5")
+
+
+def test_the_conversion_shows_a_bar_on_a_terminal_only(tmp_path: Path) -> None:
+    """Issue 38, item 18: a bar of the tensors converted, on a terminal (a real pty here);
+    a pipe or a file gets nothing."""
+    import os
+
+    from kvstore.mlx_lm.gguf import terminal
+
+    gguf = _tiny_gguf(tmp_path / "tiny.gguf")
+    master, slave = os.openpty()
+    r, w = os.pipe()
+    with os.fdopen(slave, "w") as tty, os.fdopen(w, "w") as pipe:
+        assert terminal(tty) is tty and terminal(pipe) is None and terminal(None) is None
+        convert_gguf(gguf, tmp_path / "shown", progress=terminal(tty))
+        tty.flush()
+        shown = os.read(master, 1 << 16).decode()
+        convert_gguf(gguf, tmp_path / "quiet", progress=terminal(pipe))
+    os.close(master)
+    with os.fdopen(r) as rest:
+        assert rest.read() == ""
+    # 11 tensors: the embedding, the final norm and 9 of the one block
+    assert "converting: 100%" in shown and "11/11" in shown, shown
+    assert (tmp_path / "shown" / "model.safetensors").read_bytes() == (
+        tmp_path / "quiet" / "model.safetensors").read_bytes()

@@ -104,8 +104,10 @@ def test_each_checkpoint_restores_the_very_state_of_the_prefill(
         done = prefill(model, prompt, store=store, every=EVERY, step=48,
                        on_checkpoint=lambda pos, cache: seen.__setitem__(pos, _state(cache)))
         assert needs_checkpoints(done.cache) is (kind != "llama")
+        assert done.end is not None and done.end.n_tokens == len(prompt)
         if kind == "llama":  # trimmable: the prompt's end serves every prefix
-            assert done.checkpoints == [] and not list(store.entries()) and not seen
+            assert done.checkpoints == [] and not seen
+            assert [e.id for e in store.entries()] == [done.end.id]
             return
         assert sorted(seen) == [EVERY * k for k in range(1, 6)]
         assert [c.n_tokens for c in done.checkpoints] == sorted(seen) and done.failed == 0
@@ -136,7 +138,7 @@ def test_continuing_from_a_checkpoint_is_continuing_from_memory(
     question = _prompt(30, 4)
     kept: dict[int, list[Any]] = {}
     with kvstore.Store.open(tmp_path / "root", namespace=NS, block_tokens=T) as store:
-        prefill(model, doc, store=store, every=EVERY,
+        prefill(model, doc, store=store, every=EVERY, save_end=False,  # the checkpoint's
                 on_checkpoint=lambda pos, cache: kept.__setitem__(pos, copy.deepcopy(cache)))
         cache, n = store.restore(doc + question)
     assert n == 3 * EVERY
@@ -162,6 +164,33 @@ def test_every_zero_and_the_default_interval(models: dict[str, Path], tmp_path: 
         assert [c.n_tokens for c in done.checkpoints] == [1152, 2304]
 
 
+@pytest.mark.parametrize("kind", ["llama", "lfm2"])
+def test_the_same_prompt_twice_restores_all_of_it(
+    models: dict[str, Path], tmp_path: Path, kind: str
+) -> None:
+    """Issue 38, item 11: prefill leaves the prompt's end stored, as serve does (it stored
+    only checkpoints: the second time restored the deepest, 2 * EVERY of 2 * EVERY + 45)."""
+    model, _ = mlx_lm.load(str(models[kind]))
+    prompt = _prompt(2 * EVERY + 45, 7)
+    with kvstore.Store.open(tmp_path / "root", namespace=NS, block_tokens=T) as store:
+        cache, n = store.restore(prompt)
+        assert n == 0
+        first = prefill(model, prompt, cache, store=store, every=EVERY)
+        assert [c.n_tokens for c in first.checkpoints] == ([] if kind == "llama"
+                                                           else [EVERY, 2 * EVERY])
+        assert first.end is not None and first.end.n_tokens == len(prompt)
+        assert {e.id: e.priority for e in store.entries()}[first.end.id] == "user"
+        cache, n = store.restore(prompt)
+        assert n == len(prompt)
+        again = prefill(model, prompt, cache, store=store, every=EVERY)
+        assert (again.checkpoints, again.end, again.failed) == ([], None, 0)  # nothing new
+        assert _state(again.cache) == _state(first.cache)
+        # and save_end=False keeps the old behaviour: checkpoints only
+        other = _prompt(2 * EVERY + 45, 8)
+        assert prefill(model, other, store=store, every=EVERY, save_end=False).end is None
+        assert store.restore(other)[1] == (0 if kind == "llama" else 2 * EVERY)
+
+
 def test_prefill_from_a_restored_cache_and_a_failed_save(
     models: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -169,7 +198,8 @@ def test_prefill_from_a_restored_cache_and_a_failed_save(
     prompt = _prompt(4 * EVERY + 3, 5)
     root = tmp_path / "root"
     with kvstore.Store.open(root, namespace=NS, block_tokens=T) as store:
-        first = prefill(model, prompt[: 2 * EVERY + 10], store=store, every=EVERY)
+        first = prefill(model, prompt[: 2 * EVERY + 10], store=store, every=EVERY,
+                        save_end=False)
         assert [c.n_tokens for c in first.checkpoints] == [EVERY, 2 * EVERY]
         cache, n = store.restore(prompt)
         assert n == 2 * EVERY
@@ -180,7 +210,7 @@ def test_prefill_from_a_restored_cache_and_a_failed_save(
                     store=store, every=EVERY)
     with kvstore.Store.open(root, read_only=True) as ro:
         done = prefill(model, prompt, store=ro, namespace=NS, every=EVERY)
-        assert done.checkpoints == [] and done.failed == 4
+        assert done.checkpoints == [] and done.end is None and done.failed == 5  # 4 and the end
         assert done.cache[-1].offset == len(prompt)
 
 

@@ -46,13 +46,21 @@ def test_help_lists_both_option_sets_and_touches_no_root(
 
 def served_cache(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> Any:
     """The prompt cache that mlx-lm's server builds (``LRUPromptCache(max_size=3)``, as its
-    ``main`` does) when ``kvstore serve ARGV`` runs it, with the server itself left out."""
+    ``run`` does) when ``kvstore serve ARGV`` runs it, with the server itself left out (the
+    model directory is one only by its ``config.json``: nothing loads it)."""
     built: list[Any] = []
-    monkeypatch.setattr(mlx_lm.server, "main",
-                        lambda: built.append(mlx_lm.server.LRUPromptCache(max_size=3)))
-    assert serve_main(argv) == 0
+    model = Path(_root_of(argv)).parent / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    monkeypatch.setattr(mlx_lm.server, "run",
+                        lambda *a: built.append(mlx_lm.server.LRUPromptCache(max_size=3)))
+    assert serve_main([*argv, "--model", str(model)]) == 0
     (cache,) = built
     return cache
+
+
+def _root_of(argv: list[str]) -> str:
+    return argv[argv.index("--root") + 1]
 
 
 @pytest.mark.parametrize(
@@ -319,8 +327,25 @@ def test_get_models_answers_the_served_model_without_a_hub_cache(
     served_by_name: tuple[Any, Path, Path],
 ) -> None:
     client, served, _ = served_by_name
-    assert [m.id for m in client.models.list().data] == [str(served.resolve())]
+    assert [m.id for m in client.models.list().data] == ["smollm2"]  # issue 38: a short id
     # and a client that takes the model from the list can chat with it
     r = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=2,
                                        messages=[{"role": "user", "content": "Hi"}])
     assert r.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("name", ["smollm2", "SmolLM2-135M-Instruct-Q4_1-bf16-mlx", "absolute"])
+def test_the_served_model_answers_to_its_name_its_directory_and_its_path(
+    served_by_name: tuple[Any, Path, Path], name: str,
+) -> None:
+    """Issue 38, item 13: the name it was started with, its directory's name and its path
+    are all the served model (mlx-lm took each for a hub id: 404, ConnectError)."""
+    from kvstore.mlx_lm.gguf import MODELS
+
+    client, served, log = served_by_name
+    assert served.name == MODELS["smollm2"].dirname
+    model = str(served.resolve()) if name == "absolute" else name
+    r = client.chat.completions.create(model=model, max_tokens=2, temperature=0.0,
+                                       messages=[{"role": "user", "content": "Hi"}])
+    assert r.usage is not None and r.usage.completion_tokens >= 1
+    assert "Fetching" not in log.read_text() and "ConnectError" not in log.read_text()

@@ -77,3 +77,33 @@ def test_a_restore_still_loads_mlx_lm_classes(tmp_path: Path) -> None:
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["mlx_lm.models.cache", "KVCache", "40", "1.0"]
+
+
+def test_inspect_and_the_file_commands_help_never_import_mlx_lm(tmp_path: Path) -> None:
+    """Issue 38, item 17: ``inspect`` planned a file's layers with mlx-lm's classes (only
+    for their ``step``), so it loaded mlx-lm and transformers (seconds); ``import`` and
+    ``export`` build mlx-lm cache objects and still do, but not for ``--help``."""
+    root = _root(tmp_path / "root")
+    with Store.open(root) as store:
+        store.export(next(iter(store.entries())).id, tmp_path / "one.v3")
+    code = textwrap.dedent("""
+        import json, sys
+        from kvstore.cli import main
+        loaded = {}
+        for args in (["inspect", sys.argv[1]], ["inspect", "--help"], ["import", "--help"],
+                     ["export", "--help"]):
+            try:
+                code = main(["-q", *args])
+            except SystemExit as e:
+                code = e.code
+            label = " ".join(args).replace(sys.argv[1], "FILE")
+            loaded[label] = [code, sorted(m for m in ("mlx_lm", "transformers")
+                                          if m in sys.modules)]
+        print(json.dumps(loaded))
+    """)
+    p = subprocess.run([sys.executable, "-P", "-c", code, str(tmp_path / "one.v3")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {
+        "inspect FILE": [0, []], "inspect --help": [0, []], "import --help": [0, []],
+        "export --help": [0, []]}

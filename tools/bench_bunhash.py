@@ -1,4 +1,5 @@
-"""Bun.hash throughput against hashlib.sha256 on the same buffer, same run.
+"""Bun.hash throughput against hashlib.sha256 on the same buffer, same run; and its
+pure-Python port (the fallback when the C extension could not be built) against it.
 
 Usage: python tools/bench_bunhash.py [--mib 256] [--repeat 5]
 """
@@ -47,6 +48,14 @@ def main() -> None:
     print(f"buffer: {args.mib} MiB, best of {args.repeat}")
     for name, secs in rows.items():
         print(f"{name:32s} {n / secs / 1e9:8.2f} GB/s   {sha / secs:6.2f}x sha256")
+    # the pure-Python port (no C compiler at install), on the first 16 MiB: it is slow
+    from kvstore.formats import wyhash_python
+
+    part = memoryview(data)[: min(n, 16 << 20)]
+    secs = _best_seconds(lambda: wyhash_python.hash(part), max(1, args.repeat // 2))
+    c = _best_seconds(lambda: bun_hash(part), args.repeat)
+    print(f"{'pure-Python port (bytes)':32s} {len(part) / secs / 1e9:8.3f} GB/s   "
+          f"{c / secs:8.5f}x the extension, on {len(part) >> 20} MiB")
 
 
 if __name__ == "__main__":

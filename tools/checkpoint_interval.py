@@ -47,7 +47,7 @@ def measure(model: Any, kind: str, root: Path, every: int, doc: list[int], syste
         t = time.perf_counter()
         head = system + doc + q1
         c, _ = store.restore(head)
-        done = prefill(model, head, c, store=store, every=every)
+        done = prefill(model, head, c, store=store, every=every, save_end=False)
         q1_s = time.perf_counter() - t
         store.save(head, done.cache, priority="user", reuse_prefix=True)
         kv, win, state = checkpoint_costs(done.cache)
@@ -59,7 +59,7 @@ def measure(model: Any, kind: str, root: Path, every: int, doc: list[int], syste
             t = time.perf_counter()
             prompt = system + doc[:at] + tail
             c, n = store.restore(prompt[:-1])
-            done = prefill(model, prompt[:-1], c, store=store, every=0)
+            done = prefill(model, prompt[:-1], c, store=store, every=0, save_end=False)
             logits = model(mx.array(prompt[-1:])[None], cache=done.cache)
             mx.eval(mx.argmax(logits[:, -1, :], axis=-1))
             ttfts.append(time.perf_counter() - t)

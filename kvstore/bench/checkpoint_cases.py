@@ -73,7 +73,8 @@ class _Side:
         head = prompt[:-1]
         t = time.perf_counter()
         cache, n = self.store.restore(head)
-        done = prefill(self.model, head, cache, store=self.store, every=self.every)
+        done = prefill(self.model, head, cache, store=self.store, every=self.every,
+                       save_end=False)  # saved below, after the first token, as serve does
         snapshot = copy.deepcopy(done.cache)
         first = _first_token(self.model, done.cache, prompt[-1:])
         dt = time.perf_counter() - t

@@ -61,7 +61,8 @@ class Config:
     ckpt_window: int = 256  # gemma3_text's sliding window
     model_reps: int = 3  # restores timed per side; the prefill is timed once (minutes on a CPU)
     # the commands the startup group times in a fresh process (each also as `rm`, `show` ...)
-    startup_commands: tuple[str, ...] = ("stats", "ls", "show", "tree", "rm", "verify", "compact")
+    startup_commands: tuple[str, ...] = ("stats", "ls", "show", "tree", "rm", "verify", "compact",
+                                         "inspect", "export", "import")
     note: str = ""
 
 

@@ -101,8 +101,15 @@ def startup_rows(cfg: Config, scratch: Path) -> list[Row]:
     rows.append(Row("startup", "startup: import kvstore + Store.open (inside the process)", "s",
                     median(res["kv"]), median(res["old"]), label, "speedup",
                     extra={"target_s": OPEN_TARGET, "entries": n}))
+    file = root.parent / f"{root.name}.v3"  # an mlx-bun file of one entry: inspect, import
+    if {"inspect", "import"} & set(cfg.startup_commands):
+        with Store.open(root) as store:
+            store.export(ids[0], file)
     for cmd in cfg.startup_commands:
-        args = {"show": [cmd, ids[0]], "rm": [cmd]}.get(cmd, [cmd])
+        args = {"show": [cmd, ids[0]], "rm": [cmd], "inspect": [cmd, str(file)],
+                "import": [cmd, str(file)],  # already there: it reads, checks and finds it
+                "export": [cmd, ids[0], str(root.parent / f"{root.name}-out.v3"), "--force"],
+                }.get(cmd, [cmd])
 
         def run(before: str, args: list[str] = args) -> float:
             extra = [next(victims)] if args == ["rm"] else []

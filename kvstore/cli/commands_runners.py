@@ -62,11 +62,14 @@ def demo(model_name: str | None) -> int:
     """Try kvstore on a tiny local model, or on a real one with --model.
 
     Runs a multi-session chat twice (two processes) and shows the second run
-    restoring its prompt cache from the store.
+    restoring its prompt cache from the store. Without --root it uses a root of its own
+    (kvstore-demo in the user cache dir), never the default root.
     """
-    from ..demo import run_demo
+    from ..demo import demo_root, run_demo
 
-    return int(run_demo(opts().resolved_root(), quiet=opts().quiet, model=model_name) or 0)
+    own = opts().root is None
+    root = demo_root() if own else opts().resolved_root()
+    return int(run_demo(root, quiet=opts().quiet, model=model_name, own_root=own) or 0)
 
 
 @click.group(name="model")
@@ -85,10 +88,13 @@ def model_fetch(name: str, directory: Path | None) -> None:
     ($KVSTORE_MODELS, else <user cache>/kvstore-models, beside the default root); a
     second run downloads nothing. With DIRECTORY, the model is converted there instead.
     """
-    from ..mlx_lm.gguf import fetch_model
+    import sys
+
+    from ..mlx_lm.gguf import fetch_model, terminal
 
     say = (lambda s: None) if opts().quiet else (lambda s: click.echo(s, err=True))
-    click.echo(str(fetch_model(name, directory, log=say)))
+    bars = None if opts().quiet else terminal(sys.stderr)  # on a terminal only
+    click.echo(str(fetch_model(name, directory, log=say, progress=bars)))
 
 
 @click.command(add_help_option=False,

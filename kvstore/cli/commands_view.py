@@ -6,12 +6,13 @@ import itertools
 import json
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from . import render as H
-from ._util import common, emit, json_option, ns_matches, open_store
+from ._util import UserError, common, emit, json_option, ns_matches, open_store
 from .tree import build_forest, render_forest
 
 if TYPE_CHECKING:
@@ -131,15 +132,25 @@ def _ls_table(items: list[Entry], uniq: dict[str, int], ckpt: dict[str, dict[str
 @click.command()
 @click.argument("entry")
 @click.option("--tokens", "all_tokens", is_flag=True, help="Print every token, not the first 16.")
+@click.option("--text", "as_text", is_flag=True,
+              help="Also print the tokens as text, decoded by the model's tokenizer (found in "
+                   "the model cache or the Hugging Face cache by the entry's model and "
+                   "tokenizer hash, or given with --model).")
+@click.option("--model", "model_dir", metavar="DIR", default=None,
+              type=click.Path(path_type=Path, file_okay=False),
+              help="With --text: the model directory whose tokenizer decodes the tokens.")
 @json_option
 @common
-def show(entry: str, all_tokens: bool, as_json: bool) -> None:
+def show(entry: str, all_tokens: bool, as_text: bool, model_dir: Path | None,
+         as_json: bool) -> None:
     """Show one entry's manifest.
 
     ENTRY is a full id or a unique prefix of one (at least 4 hex chars).
     """
     from ..catalog import keys as P
 
+    if model_dir is not None and not as_text:
+        raise UserError("--model is for --text (the tokenizer that decodes the tokens)")
     with open_store() as store:
         eid = store.resolve(entry)
         m = store.manifest(eid)
@@ -147,11 +158,65 @@ def show(entry: str, all_tokens: bool, as_json: bool) -> None:
         uniq = store.views.unique_bytes({eid: m})[eid]
         refs = store.views.block_refs(m.all_blocks())
     tokens = list(P.tokens_from_le(m.tokens))
+    text = decoded(m.namespace, tokens, model_dir) if as_text else None
     if as_json:
-        emit(H.manifest_json(eid, m, tokens, rec, uniq, refs))
+        out = H.manifest_json(eid, m, tokens, rec, uniq, refs)
+        if text is not None:
+            out["text"] = {"tokenizer": str(text[0]), "text": text[1]}
+        emit(out)
     else:
-        click.echo("\n".join(H.manifest_lines(eid, m, tokens, rec, uniq, refs,
-                                              all_tokens=all_tokens)))
+        lines = H.manifest_lines(eid, m, tokens, rec, uniq, refs, all_tokens=all_tokens)
+        if text is not None:
+            at = next(i for i, line in enumerate(lines) if line.startswith("tokens ")) + 1
+            lines[at:at] = H.text_lines(text[0], text[1])
+        click.echo("\n".join(lines))
+
+
+def tokenizer_dirs(model_id: str) -> Iterator[Path]:
+    """Where a model named ``model_id`` may be on this machine: ``kvstore model fetch``'s
+    model cache (a directory of that name) and the Hugging Face cache (a repo of that id)."""
+    from ..mlx_lm.gguf import models_dir
+
+    if model_id and "/" not in model_id and model_id not in (".", ".."):
+        yield models_dir() / model_id
+    try:
+        from huggingface_hub import snapshot_download
+
+        yield Path(snapshot_download(model_id, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not a repo id, or not in the cache
+        return
+
+
+def decoded(ns: Any, tokens: list[int], model_dir: Path | None) -> tuple[Path, str]:
+    """``(the model directory, the text)`` of ``tokens``, decoded by the tokenizer of the
+    entry's model: ``model_dir``, else the first directory :func:`tokenizer_dirs` finds whose
+    tokenizer hash is the namespace's. A UserError when there is none or it does not fit."""
+    from ..mlx_lm.fingerprint import fingerprint_model_dir
+
+    def fits(d: Path) -> bool:
+        try:
+            return bool(ns.tokenizer_hash) and fingerprint_model_dir(d)[1] == ns.tokenizer_hash
+        except OSError:
+            return False
+
+    if model_dir is not None:
+        if not (model_dir / "tokenizer.json").is_file():
+            raise UserError(f"--model {model_dir}: no tokenizer.json there")
+        if ns.tokenizer_hash and not fits(model_dir):
+            raise UserError(f"--model {model_dir}: its tokenizer is not the one this entry was "
+                            f"saved with (model {ns.model_id})")
+        found: Path | None = model_dir
+    else:
+        found = next((d for d in tokenizer_dirs(ns.model_id)
+                      if (d / "tokenizer.json").is_file() and fits(d)), None)
+    if found is None:
+        raise UserError(f"--text: the tokenizer of model {ns.model_id!r} is not on this machine "
+                        "(not in the model cache nor the Hugging Face cache); --model DIR names "
+                        "its directory")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(found / "tokenizer.json"))
+    return found, str(tok.decode(tokens, skip_special_tokens=False))
 
 
 @click.command()

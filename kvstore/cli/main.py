@@ -37,8 +37,9 @@ __all__ = ["BENCH_CONFIGS", "cli", "main"]
 def cli(ctx: click.Context) -> None:
     """A persistent, shared, deduplicated KV-cache store for MLX language models.
 
-    Start with 'kvstore demo', then 'kvstore ls' and 'kvstore tree'. The cache root is
-    --root, else $KVSTORE_ROOT, else the user cache dir.
+    Start with 'kvstore demo' (in a root of its own: it says where), then 'kvstore ls'
+    and 'kvstore tree'. The cache root is --root, else $KVSTORE_ROOT,
+    else the user cache dir.
     """
     if ctx.invoked_subcommand is None:  # a bare `kvstore`: the help, like git and pip
         click.echo(ctx.get_help())

@@ -350,6 +350,30 @@ def layer_lines(layer: Layer, lead: str) -> list[str]:
     return out
 
 
+def grouped_layer_lines(layers: Sequence[Layer]) -> list[str]:
+    """The layers, a run of identical ones (the same kind, fields and tensors) once, under
+    the range of their indices: ``  0-29  kv  offset=40``."""
+    runs: list[tuple[int, int, list[str]]] = []  # (first, last, lines without the lead)
+    for i, layer in enumerate(layers):
+        body = layer_lines(layer, "")
+        if runs and runs[-1][2] == body:
+            runs[-1] = (runs[-1][0], i, body)
+        else:
+            runs.append((i, i, body))
+    labels = [f"{a}" if a == b else f"{a}-{b}" for a, b, _ in runs]
+    width = max([3, *map(len, labels)])
+    out: list[str] = []
+    for (a, _, _), label in zip(runs, labels, strict=True):
+        out.extend(layer_lines(layers[a], f"  {label:>{width}}  "))
+    return out
+
+
+def text_lines(model_dir: Any, text: str) -> list[str]:
+    """``show --text``: the tokens as text, each line indented, under the tokenizer's origin."""
+    return [f"text        decoded by the tokenizer in {model_dir}",
+            *(f"  {line}".rstrip() for line in text.split("\n"))]
+
+
 def layer_json(layer: Layer) -> dict[str, Any]:
     from ..schema import ListLayer
 
@@ -416,8 +440,7 @@ def manifest_lines(eid: str, m: Manifest, tokens: Sequence[int], rec: Entry | No
                      f"{format_bytes(uniq)} unique to this entry")
     lines.append(f"tokens      {_tokens_line(tokens, all_tokens)}")
     lines.append(f"layers      {len(m.layers)}")
-    for i, layer in enumerate(m.layers):
-        lines.extend(layer_lines(layer, f"  {i:>3}  "))
+    lines.extend(grouped_layer_lines(m.layers))
     for a in m.attachments:
         lines.append(f"attachment  {a.schema} {json_text(a.metadata)}")
         lines.extend(f"         t{j}  {t.dtype} {list(t.shape)}" for j, t in enumerate(a.tensors))

@@ -97,6 +97,10 @@ class _KVLike(Codec):
     """
 
     mlx_name: ClassVar[str]  # the exact mlx-lm class, by its name in mlx_lm.models.cache
+    # the class's ``step`` (its capacity grows by that many rows), known here so that
+    # planning a file's layers (``kvstore inspect``) never imports mlx-lm, which loads
+    # transformers (seconds); tests/codecs check it against mlx-lm's own
+    step: ClassVar[int] = 256
 
     @property
     def mlx_class(self) -> Any:
@@ -153,7 +157,7 @@ class _KVLike(Codec):
     def token_capacity(self, record: Any, n_tokens: int) -> int:
         if not self.aligned(record):
             return n_tokens
-        return step_capacity(n_tokens, self.mlx_class.step)
+        return step_capacity(n_tokens, self.step)
 
     def cut(self, record: Any, n_tokens: int) -> Layer | None:
         if not self.aligned(record):

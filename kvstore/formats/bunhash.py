@@ -1,8 +1,12 @@
 """Bun.hash: Zig's ``std.hash.Wyhash`` with seed 0, as mlx-bun's v3 files use it.
 
 The work is done by the C extension :mod:`kvstore._wyhash` (it releases the GIL
-on large buffers). Inputs are any contiguous buffer: ``bytes``, ``bytearray``,
-``memoryview``, or an evaluated MLX array (through its buffer protocol).
+on large buffers); where it could not be built (no C compiler at install time:
+``setup.py`` marks it optional), by its pure-Python port
+(:mod:`kvstore.formats.wyhash_python`: the same values, about 16 MB/s against the
+extension's GB/s). ``IMPLEMENTATION`` says which. Inputs are any contiguous buffer:
+``bytes``, ``bytearray``, ``memoryview``, or an evaluated MLX array (through its
+buffer protocol).
 """
 
 from __future__ import annotations
@@ -10,12 +14,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
-from .. import _wyhash
+try:
+    from .. import _wyhash
+except ImportError:  # built without a C compiler: the pure-Python port, same values
+    from . import wyhash_python as _wyhash  # type: ignore[no-redef]
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
-__all__ = ["Buffer", "BunHasher", "bun_hash", "bun_hash_hex", "hex64"]
+__all__ = ["IMPLEMENTATION", "Buffer", "BunHasher", "bun_hash", "bun_hash_hex", "hex64"]
+
+#: "C" (the extension) or "python" (the fallback).
+IMPLEMENTATION = "python" if _wyhash.__name__.endswith("_python") else "C"
 
 
 class _Buffer(Protocol):

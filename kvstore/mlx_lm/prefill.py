@@ -159,7 +159,8 @@ class Prefilled:
 
     cache: list[Any]
     checkpoints: list[EntryInfo] = field(default_factory=list)
-    failed: int = 0  # checkpoints whose save raised (logged; the prefill went on)
+    failed: int = 0  # saves (checkpoints, the end) that raised (logged; the prefill went on)
+    end: EntryInfo | None = None  # the prompt's end, saved (``save_end``)
 
 
 def _held(cache: Sequence[Any]) -> int | None:
@@ -182,6 +183,7 @@ def prefill(
     namespace: Namespace | None = None,
     step: int = 2048,
     on_checkpoint: Callable[[int, list[Any]], None] | None = None,
+    save_end: bool = True,
 ) -> Prefilled:
     """Feed ``tokens[start:]`` through ``model`` into ``cache``, saving a checkpoint every
     ``every`` tokens (at absolute positions ``k * every``) when the cache cannot be trimmed.
@@ -195,6 +197,11 @@ def prefill(
     A trimmable model gets no checkpoints. A checkpoint whose save fails is logged
     and counted in ``failed``; the prefill goes on. ``on_checkpoint(position, cache)``
     is called after each checkpoint position is reached (saved or not).
+
+    The prompt's end (all of ``tokens``) is saved too, as ``kvstore serve`` saves it, so
+    the same prompt asked again restores all of it (``end``; priority ``"user"``): unless
+    ``save_end=False``, nothing was computed (``start == len(tokens)``), or a checkpoint
+    already ends there. Its save failing is counted in ``failed`` as a checkpoint's is.
     """
     if cache is None:
         if start:
@@ -217,9 +224,11 @@ def prefill(
     out = Prefilled(list(cache))
     marks = checkpoint_positions(start, len(tokens), every) if needs_checkpoints(cache) else []
     ns = store.namespace if namespace is None else namespace
-    if marks and ns is None:
+    end = save_end and start < len(tokens) and len(tokens) not in marks
+    if (marks or end) and ns is None:
         raise NamespaceRequiredError(
             "prefill: no namespace: pass namespace=kvstore.Namespace(...) here or to Store.open"
+            + ("" if marks else " (or save_end=False)")
         )
     meta = checkpoint_metadata(conversation_id(tokens), len(tokens), every)
     pos = start
@@ -241,6 +250,14 @@ def prefill(
         except (KVStoreError, OSError):
             out.failed += 1
             logger.warning("kvstore: checkpoint at token %d not saved", mark, exc_info=True)
+    if end:
+        try:
+            out.end = store.save(list(tokens), out.cache, namespace=ns, priority="user",
+                                 reuse_prefix=True)
+        except (KVStoreError, OSError):
+            out.failed += 1
+            logger.warning("kvstore: the prompt's end (%d tokens) not saved", len(tokens),
+                           exc_info=True)
     return out
 
 

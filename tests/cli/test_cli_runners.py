@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from cli_helpers import assert_user_error, run, run_here
 
 
@@ -17,6 +18,24 @@ def test_demo_fills_the_root_and_reuses_it_from_a_second_process(tmp_path: Path)
     assert re.search(r"^2nd process .* reused\s+[1-9]\d* \(disk", r.out, re.M)
     entries = run_here("ls", "--json", "--root", root).json()["entries"]
     assert entries and all(e["namespace"]["model_id"] == "tiny-llama" for e in entries)
+
+
+@pytest.mark.slow
+def test_demo_without_root_uses_a_root_of_its_own_and_says_how_to_remove_it(
+    tmp_path: Path,
+) -> None:
+    """Issue 38, item 14: the demo wrote its tiny-model entries into the user's own root."""
+    mine = tmp_path / "my-root"
+    r = run("demo", env={"KVSTORE_ROOT": str(mine), "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert r.code == 0, r
+    own = tmp_path / "cache" / "kvstore-demo"
+    lines = r.out.splitlines()
+    assert lines[1] == (f"cache root {own} (the demo's own, not your default root; --root DIR "
+                        "chooses another)")
+    assert lines[-1] == (f"the demo's entries stay in {own}: 'kvstore --root {own} ls' (or "
+                         f"tree) shows them, 'rm -r {own}' removes them")
+    assert not mine.exists()
+    assert len(run_here("ls", "--json", "--root", own).json()["entries"]) == 7
 
 
 def test_bench_smoke_writes_json(tmp_path: Path) -> None:

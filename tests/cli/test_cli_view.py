@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import MODEL, Result, Root, T, assert_user_error, run_here, run_many
 
+import kvstore
+
 Runs = dict[tuple[str, ...], Result]
 
 
@@ -112,7 +114,7 @@ def test_show_human_prints_the_manifest(runs: Runs, shared_root: Root) -> None:
     assert f"kvstore-mlx/1, blake3, {T} tokens per block" in out
     assert "tokens      40: 1000 1001 1002" in out and "… (+24)" in out
     assert "layers      2\n" in out
-    assert re.search(r"^\s+0\s+kv\s+offset=40$", out, re.M)
+    assert re.search(r"^\s+0-1\s+kv\s+offset=40$", out, re.M)  # identical: one run
     assert re.search(r"t0\s+float16\s+\[1, 2, 40, 8\]\s+token axis 2", out)
     assert "token blocks 3\n" in out and "shared by 5" in out and "unique" in out
     assert "priority system" in out
@@ -260,3 +262,79 @@ def test_ls_and_tree_read_in_batches_print_what_one_batch_prints(
     assert whole[("ls", "--json")].out == json.dumps(data, indent=2) + "\n"  # emit's layout
     assert len(data["entries"]) == len(shared_root.ids) > 2
     assert len(whole[("ls",)].out.splitlines()) == len(shared_root.ids) + 1
+
+
+# --- issue 38, item 15: identical layers once; the tokens as text --------------------------
+
+
+@pytest.fixture
+def tiny_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, str, Path, str]:
+    """A root holding one entry of 30 identical layers, saved in the namespace of a tiny
+    model that ``kvstore model fetch``'s model cache holds; (root, id, model dir, text)."""
+    from helpers.kv import make_cache
+    from tokenizers import Tokenizer
+
+    from kvstore.mlx_lm import namespace_for_path
+    from kvstore.tiny import make_tiny_model
+
+    monkeypatch.setenv("KVSTORE_MODELS", str(tmp_path / "models"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = make_tiny_model(tmp_path / "models" / "tiny-llama", "llama")
+    text = "The river ran past the old mill.\nThe miller slept."
+    tokens = Tokenizer.from_file(str(model / "tokenizer.json")).encode(text).ids
+    root = tmp_path / "root"
+    with kvstore.Store.open(root, namespace=namespace_for_path(model), block_tokens=16) as s:
+        info = s.save(tokens, [c for _ in range(30) for c in make_cache(tokens)])
+    return root, info.id, model, text
+
+
+def test_show_prints_identical_layers_once_under_their_range(
+    tiny_entry: tuple[Path, str, Path, str],
+) -> None:
+    root, eid, _, _ = tiny_entry
+    r = run_here("show", eid, "--root", root)
+    assert r.code == 0, r
+    lines = r.out.splitlines()
+    at = lines.index("layers      30")
+    n = len(run_here("show", eid, "--root", root, "--json").json()["tokens"])
+    assert lines[at + 1:at + 4] == [
+        f"  0-29  kv       offset={n}",
+        f"          t0  float16  [1, 2, {n}, 8]{' ' * (18 - len(f'[1, 2, {n}, 8]'))} token axis 2",
+        f"          t1  float16  [1, 2, {n}, 8]{' ' * (18 - len(f'[1, 2, {n}, 8]'))} token axis 2",
+    ]
+    assert lines[at + 4].startswith("token blocks ")
+
+
+def test_show_text_decodes_the_tokens_with_the_models_tokenizer(
+    tiny_entry: tuple[Path, str, Path, str],
+) -> None:
+    root, eid, model, text = tiny_entry
+    r = run_here("show", eid, "--root", root, "--text")
+    assert r.code == 0, r
+    lines = r.out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("tokens "))
+    assert lines[at + 1:at + 4] == [f"text        decoded by the tokenizer in {model}",
+                                    "  The river ran past the old mill.",
+                                    "  The miller slept."]
+    d = run_here("show", eid, "--root", root, "--text", "--json").json()
+    assert d["text"] == {"tokenizer": str(model), "text": text}
+    # --model names it; another model's tokenizer is refused
+    assert run_here("show", eid, "--root", root, "--text", "--model", model).out == r.out
+
+
+def test_show_text_without_the_tokenizer_is_one_line(
+    tiny_entry: tuple[Path, str, Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    root, eid, model, _ = tiny_entry
+    monkeypatch.setenv("KVSTORE_MODELS", str(tmp_path / "elsewhere"))
+    r = run_here("show", eid, "--root", root, "--text")
+    assert_user_error(r)
+    assert r.err == ("kvstore: error: --text: the tokenizer of model 'tiny-llama' is not on "
+                     "this machine (not in the model cache nor the Hugging Face cache); "
+                     "--model DIR names its directory\n")
+    from kvstore.tiny import make_tiny_model
+
+    other = make_tiny_model(tmp_path / "other", "llama", vocab_size=300)
+    r = run_here("show", eid, "--root", root, "--text", "--model", other)
+    assert r.err == (f"kvstore: error: --model {other}: its tokenizer is not the one this "
+                     "entry was saved with (model tiny-llama)\n")

@@ -107,3 +107,80 @@ def test_threads_hash_concurrently() -> None:
     for t in threads:
         t.join()
     assert out == [expect] * 4
+
+
+# --- issue 38, item 19: the pure-Python port, used when the extension is absent -----------
+
+
+def test_the_pure_python_port_agrees_with_the_extension_on_every_vector(
+    vectors_dir: Path,
+) -> None:
+    from kvstore import _wyhash
+    from kvstore.formats import wyhash_python
+
+    rng = random.Random(11)
+    vs = [v for v in _vectors(vectors_dir) if v["length"] <= 1 << 20]  # 1 MiB: 5 chunks
+    assert len(vs) > 100
+    for v in vs:
+        data = _input(v)
+        want = int(v["hashDecimal"])
+        assert wyhash_python.hash(data) == _wyhash.hash(data) == want, v["name"]
+        if len(data) > 70_000:
+            continue
+        py, c = wyhash_python.Wyhash(), _wyhash.Wyhash()
+        i = 0
+        while i < len(data):
+            k = rng.choice([0, 1, 5, 15, 16, 17, 47, 48, 49, 100, 4096])
+            py.update(data[i : i + k])
+            c.update(data[i : i + k])
+            i += k
+            if rng.random() < 0.1:  # a digest midway leaves the state as it was
+                assert py.intdigest() == c.intdigest() and py.copy().intdigest() == c.intdigest()
+        assert (py.intdigest(), py.total_len) == (want, len(data)), v["name"]
+    # seeds, and the buffers the store hands it (an MLX array, a memoryview of one)
+    arr = mx.arange(1000, dtype=mx.float16)
+    mx.eval(arr)
+    for seed in (0, 1, 2**64 - 1):
+        assert wyhash_python.hash(arr, seed) == _wyhash.hash(arr, seed)
+        assert wyhash_python.hash(memoryview(arr), seed) == _wyhash.hash(memoryview(arr), seed)
+
+
+def test_the_port_is_used_when_the_extension_is_absent(vectors_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    v = next(x for x in _vectors(vectors_dir) if x["length"] == 1000)
+    code = (
+        "import sys\n"
+        "sys.modules['kvstore._wyhash'] = None  # as an install without a C compiler\n"
+        "from kvstore.formats import bunhash\n"
+        f"data = bytes.fromhex('{_input(v).hex()}')\n"
+        "h = bunhash.BunHasher(data[:333]); h.update(data[333:])\n"
+        "print(bunhash.IMPLEMENTATION, bunhash.bun_hash_hex(data), h.hexdigest())\n"
+    )
+    p = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["python", v["hash"], v["hash"]]
+    from kvstore.formats import bunhash
+
+    assert bunhash.IMPLEMENTATION == "C"  # here, where it was built
+
+
+def test_setup_builds_the_extension_optionally(tmp_path: Path) -> None:
+    """Without a working C compiler ``build_ext`` warns and succeeds (the port takes over)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    (tmp_path / "kvstore").mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md", "kvstore/_wyhash.c"):
+        shutil.copy(repo / name, tmp_path / name)
+    p = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "CC": "false"})
+    assert p.returncode == 0, p.stderr
+    assert 'building extension "kvstore._wyhash" failed' in p.stderr
+    assert not list((tmp_path / "kvstore").glob("_wyhash*.so"))

@@ -186,3 +186,15 @@ def test_unknown_cache_class_is_a_typed_error(tmp_path: Path) -> None:
         with pytest.raises(kvstore.UnknownCacheTypeError, match="MyKV"):
             store.save([1, 2, 3], [MyKV()])
         assert store.stats().entries == 0
+
+
+def test_each_kv_codec_knows_its_mlx_lm_class_step() -> None:
+    """Issue 38, item 17: the codecs plan a layer's capacity with the class's ``step`` without
+    importing mlx-lm; it must be mlx-lm's own."""
+    from kvstore.codecs import mlxlm
+
+    kinds = [c for c in vars(mlxlm).values()
+             if isinstance(c, type) and issubclass(c, mlxlm._KVLike) and c is not mlxlm._KVLike]
+    assert len(kinds) >= 5
+    for codec in kinds:
+        assert codec.step == codec().mlx_class.step, codec.__name__
