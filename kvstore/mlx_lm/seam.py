@@ -67,6 +67,8 @@ logger = logging.getLogger("kvstore.serve")
 #: fields; "params: a, b" names a function's leading parameters.
 RELIED_ON: tuple[tuple[str, str, str], ...] = (
     ("main", "function", "serve: runs mlx-lm's own command line"),
+    ("argparse", "module", "serve: main builds its parser from the module's argparse, "
+     "swapped to parse mlx-lm's options before anything is fetched or bound"),
     ("run", "function", "serve: builds the prompt cache from the module's LRUPromptCache and "
      "starts _run_http_server, both looked up at call time"),
     ("LRUPromptCache", "class", "serve: swapped for the persistent prompt cache's factory"),

@@ -516,12 +516,16 @@ def serving_handler(base: Any, serving: Serving) -> Any:
     return Handler
 
 
-def serving_run(run_http: Any, serving: Serving, handler_class: Any, root: Path) -> Any:
+def serving_run(run_http: Any, serving: Serving, default_handler: Any, root: Path) -> Any:
     """mlx-lm's ``_run_http_server``, which first waits for the model to load (a model
     that cannot load is a `ServeError`: nothing is bound), says what it serves, then
-    serves with ``handler_class`` (see :func:`serving_handler`)."""
+    serves with the handler class it is given (the agent APIs' one,
+    :mod:`kvstore.mlx_lm.seam`) made a :func:`serving_handler`, else ``default_handler``."""
 
-    def run(host: str, port: int, response_generator: Any, *args: Any, **kwargs: Any) -> Any:
+    def run(host: str, port: int, response_generator: Any, server_class: Any = None,
+            handler_class: Any = None) -> Any:
+        handler = default_handler if handler_class is None \
+            else serving_handler(handler_class, serving)
         try:
             while not serving.loaded.wait(0.2):
                 if not response_generator.generation_available():
@@ -546,7 +550,7 @@ def serving_run(run_http: Any, serving: Serving, handler_class: Any, root: Path)
 
         try:
             return run_http(host, port, response_generator, server_class=Server,
-                            handler_class=handler_class)
+                            handler_class=handler)
         finally:
             serving.stopping = serving.started
 
