@@ -126,6 +126,23 @@ def test_a_bad_cache_salt_is_a_400_answer(tmp_path: Path) -> None:
             assert e.value.response.json() == {
                 "error": "cache_salt must be a non-empty string of at most 4096 bytes"}
         assert _ask(client, "You are terse.", "Hi", "ok") == 0  # the server still answers
+        # `null` is no salt (docs/CLI.md): it shares the unsalted requests' entries, and
+        # not a salted one's
+        system = sample_text(200, seed=5)
+        assert _ask(client, system, "Hi", None) == 0
+        unsalted = _ask(client, system, "Hi", None)
+        assert unsalted > 0
+
+        def null_salt() -> int:
+            r = client.chat.completions.create(
+                model="default_model", temperature=0.0, max_tokens=4,
+                extra_body={"cache_salt": None},
+                messages=[{"role": "system", "content": system},
+                          {"role": "user", "content": "Hi"}])
+            return int(r.usage.prompt_tokens_details.cached_tokens or 0)
+
+        assert null_salt() == unsalted
+        assert _ask(client, system, "Hi", SALT_C) == 0
 
 
 def test_salt_tags_are_keyed_and_namespaces_distinct(tmp_path: Path,
