@@ -249,3 +249,60 @@ def test_an_old_world_readable_root_keeps_working_and_verify_notes_it(tmp_path: 
     root.chmod(0o700)  # one private directory on the way is enough
     assert world_readable(root) == []
     assert "note: any user" not in run_here("--root", root, "verify").out
+
+
+@root_only
+@pytest.mark.parametrize("name", ["lock.mdb", "data.mdb"])
+def test_a_member_cannot_make_another_open_or_chmod_a_file_outside_the_root(
+        users: Users, place: Path, name: str) -> None:
+    """Issue 36, item 4: A puts a link to B's private index where the shared root's
+    ``index/lock.mdb`` (or ``data.mdb``) was; B's next command refuses it and leaves its
+    private file as it was (LMDB would have opened it, kvstore chmodded it to 0660)."""
+    shared, private = str(place / "shared"), str(place / "b-private")
+    (init,) = users.a.run([{"op": "cli", "args": ["--root", shared, "init", "--shared-group",
+                                                  users.group, "--block-tokens", "16"]}])
+    assert init["code"] == 0, init
+    users.b.run([{"op": "save", "root": private, "seed": 3, "n": 40}])
+    target = Path(private) / "index" / "data.mdb"
+    before = (stat.S_IMODE(target.stat().st_mode), target.read_bytes())
+    assert before[0] == 0o600
+    link = str(Path(shared) / "index" / name)
+    assert users.a.run([{"op": "link", "path": link, "target": str(target)}]) == ["ok"]
+    (ls,) = users.b.run([{"op": "cli", "args": ["--root", shared, "ls"]}])
+    assert ls == {"code": 2, "out": "", "err": (
+        f"kvstore: error: {link} is a symlink; a root's files must be regular files inside it "
+        "(kvstore never opens or changes what a link in a root points to): remove the link "
+        "(for data.mdb, put the root's own index back)\n")}
+    assert (stat.S_IMODE(target.stat().st_mode), target.read_bytes()) == before
+    # B's private root is still B's alone, and sound
+    (back,) = users.b.run([{"op": "restore", "root": private, "seed": 3, "n": 40}])
+    assert back == {"length": 40, "exact": True}
+
+
+@root_only
+def test_compact_names_a_directory_a_member_left_without_group_write(users: Users,
+                                                                      place: Path) -> None:
+    """Issue 36, item 4: a fan-out directory without the group's write bit (a member's own
+    chmod, or one made by hand) makes another member's compact one line naming it and the
+    fix, exit 2; after the fix, the compact frees the blocks."""
+    root = str(place / "shared")
+    (init,) = users.a.run([{"op": "cli", "args": ["--root", root, "init", "--shared-group",
+                                                  users.group, "--block-tokens", "16"]}])
+    assert init["code"] == 0, init
+    (a1,) = users.a.run([{"op": "save", "root": root, "seed": 1, "n": 40}])
+    fans = sorted(p for p in (Path(root) / "blocks").iterdir() if any(p.iterdir()))
+    fan = str(fans[0])
+    users.a.run([{"op": "chmod", "path": fan, "mode": "2750"},
+                 {"op": "delete", "root": root, "id": a1["id"]}])
+    compact = {"op": "cli", "args": ["--root", root, "compact", "--grace", "0"]}
+    (c,) = users.b.run([compact])
+    assert c["code"] == 2, c
+    assert c["err"] == (
+        f"kvstore: error: {fan}: cannot remove a block: the directory is {users.a.name}'s "
+        f"(group {users.group}), mode 2750, which {users.b.name} cannot write; its owner or "
+        f"an administrator fixes it: chmod 2770 {fan}\n")
+    users.a.run([{"op": "chmod", "path": fan, "mode": "2770"}])
+    (c,) = users.b.run([{"op": "cli", "args": ["--root", root, "compact", "--grace", "0",
+                                               "--json"]}])
+    assert c["code"] == 0, c
+    assert not [p for p in (Path(root) / "blocks").rglob("*") if p.is_file()]
