@@ -3,10 +3,11 @@ time, before LMDB's own writer lock (which waits forever and cannot say who hold
 
 Two locks stand in front of ``env.begin(write=True)``:
 
-1. ``index/write.lock``, a file every kvstore writer locks (``flock``) for the length of
-   its write transaction, after a lock of its own threads; the holder writes its pid in
-   it, so a writer that gives up names it. The lock goes with its process: a killed
-   writer holds nothing.
+1. ``index/write.lock``, an empty file every kvstore writer locks (``flock``) for the
+   length of its write transaction, after a lock of its own threads; a writer that
+   gives up names the holder (Linux's ``/proc/locks`` lists it). The lock goes with
+   its process: a killed writer holds nothing. Nothing is written to the file, so a
+   dry run changes no byte of the root.
 2. LMDB's writer mutex, which a process that is not a kvstore writer (a member's own
    script, ``mdb_*`` tools) may hold: a probe thread takes and drops it first, so a
    writer that gives up says so, naming the processes that have the index open
@@ -160,8 +161,6 @@ class WriteGate:
                     time.sleep(min(pause, left))
                     pause = min(pause * 2, 0.05)
             try:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
                 self._probe(deadline, timeout)
             except BaseException:
                 fcntl.flock(fd, fcntl.LOCK_UN)
@@ -176,11 +175,8 @@ class WriteGate:
         self._threads.release()
 
     def _busy(self, fd: int, timeout: float) -> str:
-        try:
-            head = os.pread(fd, 32, 0).split(b"\n", 1)[0]
-        except OSError:
-            head = b""
-        holder = _who(int(head)) if head.isdigit() else "a kvstore process"
+        pids = lock_holders(self.path / LOCK_NAME)
+        holder = ", ".join(_who(p) for p in pids) if pids else "another kvstore process"
         return (f"{self.path}: {holder} has held the index's write lock for over "
                 f"{timeout:g} s; gave up waiting (${ENV_TIMEOUT} sets the wait)")
 
