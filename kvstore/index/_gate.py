@@ -102,6 +102,7 @@ class WriteGate:
         self._probes: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
         self._prober: threading.Thread | None = None
         self._pending = 0  # probes asked for and not yet through LMDB's mutex
+        self._count = threading.Lock()  # of _pending: two threads change it
 
     def close(self) -> bool:
         """Drop the lock file; True when a probe still waits inside LMDB for its mutex
@@ -109,9 +110,13 @@ class WriteGate:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        stuck = self._pending > 0
         if self._prober is not None:
             self._probes.put(_STOP)
-        return self._pending > 0
+            if not stuck:  # it is idle: gone once it reads the stop
+                self._prober.join(5)
+            self._prober = None
+        return stuck
 
     def _file(self) -> int:
         if self._fd is not None:
@@ -191,7 +196,8 @@ class WriteGate:
                                             name="kvstore-index-probe")
             self._prober.start()
         done = threading.Event()
-        self._pending += 1
+        with self._count:
+            self._pending += 1
         self._probes.put(done)
         if done.wait(max(0.0, deadline - time.monotonic())):
             return
@@ -213,7 +219,8 @@ class WriteGate:
                 txn.abort()
             except Exception:  # noqa: BLE001 - the real transaction reports it
                 pass
-            self._pending -= 1
+            with self._count:
+                self._pending -= 1
             done.set()
 
 
