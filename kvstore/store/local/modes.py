@@ -159,8 +159,7 @@ def check_owned(path: Path, st: os.stat_result, modes: RootModes, root_owner: in
     opens or chmods must still be one of the root's own files, never a link out of it
     (to another member's private files) or a file of a user outside the group."""
     if stat.S_ISLNK(st.st_mode):
-        raise UnsafeRootError(
-            f"{path} {_LINK_WHY}")
+        raise UnsafeRootError(f"{path} {_LINK_WHY}")
     if not stat.S_ISREG(st.st_mode):
         raise UnsafeRootError(f"{path} is {_kind(st.st_mode)}, not a regular file; kvstore "
                               "refuses to open it")
@@ -211,7 +210,7 @@ def fix_file(path: Path, modes: RootModes) -> None:
         return
     try:
         fd = os.open(path, _NOFOLLOW)
-    except FileNotFoundError:
+    except (FileNotFoundError, PermissionError):  # gone, or another member's to fix
         return
     except OSError as e:
         if e.errno == errno.ELOOP:
