@@ -35,7 +35,7 @@ from .errors import IndexBusyError, IndexStoreError
 ENV_TIMEOUT = "KVSTORE_LOCK_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
 LOCK_NAME = "write.lock"
-_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_FLAGS = os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)  # flock only
 
 
 def default_timeout() -> float:
