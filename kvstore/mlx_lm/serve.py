@@ -168,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PORT",
         help="serve GET /metrics (Prometheus) on this port of --metrics-host, apart from "
-        "the API (default: not served; the figures tell one tenant what the others stored)",
+        "the API (default: not served; its totals are every tenant's, and the root's)",
     )
     g.add_argument(
         "--metrics-host",
