@@ -9,6 +9,7 @@ msgpack encoding.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Annotated
@@ -28,6 +29,8 @@ SALT_BYTES = 32
 #: In ``metadata`` rather than a field of its own, so that unsalted manifests keep their
 #: exact bytes (and ids).
 SALT_KEY = "kvstore.block_salt"
+#: What a salted tenant's namespace holds (``<ns>#tenant-<tag>``, kvstore.store.tenants)
+TENANT_MARK = "#tenant-"
 
 @dataclass(frozen=True)
 class DType:
@@ -230,6 +233,18 @@ class Manifest(Struct, frozen=True, kw_only=True):
     def block_digests(self) -> list[bytes]:
         """Every block the entry references, once each, token blocks first."""
         return list(dict.fromkeys(bytes(d) for d in self.all_blocks()))
+
+
+def block_salt(namespace: Namespace) -> bytes:
+    """The salt every block of a tenant's entries ends with (docs/FORMAT.md §3, "Salted
+    blocks"): SHA-256 of a domain string and the tenant's namespace; ``b""`` for a
+    namespace that is no tenant's (its blocks are named by their bytes alone, shared by
+    every entry that holds them). So two tenants that store the same prompt write two
+    sets of blocks: neither the names nor the bytes written, nor ``/metrics``, say
+    whether another tenant stored it."""
+    if TENANT_MARK not in namespace.ns:
+        return b""
+    return hashlib.sha256(b"kvstore block salt v1\0" + namespace.ns.encode()).digest()
 
 
 _encoder = msgspec.msgpack.Encoder(order="deterministic")

@@ -18,13 +18,13 @@ import secrets
 from typing import TYPE_CHECKING
 
 from ..errors import KVStoreError
-from ..schema import Namespace
+from ..schema import TENANT_MARK, Namespace, block_salt
 
 if TYPE_CHECKING:
     from .store import Store
 
 __all__ = ["SALT_KEY_ENV", "MAX_SALT_BYTES", "block_salt", "salt_tag", "tenant_key",
-           "tenant_namespace"]
+           "tenant_namespace"]  # block_salt: kvstore.schema's, re-exported
 
 SALT_KEY_ENV = "KVSTORE_SALT_KEY"
 MAX_SALT_BYTES = 4096
@@ -56,24 +56,9 @@ def salt_tag(key: bytes, salt: str) -> str:
     return hmac.new(key, raw, hashlib.sha256).hexdigest()[:32]
 
 
-def block_salt(namespace: Namespace) -> bytes:
-    """The salt every block of a tenant's entries ends with (docs/FORMAT.md §3, "Salted
-    blocks"): SHA-256 of a domain string and the tenant's namespace; ``b""`` for a
-    namespace that is no tenant's (its blocks are named by their bytes alone, shared by
-    every entry that holds them). So two tenants that store the same prompt write two
-    sets of blocks: neither the names nor the bytes written, nor ``/metrics``, say
-    whether another tenant stored it."""
-    if _TENANT not in namespace.ns:
-        return b""
-    return hashlib.sha256(b"kvstore block salt v1\0" + namespace.ns.encode()).digest()
-
-
-_TENANT = "#tenant-"
-
-
 def tenant_namespace(namespace: Namespace, tag: str) -> Namespace:
     """``namespace`` for the tenant whose salt has ``tag``."""
     return Namespace(model_id=namespace.model_id,
                      config_fingerprint=namespace.config_fingerprint,
                      tokenizer_hash=namespace.tokenizer_hash,
-                     ns=f"{namespace.ns}{_TENANT}{tag}")
+                     ns=f"{namespace.ns}{TENANT_MARK}{tag}")

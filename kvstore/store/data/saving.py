@@ -25,11 +25,11 @@ from ...schema import (
     Layer,
     Manifest,
     Namespace,
+    block_salt,
     iter_tensor_specs,
     validate_manifest,
 )
 from ..local.root import Root
-from ..tenants import block_salt
 from .writer import place, write_blocks
 
 CODEC_PROVIDER = "kvstore-mlx/1"
