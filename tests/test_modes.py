@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -306,3 +307,47 @@ def test_compact_names_a_directory_a_member_left_without_group_write(users: User
                                                "--json"]}])
     assert c["code"] == 0, c
     assert not [p for p in (Path(root) / "blocks").rglob("*") if p.is_file()]
+
+
+_HOLD = """
+import json, os, sys, time
+from pathlib import Path
+from kvstore.index import Index
+u = json.loads(sys.argv[2])  # imported as root (the interpreter may be root's alone)
+os.setgroups(u["groups"]); os.setgid(u["gid"]); os.setuid(u["uid"])
+idx = Index(Path(sys.argv[1]), durable=False, mode=0o660)
+with idx.write():
+    print("ready", flush=True)
+    time.sleep(120)
+"""
+
+
+@root_only
+def test_a_member_holding_the_write_lock_stalls_another_for_a_bounded_time(
+        users: Users, place: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 36, item 4: member A holds the shared root's write lock; member B's compact
+    gives up after $KVSTORE_LOCK_TIMEOUT seconds, one line naming A's process, exit 2."""
+    root = str(place / "shared")
+    (init,) = users.a.run([{"op": "cli", "args": ["--root", root, "init", "--shared-group",
+                                                  users.group, "--block-tokens", "16"]}])
+    assert init["code"] == 0, init
+    a = users.a
+    who = json.dumps({"uid": a.uid, "gid": a.gid, "groups": a.groups})
+    hold = subprocess.Popen([sys.executable, "-c", _HOLD, str(Path(root) / "index"), who],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert hold.stdout is not None and hold.stdout.readline() == "ready\n"
+        monkeypatch.setenv("KVSTORE_LOCK_TIMEOUT", "2")
+        t0 = time.monotonic()
+        (c,) = users.b.run([{"op": "cli", "args": ["--root", root, "compact"]}])
+        assert time.monotonic() - t0 < 90  # a child that imports MLX, then 2 s
+        assert c["code"] == 2 and c["out"] == "" and c["err"].count("\n") == 1, c
+        assert c["err"].startswith(f"kvstore: error: {Path(root) / 'index'}: pid {hold.pid}, "
+                                   f"{sys.executable} -c "), c
+        assert c["err"].endswith(" has held the index's write lock for over 2 s; gave up "
+                                 "waiting ($KVSTORE_LOCK_TIMEOUT sets the wait)\n"), c
+    finally:
+        hold.kill()
+        hold.wait(30)
+    (c,) = users.b.run([{"op": "cli", "args": ["--root", root, "compact"]}])
+    assert c["code"] == 0, c
