@@ -42,6 +42,12 @@ class UnsafeRootError(KVStoreError, OSError):
     """
 
 
+class RootPermissionError(KVStoreError, PermissionError):
+    """A change in one of the root's directories was refused: which directory, whose, its
+    mode and the fix are in the message (a shared root's directory without the group's
+    write bit)."""
+
+
 class IndexLockLostError(KVStoreError, RuntimeError):
     """``index/lock.mdb`` was deleted or replaced while this process had the index open.
 

@@ -9,6 +9,7 @@ msgpack encoding.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Annotated
@@ -19,6 +20,17 @@ from msgspec import Meta, Struct
 from .errors import InvalidNamespaceError, ManifestError
 
 FORMAT_VERSION = 5
+#: A manifest whose blocks carry a salt (a tenant's, docs/FORMAT.md §3 "Salted blocks"):
+#: readers before it refuse the format instead of misreading its block sizes.
+SALTED_FORMAT_VERSION = 6
+SALT_BYTES = 32
+#: The metadata key of a salted manifest's salt (64 hex digits): every block file is its
+#: tensors' bytes then the salt, so a block's name, H(bytes || salt), differs per salt.
+#: In ``metadata`` rather than a field of its own, so that unsalted manifests keep their
+#: exact bytes (and ids).
+SALT_KEY = "kvstore.block_salt"
+#: What a salted tenant's namespace holds (``<ns>#tenant-<tag>``, kvstore.store.tenants)
+TENANT_MARK = "#tenant-"
 
 @dataclass(frozen=True)
 class DType:
@@ -209,6 +221,11 @@ class Manifest(Struct, frozen=True, kw_only=True):
         """Every tensor the entry stores, in block order: the layers', then the attachments'."""
         return iter_tensor_specs(self.layers) + [t for a in self.attachments for t in a.tensors]
 
+    @property
+    def block_salt(self) -> bytes:
+        """The salt every block file of this entry ends with (``b""``: none)."""
+        return bytes.fromhex(self.metadata.get(SALT_KEY, ""))
+
     def all_blocks(self) -> tuple[bytes, ...]:
         """Every block reference in order (token, window, state blocks), repeats kept."""
         return (*self.token_blocks, *self.window_blocks, *self.state_blocks)
@@ -216,6 +233,18 @@ class Manifest(Struct, frozen=True, kw_only=True):
     def block_digests(self) -> list[bytes]:
         """Every block the entry references, once each, token blocks first."""
         return list(dict.fromkeys(bytes(d) for d in self.all_blocks()))
+
+
+def block_salt(namespace: Namespace) -> bytes:
+    """The salt every block of a tenant's entries ends with (docs/FORMAT.md §3, "Salted
+    blocks"): SHA-256 of a domain string and the tenant's namespace; ``b""`` for a
+    namespace that is no tenant's (its blocks are named by their bytes alone, shared by
+    every entry that holds them). So two tenants that store the same prompt write two
+    sets of blocks: neither the names nor the bytes written, nor ``/metrics``, say
+    whether another tenant stored it."""
+    if TENANT_MARK not in namespace.ns:
+        return b""
+    return hashlib.sha256(b"kvstore block salt v1\0" + namespace.ns.encode()).digest()
 
 
 _encoder = msgspec.msgpack.Encoder(order="deterministic")
@@ -453,7 +482,14 @@ def validate_manifest(
     """Check a decoded manifest's every field against its bounds and the other fields:
     a :class:`ManifestError` names the first that is wrong. Nothing is allocated in
     proportion to what the manifest claims before the claim is checked."""
-    _need(m.format == FORMAT_VERSION, f"format {m.format}, expected {FORMAT_VERSION}")
+    if SALT_KEY in m.metadata:
+        salt = m.metadata[SALT_KEY]
+        _need(m.format == SALTED_FORMAT_VERSION, f"format {m.format} with a block salt, "
+              f"expected {SALTED_FORMAT_VERSION}")
+        _need(len(salt) == 2 * SALT_BYTES and all(c in "0123456789abcdef" for c in salt),
+              f"block salt {salt[:80]!r}: {2 * SALT_BYTES} lowercase hex digits expected")
+    else:
+        _need(m.format == FORMAT_VERSION, f"format {m.format}, expected {FORMAT_VERSION}")
     for name in m.namespace.__struct_fields__:
         _text(getattr(m.namespace, name), f"namespace.{name}")
     _text(m.codec, "codec")

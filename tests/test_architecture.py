@@ -47,7 +47,8 @@ INTEGRATION_FORBIDDEN = {"kvstore.cli"}
 #: files of a root are opened by blocks/ alone).
 OPENS_FILES = {
     "kvstore.blocks": "block files and the root's block directories",
-    "kvstore.index": "the LMDB environment",
+    "kvstore.index": "the LMDB environment, its write gate's lock file, /proc/locks",
+    "kvstore.store.local.modes": "the index's files, without following a link, to fchmod",
     "kvstore.formats": "mlx-bun v3/v4/v5 files the user names",
     "kvstore.store.local.filesystem": "/proc/mounts, to name the root's filesystem",
     "kvstore.mlx_lm.gguf": "the GGUF file it converts and the model directory it writes",

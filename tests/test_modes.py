@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,3 +250,104 @@ def test_an_old_world_readable_root_keeps_working_and_verify_notes_it(tmp_path: 
     root.chmod(0o700)  # one private directory on the way is enough
     assert world_readable(root) == []
     assert "note: any user" not in run_here("--root", root, "verify").out
+
+
+@root_only
+@pytest.mark.parametrize("name", ["lock.mdb", "data.mdb"])
+def test_a_member_cannot_make_another_open_or_chmod_a_file_outside_the_root(
+        users: Users, place: Path, name: str) -> None:
+    """Issue 36, item 4: A puts a link to B's private index where the shared root's
+    ``index/lock.mdb`` (or ``data.mdb``) was; B's next command refuses it and leaves its
+    private file as it was (LMDB would have opened it, kvstore chmodded it to 0660)."""
+    shared, private = str(place / "shared"), str(place / "b-private")
+    (init,) = users.a.run([{"op": "cli", "args": ["--root", shared, "init", "--shared-group",
+                                                  users.group, "--block-tokens", "16"]}])
+    assert init["code"] == 0, init
+    users.b.run([{"op": "save", "root": private, "seed": 3, "n": 40}])
+    target = Path(private) / "index" / "data.mdb"
+    before = (stat.S_IMODE(target.stat().st_mode), target.read_bytes())
+    assert before[0] == 0o600
+    link = str(Path(shared) / "index" / name)
+    assert users.a.run([{"op": "link", "path": link, "target": str(target)}]) == ["ok"]
+    (ls,) = users.b.run([{"op": "cli", "args": ["--root", shared, "ls"]}])
+    assert ls == {"code": 2, "out": "", "err": (
+        f"kvstore: error: {link} is a symlink; a root's files must be regular files inside it "
+        "(kvstore never opens or changes what a link in a root points to): remove the link "
+        "(for data.mdb, put the root's own index back)\n")}
+    assert (stat.S_IMODE(target.stat().st_mode), target.read_bytes()) == before
+    # B's private root is still B's alone, and sound
+    (back,) = users.b.run([{"op": "restore", "root": private, "seed": 3, "n": 40}])
+    assert back == {"length": 40, "exact": True}
+
+
+@root_only
+def test_compact_names_a_directory_a_member_left_without_group_write(users: Users,
+                                                                      place: Path) -> None:
+    """Issue 36, item 4: a fan-out directory without the group's write bit (a member's own
+    chmod, or one made by hand) makes another member's compact one line naming it and the
+    fix, exit 2; after the fix, the compact frees the blocks."""
+    root = str(place / "shared")
+    (init,) = users.a.run([{"op": "cli", "args": ["--root", root, "init", "--shared-group",
+                                                  users.group, "--block-tokens", "16"]}])
+    assert init["code"] == 0, init
+    (a1,) = users.a.run([{"op": "save", "root": root, "seed": 1, "n": 40}])
+    fans = sorted(p for p in (Path(root) / "blocks").iterdir() if any(p.iterdir()))
+    fan = str(fans[0])
+    users.a.run([{"op": "chmod", "path": fan, "mode": "2750"},
+                 {"op": "delete", "root": root, "id": a1["id"]}])
+    compact = {"op": "cli", "args": ["--root", root, "compact", "--grace", "0"]}
+    (c,) = users.b.run([compact])
+    assert c["code"] == 2, c
+    assert c["err"] == (
+        f"kvstore: error: {fan}: cannot remove a block: the directory is {users.a.name}'s "
+        f"(group {users.group}), mode 2750, which {users.b.name} cannot write; its owner or "
+        f"an administrator fixes it: chmod 2770 {fan}\n")
+    users.a.run([{"op": "chmod", "path": fan, "mode": "2770"}])
+    (c,) = users.b.run([{"op": "cli", "args": ["--root", root, "compact", "--grace", "0",
+                                               "--json"]}])
+    assert c["code"] == 0, c
+    assert not [p for p in (Path(root) / "blocks").rglob("*") if p.is_file()]
+
+
+_HOLD = """
+import json, os, sys, time
+from pathlib import Path
+from kvstore.index import Index
+u = json.loads(sys.argv[2])  # imported as root (the interpreter may be root's alone)
+os.setgroups(u["groups"]); os.setgid(u["gid"]); os.setuid(u["uid"])
+idx = Index(Path(sys.argv[1]), durable=False, mode=0o660)
+with idx.write():
+    print("ready", flush=True)
+    time.sleep(120)
+"""
+
+
+@root_only
+def test_a_member_holding_the_write_lock_stalls_another_for_a_bounded_time(
+        users: Users, place: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 36, item 4: member A holds the shared root's write lock; member B's compact
+    gives up after $KVSTORE_LOCK_TIMEOUT seconds, one line naming A's process, exit 2."""
+    root = str(place / "shared")
+    (init,) = users.a.run([{"op": "cli", "args": ["--root", root, "init", "--shared-group",
+                                                  users.group, "--block-tokens", "16"]}])
+    assert init["code"] == 0, init
+    a = users.a
+    who = json.dumps({"uid": a.uid, "gid": a.gid, "groups": a.groups})
+    hold = subprocess.Popen([sys.executable, "-c", _HOLD, str(Path(root) / "index"), who],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert hold.stdout is not None and hold.stdout.readline() == "ready\n"
+        monkeypatch.setenv("KVSTORE_LOCK_TIMEOUT", "2")
+        t0 = time.monotonic()
+        (c,) = users.b.run([{"op": "cli", "args": ["--root", root, "compact"]}])
+        assert time.monotonic() - t0 < 90  # a child that imports MLX, then 2 s
+        assert c["code"] == 2 and c["out"] == "" and c["err"].count("\n") == 1, c
+        assert c["err"].startswith(f"kvstore: error: {Path(root) / 'index'}: pid {hold.pid}, "
+                                   f"{sys.executable} -c "), c
+        assert c["err"].endswith(" has held the index's write lock for over 2 s; gave up "
+                                 "waiting ($KVSTORE_LOCK_TIMEOUT sets the wait)\n"), c
+    finally:
+        hold.kill()
+        hold.wait(30)
+    (c,) = users.b.run([{"op": "cli", "args": ["--root", root, "compact"]}])
+    assert c["code"] == 0, c

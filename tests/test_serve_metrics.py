@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.serving import server_process
+from helpers.serving import free_port, server_process
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.tiny import make_tiny_model, sample_text
@@ -31,10 +31,12 @@ class Server:
     port: int
     client: Any
     log: Path
+    metrics_port: int = 0
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Every sample of ``GET /metrics``, parsed by prometheus_client's own parser."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=30) as r:
             assert r.headers["Content-Type"].startswith("text/plain")
             text = r.read().decode()
         out = {}
@@ -45,11 +47,41 @@ class Server:
 
 
 @contextmanager
-def _server(model: Path, root: Path, log: Path) -> Iterator[Server]:
+def _server(model: Path, root: Path, log: Path, *more: str) -> Iterator[Server]:
+    mport = free_port()
     with server_process("kvstore.serve", ["--root", str(root), "--min-tokens", "16",
-                                          "--model", str(model), "--log-level", "INFO"],
+                                          "--model", str(model), "--log-level", "INFO",
+                                          "--metrics-port", str(mport), *more],
                         log) as (port, client):
-        yield Server(port, client, log)
+        yield Server(port, client, log, mport)
+
+
+def _get(port: int, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.mark.slow
+def test_metrics_are_not_on_the_api_port_unless_asked(tmp_path: Path) -> None:
+    """Issue 36, item 5: ``/metrics`` tells whoever reads it what the root holds and
+    writes (a tenant learns what others stored); the API's clients do not get it unless
+    the operator asks (``--metrics-on-api-port``). ``--metrics-port`` serves it apart,
+    on 127.0.0.1 unless told otherwise."""
+    model = make_tiny_model(tmp_path / "model", "llama")
+    with _server(model, tmp_path / "root", tmp_path / "apart.log") as s:
+        assert _get(s.port, "/metrics")[0] == 404
+        assert _get(s.port, "/health")[0] == 200  # the API itself answers
+        code, body = _get(s.metrics_port, "/metrics")
+        assert code == 200 and b"\nkvstore_written_bytes_total " in body
+        assert _get(s.metrics_port, "/v1/models")[0] == 404  # the metrics port: metrics only
+    with server_process("kvstore.serve", ["--root", str(tmp_path / "root"), "--model",
+                                          str(model), "--metrics-on-api-port"],
+                        tmp_path / "api.log") as (port, _):
+        code, body = _get(port, "/metrics")
+        assert code == 200 and b"\nkvstore_written_bytes_total " in body
 
 
 def _ask(server: Server, history: list[dict[str, str]], user: str) -> tuple[int, int]:

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.serving import server_process
+from helpers.serving import free_port, server_process
 
 from kvstore import KVStoreError, Namespace, Store
 from kvstore.mlx_lm.tenants import check_salt
@@ -28,12 +30,65 @@ SALT_C = "tenant-charlie-51e0b9aa"
 
 
 @contextmanager
-def _server(model: Path, root: Path, log: Path) -> Iterator[Any]:
+def _server(model: Path, root: Path, log: Path, *more: str) -> Iterator[Any]:
     env = {k: v for k, v in os.environ.items() if k != SALT_KEY_ENV}
     with server_process("kvstore.serve", ["--root", str(root), "--min-tokens", "16",
-                                          "--defer-seconds", "0", "--model", str(model)],
+                                          "--defer-seconds", "0", "--model", str(model),
+                                          *more],
                         log, env=env) as (_, client):
         yield client
+
+
+def _figures(port: int) -> dict[str, float]:
+    """``kvstore_written_bytes_total`` and the root's physical bytes, from ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "kvstore_written_bytes_total":
+                out["written"] = s.value
+            if s.name == "kvstore_root_bytes" and s.labels == {"kind": "physical"}:
+                out["physical"] = s.value
+    return out
+
+
+@pytest.mark.slow
+def test_a_tenant_learns_nothing_of_what_another_stored(tmp_path: Path) -> None:
+    """Issue 36, item 5: tenant B sends the prompt tenant A stored, under its own salt.
+    Its blocks are its own (salted), so the server writes every byte of them again: the
+    bytes written and the root's bytes move as for a prompt nobody sent (they stayed at
+    0 B when blocks were shared across tenants)."""
+    model = make_tiny_model(tmp_path / "model", "llama")
+    mport = free_port()
+    system, q = sample_text(400, seed=21), "What did I just say?"
+    with _server(model, tmp_path / "root", tmp_path / "serve.log",
+                 "--metrics-port", str(mport)) as client:
+        f0 = _figures(mport)
+        assert _ask(client, system, q, SALT_A) == 0
+        f1 = _wait_written(mport, f0["written"])
+        assert _ask(client, system, q, SALT_B) == 0
+        f2 = _wait_written(mport, f1["written"])
+        fresh = sample_text(400, seed=22)  # text nobody sent, for comparison
+        assert _ask(client, fresh, q, SALT_C) == 0
+        f3 = _wait_written(mport, f2["written"])
+    a, b, new = (f1["written"] - f0["written"], f2["written"] - f1["written"],
+                 f3["written"] - f2["written"])
+    assert a > 100_000 and b == a and abs(new - a) <= a // 10, (a, b, new)
+    assert f2["physical"] - f1["physical"] == f1["physical"] - f0["physical"]
+
+
+def _wait_written(port: int, before: float) -> dict[str, float]:
+    """The figures once a save after ``before`` is written (saves are in the background)."""
+    deadline = time.monotonic() + 60
+    while True:
+        f = _figures(port)
+        if f["written"] > before or time.monotonic() > deadline:
+            time.sleep(0.5)  # the save's last blocks
+            return _figures(port)
+        time.sleep(0.1)
 
 
 def _ask(client: Any, system: str, user: str, salt: str | None) -> int:
@@ -126,6 +181,23 @@ def test_a_bad_cache_salt_is_a_400_answer(tmp_path: Path) -> None:
             assert e.value.response.json() == {
                 "error": "cache_salt must be a non-empty string of at most 4096 bytes"}
         assert _ask(client, "You are terse.", "Hi", "ok") == 0  # the server still answers
+        # `null` is no salt (docs/CLI.md): it shares the unsalted requests' entries, and
+        # not a salted one's
+        system = sample_text(200, seed=5)
+        assert _ask(client, system, "Hi", None) == 0
+        unsalted = _ask(client, system, "Hi", None)
+        assert unsalted > 0
+
+        def null_salt() -> int:
+            r = client.chat.completions.create(
+                model="default_model", temperature=0.0, max_tokens=4,
+                extra_body={"cache_salt": None},
+                messages=[{"role": "system", "content": system},
+                          {"role": "user", "content": "Hi"}])
+            return int(r.usage.prompt_tokens_details.cached_tokens or 0)
+
+        assert null_salt() == unsalted
+        assert _ask(client, system, "Hi", SALT_C) == 0
 
 
 def test_salt_tags_are_keyed_and_namespaces_distinct(tmp_path: Path,

@@ -23,6 +23,7 @@ from .._vio import full_fsync, pwritev_all
 from ..errors import (
     BlockNotFoundError,
     CorruptBlockError,
+    RootPermissionError,
     StoreFullError,
     UnsafeRootError,
 )
@@ -184,7 +185,7 @@ class LocalBlockStore(base.BlockStore):
 
     def sync_staged(self, staged: base.Staged) -> None:
         """fsync a temp file staged without ``sync``."""
-        fd = os.open(staged.path, os.O_RDONLY)
+        fd = os.open(staged.path, _OPEN_FLAGS)
         try:
             full_fsync(fd)
         finally:
@@ -228,8 +229,12 @@ class LocalBlockStore(base.BlockStore):
             self._mkdir(os.path.dirname(path))
             with contextlib.suppress(FileExistsError):
                 os.mkdir(path, self.dir_mode)
-        if self._group_bits:
-            os.chmod(path, self.dir_mode)
+        if self._group_bits:  # through a descriptor: never chmod what a link points at
+            fd = open_real_dir(Path(path))
+            try:
+                os.fchmod(fd, self.dir_mode)
+            finally:
+                os.close(fd)
 
     def discard(self, staged: base.Staged) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -241,7 +246,7 @@ class LocalBlockStore(base.BlockStore):
         if not self.durable:
             return
         for d in sorted({os.path.dirname(self._path(d)) for d in digests}):
-            fd = os.open(d, os.O_RDONLY)
+            fd = open_real_dir(Path(d))
             try:
                 full_fsync(fd)
             finally:
@@ -389,6 +394,8 @@ class LocalBlockStore(base.BlockStore):
             return False
         except IsADirectoryError:
             return self.quarantine(digest) is not None
+        except PermissionError:
+            raise denied(os.path.dirname(self._path(digest)), "remove a block") from None
 
     def quarantine(self, digest: bytes) -> str | None:
         """Move a (corrupt) block aside into ``quarantine/``; None when it was gone.
@@ -410,6 +417,9 @@ class LocalBlockStore(base.BlockStore):
                     return str(self.quarantine_dir / name)
                 except FileNotFoundError:
                     return None
+                except PermissionError:
+                    raise denied(os.path.dirname(self._path(digest)),
+                                 "move a block to quarantine/") from None
                 except OSError as e:  # a directory on one side of the rename, not both
                     if e.errno not in (errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST):
                         raise
@@ -428,7 +438,7 @@ class LocalBlockStore(base.BlockStore):
 
     def stat(self, digest: bytes) -> base.BlockStat | None:
         try:
-            st = os.stat(self._path(digest))
+            st = os.lstat(self._path(digest))  # a link's own age, never its target's
         except FileNotFoundError:
             return None
         return base.BlockStat(st.st_size, st.st_mtime)
@@ -471,6 +481,32 @@ class LocalBlockStore(base.BlockStore):
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+
+
+def denied(directory: str | Path, what: str) -> RootPermissionError:
+    """The error of a change refused in one of the root's directories: which directory,
+    whose it is, its mode, and the fix (a shared root's directories are 2770: a member's
+    umask or a hand-made directory can leave one without the group's write bit)."""
+    try:
+        st = os.stat(directory)
+    except OSError as e:
+        return RootPermissionError(f"{directory}: cannot {what}: {e.strerror or e}")
+    import grp
+    import pwd
+
+    def name(get: Callable[[int], object], n: int) -> str:
+        try:
+            return str(get(n)[0])  # type: ignore[index]
+        except KeyError:
+            return str(n)
+
+    owner, group = name(pwd.getpwuid, st.st_uid), name(grp.getgrgid, st.st_gid)
+    me = name(pwd.getpwuid, os.geteuid())
+    mode = stat.S_IMODE(st.st_mode)
+    fix = (f"chmod 2770 {directory}" if mode & stat.S_ISGID else f"chmod u+rwx {directory}")
+    return RootPermissionError(
+        f"{directory}: cannot {what}: the directory is {owner}'s (group {group}), mode "
+        f"{mode:04o}, which {me} cannot write; its owner or an administrator fixes it: {fix}")
 
 
 def open_real_dir(path: Path) -> int:

@@ -12,14 +12,22 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
-from pathlib import Path
+import stat
 
 from ..errors import KVStoreError, ManifestError
 
 ENV_KEY = "KVSTORE_SIGNING_KEY"
 ENV_KEY_FILE = "KVSTORE_SIGNING_KEY_FILE"
 MIN_KEY_BYTES = 16
+#: A key file is read up to this many bytes (a key is a line; more is not a key file).
+MAX_KEY_FILE_BYTES = 4096
+#: A key with fewer distinct byte values than this is a pattern, not a key: all one
+#: byte, ``abab...``; 16 random hex digits have fewer with a chance below 1e-8.
+MIN_DISTINCT_BYTES = 4
+_HINT = "(e.g. `openssl rand -hex 32`)"
+_log = logging.getLogger(__name__)
 SCHEME = "hmac-sha256-v1"  # the tag's value is ``<SCHEME>:<64 hex>``
 _DOMAIN = b"kvstore manifest " + SCHEME.encode()
 _PRIO_DOMAIN = b"kvstore priority " + SCHEME.encode()
@@ -46,14 +54,61 @@ def _key_bytes(value: bytes | str, what: str) -> bytes:
     key = value.encode() if isinstance(value, str) else bytes(value)
     if len(key) < MIN_KEY_BYTES:
         raise SigningKeyError(f"{what} is {len(key)} bytes: a signing key needs at least "
-                              f"{MIN_KEY_BYTES} (e.g. `openssl rand -hex 32`)")
+                              f"{MIN_KEY_BYTES} {_HINT}")
+    if not key.strip():
+        raise SigningKeyError(f"{what} is only whitespace: not a signing key {_HINT}")
+    distinct = len(set(key))
+    if distinct < MIN_DISTINCT_BYTES:
+        raise SigningKeyError(f"{what} has {distinct} distinct byte value"
+                              f"{'' if distinct == 1 else 's'}: too little entropy for a "
+                              f"signing key, which needs at least {MIN_DISTINCT_BYTES} {_HINT}")
     return key
+
+
+def _read_key_file(path: str) -> bytes:
+    """The bytes of the key file ``path``: a regular file (a FIFO or a device is refused
+    without blocking on it), that neither its group nor others can write (they could choose
+    the key: refused) nor others read (a warning, as ssh gives), at most
+    ``MAX_KEY_FILE_BYTES`` long."""
+    where = f"${ENV_KEY_FILE}: {path}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise SigningKeyError(f"{where}: cannot read it: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SigningKeyError(f"{where} is not a regular file: a key file must be one")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o022:
+            who = "others" if mode & 0o002 else "its group"
+            raise SigningKeyError(f"{where} is mode {mode:04o}: {who} can write it, and so "
+                                  f"choose the key; refused (chmod 600 {path})")
+        if mode & 0o004:
+            _log.warning("kvstore: %s is mode %04o: others can read the signing key "
+                         "(chmod 600 %s)", where, mode, path)
+        raw = b""
+        while len(raw) <= MAX_KEY_FILE_BYTES:
+            chunk = os.read(fd, MAX_KEY_FILE_BYTES + 1 - len(raw))
+            if not chunk:
+                break
+            raw += chunk
+    except OSError as e:
+        raise SigningKeyError(f"{where}: cannot read it: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_KEY_FILE_BYTES:
+        raise SigningKeyError(f"{where} is over {MAX_KEY_FILE_BYTES} bytes: a key file holds "
+                              "one key")
+    return raw
 
 
 def signing_key(value: bytes | str | None = None) -> bytes | None:
     """The key to sign and check manifests with: ``value`` (``""``: none), else the
     environment's (``$KVSTORE_SIGNING_KEY``'s text, or the bytes of the file
-    ``$KVSTORE_SIGNING_KEY_FILE`` names, one trailing newline dropped), else None."""
+    ``$KVSTORE_SIGNING_KEY_FILE`` names, one trailing newline dropped: :func:`_read_key_file`
+    says which files are refused), else None. A key shorter than ``MIN_KEY_BYTES``, only
+    whitespace, or of fewer than ``MIN_DISTINCT_BYTES`` distinct bytes is refused."""
     if value is not None:
         return _key_bytes(value, "the signing key") if value else None
     text, path = os.environ.get(ENV_KEY, ""), os.environ.get(ENV_KEY_FILE, "")
@@ -63,11 +118,7 @@ def signing_key(value: bytes | str | None = None) -> bytes | None:
         return _key_bytes(text, f"${ENV_KEY}")
     if not path:
         return None
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise SigningKeyError(f"${ENV_KEY_FILE}: cannot read {path}: {e.strerror or e}"
-                              ) from None
+    raw = _read_key_file(path)
     if raw.endswith(b"\n"):
         raw = raw[:-1].removesuffix(b"\r")
     return _key_bytes(raw, f"the key file {path}")

@@ -116,7 +116,8 @@ def build_forest(items: Iterable[tuple[Entry, Manifest]]) -> list[NamespaceTree]
             child = node.children.get(d)
             if child is None:
                 rows = min(m.n_tokens - b * m.block_tokens, m.block_tokens)
-                child = node.children[d] = _Node(rows, sizes[b] if b < len(sizes) else 0)
+                size = sizes[b] + len(m.block_salt) if b < len(sizes) else 0
+                child = node.children[d] = _Node(rows, size)
                 t.stored += child.size
             t.referenced += child.size
             child.entries.append(e.id)

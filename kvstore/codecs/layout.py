@@ -177,7 +177,9 @@ def manifest_blocks(m: Manifest) -> dict[bytes, int]:
             f"token+window+state blocks, its tensors need {len(tok)}+{len(win)}+{len(state)}"
         )
     out: dict[bytes, int] = {}
+    salt = len(m.block_salt)  # each file ends with it (docs/FORMAT.md §3, "Salted blocks")
     for d, size in zip(m.all_blocks(), (*tok, *win, *state), strict=True):
+        size += salt
         if out.setdefault(bytes(d), size) != size:
             raise ManifestError(f"block {bytes(d).hex()} listed with two sizes")
     return out

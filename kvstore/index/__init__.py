@@ -1,5 +1,6 @@
 """The LMDB index: manifests, prefix keys, refcounts, stats. The only code that imports lmdb."""
 
+from .errors import IndexBusyError
 from .lmdb_index import DEFAULT_MAP_SIZE, Index
 from .records import DeletePlan, EntryRecord, RefInfo, SavePlan, Totals, now_ms
 from .traced import IndexRead
@@ -9,6 +10,7 @@ __all__ = [
     "DeletePlan",
     "EntryRecord",
     "Index",
+    "IndexBusyError",
     "IndexRead",
     "RefInfo",
     "SavePlan",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 import lmdb
 
+from ._gate import WriteGate
 from .errors import IndexStoreError
 
 _lock = threading.Lock()
@@ -17,6 +19,8 @@ _ENVS: dict[str, tuple[int, lmdb.Environment, int, tuple[int, int] | None]] = {}
 # path -> its named databases, opened once with the environment (see _open_dbs)
 _DBS: dict[str, dict[str, Any]] = {}
 _DB_NAMES = ("manifests", "prefix", "exact", "refs", "entries", "meta")
+# path -> the write gate of its environment (None: read-only), shared like the environment
+_GATES: dict[str, WriteGate | None] = {}
 # Environments inherited across fork, by path. A child must not use them, and py-lmdb
 # refuses to open the same files twice in one process, so the child closes the
 # inherited one and opens its own. The close must come first: closing any fd of
@@ -35,6 +39,7 @@ def _after_fork_in_child() -> None:
     _INHERITED.update((key, held[1]) for key, held in _ENVS.items())
     _ENVS.clear()
     _DBS.clear()
+    _GATES.clear()  # the child opens its own lock file: a flock is shared across a fork
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -65,8 +70,9 @@ def _open_dbs(env: lmdb.Environment, readonly: bool) -> dict[str, Any]:
 
 
 def open_env(
-    path: Path, *, durable: bool, map_size: int, readonly: bool, mode: int = 0o600
-) -> tuple[lmdb.Environment, tuple[int, int] | None, dict[str, Any]]:
+    path: Path, *, durable: bool, map_size: int, readonly: bool, mode: int = 0o600,
+    timeout: float = 60.0,
+) -> tuple[lmdb.Environment, tuple[int, int] | None, dict[str, Any], WriteGate | None]:
     key = str(path.resolve())
     with _lock:
         pid = os.getpid()
@@ -77,7 +83,7 @@ def open_env(
                     f"{path}: already open read-only in this process; close those stores first"
                 )
             _ENVS[key] = (pid, held[1], held[2] + 1, held[3])
-            return held[1], held[3], _DBS[key]
+            return held[1], held[3], _DBS[key], _GATES.get(key)
         inherited = _INHERITED.pop(key, None)
         if inherited is not None:
             inherited.close()  # before this process takes any lock on lock.mdb
@@ -96,15 +102,33 @@ def open_env(
             create=not readonly,
         )
         env.reader_check()  # clear reader slots of dead processes
+        gate = None if readonly else WriteGate(path, env, mode, shared=bool(mode & 0o070))
         try:
-            dbs = _open_dbs(env, readonly)
+            if gate is not None:  # opening the databases is a write transaction
+                gate.acquire(timeout)
+            try:
+                dbs = _open_dbs(env, readonly)
+            finally:
+                if gate is not None:
+                    gate.release()
         except BaseException:
-            env.close()
+            _close(env, gate)
             raise
         ident = lock_identity(path)
         _ENVS[key] = (pid, env, 1, ident)
         _DBS[key] = dbs
-        return env, ident, dbs
+        _GATES[key] = gate
+        return env, ident, dbs, gate
+
+
+def _close(env: lmdb.Environment, gate: WriteGate | None) -> None:
+    """Close ``env``, unless a probe of its gate still waits inside LMDB for the writer
+    mutex another process holds: closing it then would hang (or free what that thread
+    uses), so it is left open, and never freed, for the process's life."""
+    if gate is not None and gate.close():
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(env))
+        return
+    env.close()
 
 
 def close_env(path: Path) -> None:
@@ -118,4 +142,4 @@ def close_env(path: Path) -> None:
             return
         del _ENVS[key]
         _DBS.pop(key, None)
-        held[1].close()
+        _close(held[1], _GATES.pop(key, None))

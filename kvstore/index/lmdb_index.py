@@ -17,6 +17,7 @@ import lmdb
 
 from ..errors import IndexLockLostError, ReadOnlyStoreError, StoreFullError
 from ._env import close_env, lock_identity, open_env
+from ._gate import WriteGate, default_timeout
 from .errors import IndexStoreError
 from .records import (
     DeletePlan,
@@ -47,10 +48,15 @@ class Index:
         map_size: int = DEFAULT_MAP_SIZE,
         readonly: bool = False,
         mode: int = 0o600,
+        lock_timeout: float | None = None,
     ) -> None:
         self.path = path
         self.readonly = readonly
-        self._opts = dict(durable=durable, map_size=map_size, readonly=readonly, mode=mode)
+        #: How long a write waits for the index's write lock (``$KVSTORE_LOCK_TIMEOUT``)
+        self.lock_timeout = default_timeout() if lock_timeout is None else lock_timeout
+        self._opts = dict(durable=durable, map_size=map_size, readonly=readonly, mode=mode,
+                          timeout=self.lock_timeout)
+        self._gate: WriteGate | None = None
         self._lock_id: tuple[int, int] | None = None
         self._pid = -1
         self._env: lmdb.Environment | None = None
@@ -62,7 +68,7 @@ class Index:
             return self._env
         self._env = None  # inherited from the parent, if set: open_env closes it
         try:
-            env, self._lock_id, self._dbs = open_env(
+            env, self._lock_id, self._dbs, self._gate = open_env(
                 self.path, **self._opts  # type: ignore[arg-type]
             )
         except lmdb.Error as e:
@@ -119,8 +125,15 @@ class Index:
         """One write transaction; aborted (nothing visible) on any exception.
 
         A full map or a full disk is a :class:`StoreFullError`; LMDB aborts the
-        transaction, so the index stays as it was before it.
+        transaction, so the index stays as it was before it. The write lock is waited
+        for ``lock_timeout`` seconds at most (:mod:`kvstore.index._gate`), then an
+        :class:`IndexBusyError` naming its holder.
         """
+        self._ensure()
+        self._check_writable()
+        gate = self._gate
+        if gate is not None:
+            gate.acquire(self.lock_timeout)
         try:
             with self._begin(write=True) as txn:
                 yield txn
@@ -134,6 +147,9 @@ class Index:
             if "quota" in str(e).lower():
                 raise StoreFullError(f"{self.path}: disk quota exceeded: {e}") from e
             raise IndexStoreError(f"{self.path}: {e}") from e
+        finally:
+            if gate is not None:
+                gate.release()
 
     @contextmanager
     def traced_read(self) -> Iterator[TracedTxn]:

@@ -84,6 +84,37 @@ class ServeMetrics(CacheObserver):
 
         return run
 
+    def serve_apart(self, host: str, port: int) -> Any:
+        """An HTTP server of its own answering ``GET /metrics`` at ``host:port`` (every
+        other path a 404), serving in a daemon thread; ``shutdown()`` and
+        ``server_close()`` it when done. ``port`` 0 picks a free one
+        (``server_address``)."""
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        metrics = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if urlsplit(self.path).path != "/metrics":
+                    self.send_error(404)
+                    return
+                body, content_type = metrics.exposition(self.headers.get("Accept"))
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                pass  # a scrape every few seconds is not news
+
+        httpd = ThreadingHTTPServer((host, port), Handler)
+        httpd.daemon_threads = True
+        threading.Thread(target=httpd.serve_forever, name="kvstore-metrics",
+                         daemon=True).start()
+        return httpd
+
     def handler(self, base: type[Any]) -> type[Any]:
         """``base`` (mlx-lm's ``APIHandler``) answering ``GET /metrics`` too."""
         metrics = self

@@ -171,12 +171,51 @@ def _parser() -> argparse.ArgumentParser:
         f"(default: {DEFAULT_DEFER_SECONDS:g})",
     )
     g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve GET /metrics (Prometheus) on this port of --metrics-host, apart from "
+        "the API (default: not served; its totals are every tenant's, and the root's)",
+    )
+    g.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="the address --metrics-port listens on (default: 127.0.0.1)",
+    )
+    g.add_argument(
+        "--metrics-on-api-port",
+        action="store_true",
+        help="also answer GET /metrics on the API's own host and port, to every client of "
+        "the API",
+    )
+    g.add_argument(
         "--no-reuse-prefix",
         action="store_true",
         help="hash every block of every save instead of referencing the blocks a stored "
         "entry holds for the same leading tokens",
     )
     return p
+
+
+@contextlib.contextmanager
+def _metrics_apart(metrics: ServeMetrics, host: str, port: int | None) -> Iterator[None]:
+    """``GET /metrics`` on ``host:port``, apart from the API, for the duration of the
+    block (nothing when ``port`` is None)."""
+    if port is None:
+        yield
+        return
+    try:
+        httpd = metrics.serve_apart(host, port)
+    except OSError as e:
+        raise ServeError(f"--metrics-port: cannot listen on {host}:{port}: "
+                         f"{e.strerror or e}") from None
+    try:
+        yield
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 @contextlib.contextmanager
@@ -626,6 +665,8 @@ def _serve(argv: list[str]) -> int:
     if not ours.remote_deadline > 0:
         raise ServeError(f"--remote-deadline must be > 0, got {ours.remote_deadline:g}")
     asked = None
+    if ours.metrics_port is not None and not 0 < ours.metrics_port < 65536:
+        raise ServeError(f"--metrics-port must be 1 to 65535, got {ours.metrics_port}")
     if "-h" not in rest and "--help" not in rest:
         asked = mlx_lm_options(server, rest).model
         if asked is None:
@@ -672,13 +713,17 @@ def _serve(argv: list[str]) -> int:
                                        ours.checkpoint_every, store.block_tokens)
         serving = Serving(asked or "", _option(rest, "--model") or "", ours.checkpoint_every,
                           store.block_tokens)
+        run_http = server._run_http_server  # /metrics on the API port only when asked
+        if ours.metrics_on_api_port:
+            run_http = metrics.run_http_server(run_http)
         try:
             with (
+                _metrics_apart(metrics, ours.metrics_host, ours.metrics_port),
                 _swapped(server, "LRUPromptCache", factory),
                 _swapped(server.ResponseGenerator, "_tokenize", tokenize),
                 _swapped(server, "ModelProvider", serving_provider(server.ModelProvider, serving)),
                 _swapped(server, "_run_http_server", _stopping_on_error(serving_run(
-                    metrics.run_http_server(server._run_http_server), serving,
+                    run_http, serving,
                     serving_handler(server.APIHandler, serving), store.root))),
                 _swapped(server, "scan_cache_dir",
                          _hub_scan_or_none(getattr(server, "scan_cache_dir"))),  # noqa: B009

@@ -5,8 +5,9 @@ every other salt's, and from requests without one.
 mlx-lm's server calls its prompt cache from one generation thread with a model key
 that knows nothing of the request, so the salt travels with the request instead:
 
-1. the handler checks the field (a non-empty string of at most 4 KiB; anything else
-   is a 400 answer) as mlx-lm checks its own parameters, in the handler's thread;
+1. the handler checks the field (a non-empty string of at most 4 KiB; absent or
+   ``null`` is no salt, as in vLLM; anything else is a 400 answer) as mlx-lm checks its
+   own parameters, in the handler's thread;
 2. ``ResponseGenerator.generate``, called next in that thread, makes the request's
    model description one that compares equal only to the same model *and* salt:
    mlx-lm adds a request to the running batch only when its model description equals
@@ -38,7 +39,8 @@ _request = threading.local()  # the salt of the request the handler's thread ser
 
 
 def check_salt(value: object) -> str | None:
-    """The request's salt (None when absent); ValueError when it is not a usable one."""
+    """The request's salt (None when absent or ``null``: no salt); ValueError when it is not
+    a usable one."""
     if value is None:
         return None
     if not isinstance(value, str) or not value \

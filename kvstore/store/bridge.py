@@ -45,7 +45,7 @@ from ..catalog.records import PRIORITIES, Priority
 from ..formats.errors import FileFormatError
 from ..formats.v3 import load_v3, save_v3
 from ..formats.v5file import DEFAULT_BLOCK_BYTES, save_v5
-from ..schema import Manifest, Namespace
+from ..schema import SALT_KEY, Manifest, Namespace
 
 __all__ = [
     "BLOCK_BYTES_KEY",
@@ -156,7 +156,8 @@ def write_file(
         raise ValueError(f"format must be 'v3' or 'v5', not {format!r}")
     ns = None if m.metadata.get(IDENTITY_KEY) == "none" else m.namespace
     created_at = _created_at(m.metadata, m.created_at)
-    meta = {k: v for k, v in m.metadata.items() if not k.startswith(_OWN_PREFIX)}
+    meta = {k: v for k, v in m.metadata.items()  # the salt is the store's, not the file's
+            if not k.startswith(_OWN_PREFIX) and k != SALT_KEY}
     out = Path(path)
     if format == "v3":
         save_v3(

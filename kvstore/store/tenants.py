@@ -18,12 +18,13 @@ import secrets
 from typing import TYPE_CHECKING
 
 from ..errors import KVStoreError
-from ..schema import Namespace
+from ..schema import TENANT_MARK, Namespace, block_salt
 
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["SALT_KEY_ENV", "MAX_SALT_BYTES", "salt_tag", "tenant_key", "tenant_namespace"]
+__all__ = ["SALT_KEY_ENV", "MAX_SALT_BYTES", "block_salt", "salt_tag", "tenant_key",
+           "tenant_namespace"]  # block_salt: kvstore.schema's, re-exported
 
 SALT_KEY_ENV = "KVSTORE_SALT_KEY"
 MAX_SALT_BYTES = 4096
@@ -60,4 +61,4 @@ def tenant_namespace(namespace: Namespace, tag: str) -> Namespace:
     return Namespace(model_id=namespace.model_id,
                      config_fingerprint=namespace.config_fingerprint,
                      tokenizer_hash=namespace.tokenizer_hash,
-                     ns=f"{namespace.ns}#tenant-{tag}")
+                     ns=f"{namespace.ns}{TENANT_MARK}{tag}")

@@ -57,7 +57,8 @@ class Server:
 
 @contextmanager
 def _server(args: list[str], log: Path, endpoint: str) -> Iterator[Server]:
-    with server_process("kvstore.serve", [*args, "--log-level", "INFO"], log,
+    with server_process("kvstore.serve", [*args, "--log-level", "INFO",
+                                          "--metrics-on-api-port"], log,
                         env={**os.environ, "AWS_ENDPOINT_URL": endpoint},
                         stop_timeout=90) as (port, client):
         yield Server(port, client)

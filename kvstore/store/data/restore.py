@@ -75,13 +75,17 @@ def _read_once(
             )
             win_sizes = window_block_sizes(specs, m.n_tokens, m.block_tokens)
             n_read = n_token_blocks(length, m.block_tokens) if m.token_blocks else 0
-            needed = list(zip(m.token_blocks[:n_read], tok_sizes[:n_read], strict=True))
-            needed += list(zip(m.window_blocks, win_sizes, strict=True))
-            needed += list(zip(m.state_blocks, state_sizes, strict=True))
+            salt = len(m.block_salt)  # after each block's tensors: in its size and digest
+            needed = [(d, size + salt) for d, size in
+                      zip(m.token_blocks[:n_read], tok_sizes[:n_read], strict=True)]
+            needed += [(d, size + salt) for d, size in zip(m.window_blocks, win_sizes,
+                                                           strict=True)]
+            needed += [(d, size + salt) for d, size in zip(m.state_blocks, state_sizes,
+                                                           strict=True)]
             files = _BlockFiles(root.blocks, needed)
             files.open_window(0, reader.FD_WINDOW)
             files.raise_failure()
-        check = BlockCheck(root.settings.hash, needed, hashing=verify)
+        check = BlockCheck(root.settings.hash, needed, hashing=verify, tail=m.block_salt)
         cache, atts = _materialize(m, length, n_read, files, check)
         files.raise_failure()
         bad = check.bad()

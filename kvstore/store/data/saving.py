@@ -17,11 +17,15 @@ from ...codecs.layout import in_token_blocks
 from ...errors import CacheMismatchError, ManifestError
 from ...index import now_ms
 from ...schema import (
+    FORMAT_VERSION,
     MAX_TOKENS,
+    SALT_KEY,
+    SALTED_FORMAT_VERSION,
     Attachment,
     Layer,
     Manifest,
     Namespace,
+    block_salt,
     iter_tensor_specs,
     validate_manifest,
 )
@@ -58,6 +62,8 @@ def check_args(cache: Sequence[Any], metadata: dict[str, str] | None, priority: 
     meta = dict(metadata or {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise TypeError("metadata must map str to str")
+    if SALT_KEY in meta:
+        raise ValueError(f"metadata key {SALT_KEY!r} is the store's own")
     return meta
 
 
@@ -88,6 +94,11 @@ def draft(
     snaps += [_attachment_snapshot(a) for a in attachments]
     n_layers = len(cache)
     layers, blockset = place(snaps, n, T, s.state_block_bytes)
+    salt = block_salt(ns)
+    if salt:  # a tenant's: every block ends with its salt, so its names are the tenant's
+        for block in (*blockset.token_pieces, *blockset.window_pieces,
+                      *blockset.state_pieces):
+            block.append(memoryview(salt))
     known = reusable_prefix(root, tk, layers[:n_layers]) if reuse_prefix else []
     new_bytes = write_blocks(root.blocks, blockset, known)
     manifest = Manifest(
@@ -108,7 +119,8 @@ def draft(
             Attachment(schema=a.schema, metadata=a.metadata, tensors=layer.tensors)
             for a, layer in zip(attachments, layers[n_layers:], strict=True)
         ),
-        metadata=meta,
+        metadata={**meta, SALT_KEY: salt.hex()} if salt else meta,
+        format=SALTED_FORMAT_VERSION if salt else FORMAT_VERSION,
     )
     # what every reader will check (an import's file included): refused now, not at restore
     validate_manifest(manifest, hash=s.hash, block_tokens=T,

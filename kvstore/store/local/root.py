@@ -24,6 +24,7 @@ from .filesystem import check_filesystem
 from .modes import (
     PRIVATE,
     RootModes,
+    check_index_files,
     fix_file,
     group_id,
     group_name,
@@ -259,9 +260,18 @@ def open_root(
     kwargs: dict[str, Any] = {"durable": durable, "readonly": read_only, "mode": modes.files}
     if map_size is not None:
         kwargs["map_size"] = map_size
+    # LMDB opens both files by name, following links: a member of a shared root could put
+    # a link to another member's file there. Checked before, and again once opened (a link
+    # put in place meanwhile is refused, the environment closed unused)
+    check_index_files(idx_dir, modes)
     index = Index(idx_dir, **kwargs)
-    for name in ("data.mdb", "lock.mdb"):  # LMDB made them less what the umask took
-        fix_file(idx_dir / name, modes)
+    try:
+        check_index_files(idx_dir, modes)
+        for name in ("data.mdb", "lock.mdb"):  # LMDB made them less what the umask took
+            fix_file(idx_dir / name, modes)
+    except BaseException:
+        index.close()
+        raise
     try:
         raw = index.get_meta(b"settings")
         if raw is None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..._crash import crash_point
 from ...blocks import open_real_dir
+from ...blocks.local import denied
 from ..local.root import Root
 
 TMP_MAX_AGE = 24 * 3600.0  # a temp file this old is stale even if its pid looks alive
@@ -162,6 +163,8 @@ def unlink_tmp(root: Root, names: list[str]) -> tuple[int, int]:
                 os.unlink(name, dir_fd=dfd)
             except FileNotFoundError:
                 continue
+            except PermissionError:
+                raise denied(root.blocks.tmp_dir, "remove a temp file") from None
             n, size = n + 1, size + st.st_size
     finally:
         os.close(dfd)
