@@ -422,29 +422,6 @@ def plan_budget(root: Root, max_bytes: int, *, grace: float) -> CompactPlan:
                        zeroed, [(d, r) for d, r in zero if r.zero_since <= cutoff], [], [], {})
 
 
-def compact(
-    root: Root,
-    *,
-    max_bytes: int | None = None,
-    namespace_max_bytes: int | None = None,
-    grace: float = DEFAULT_GRACE,
-    dry_run: bool = False,
-    progress: Progress | None = None,
-) -> CompactReport:
-    """Evict above the budgets, then delete expired garbage: zero-ref blocks, orphans, temps.
-
-    ``grace`` (seconds) protects zero-refcount blocks, orphan block files and
-    temp files younger than it. ``namespace_max_bytes`` applies to each
-    namespace separately. With ``dry_run`` nothing is written: the report is the
-    plan's (:func:`plan_compact`).
-    """
-    plan = plan_compact(
-        root, max_bytes=max_bytes, namespace_max_bytes=namespace_max_bytes, grace=grace
-    )
-    plan.progress = progress
-    return plan.report() if dry_run else plan.execute()
-
-
 # --- sweeping ------------------------------------------------------------------------------
 
 
@@ -472,7 +449,6 @@ __all__ = [
     "CompactPlan",
     "CompactReport",
     "EvictionOrder",
-    "compact",
     "plan_budget",
     "plan_compact",
     "plan_evictions",
