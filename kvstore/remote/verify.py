@@ -11,7 +11,10 @@ name it is good and that manifest lies (``lying``); else it is corrupt. ``repair
 (under the GC lease, as it deletes) drops each entry that is bad, lies about a block's
 size, or needs a missing or corrupt block (its markers first, then its manifest), the
 markers that name no manifest, and the corrupt blocks; never a good block, nor another
-entry because of a lying one.
+entry because of a lying one. The repair is a plan (:func:`plan_repair`, as the
+root's): its report is ``--repair --dry-run``'s, and its execution removes what it planned
+through ``RemoteCatalog.remove_many`` and ``S3BlockStore.delete_many``, once, counting only
+what was still there.
 The remote keeps no cut-back entries: a machine that had the entry can push a
 shorter one again.
 
