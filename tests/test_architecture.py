@@ -8,40 +8,55 @@ inside the package that holds it.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "kvstore"
 TOOLS = PKG.parent / "tools"
 
-#: What each tier may import of kvstore (docs/ARCHITECTURE.md).
-#: A module of a tier may always import its own tier.
-BASE = {"kvstore.errors", "kvstore._wyhash", "kvstore._vio", "kvstore._crash"}
+#: What each part of kvstore may import of kvstore: the "May import (of kvstore)" column of
+#: docs/ARCHITECTURE.md's table, word for word (test_the_doc_states_these_lists checks it).
+#: A name ending in ``/`` is a package and every module in it; any other name is that module
+#: alone (for a package, its ``__init__``: ``store`` is the names ``kvstore.store`` exports,
+#: not its modules); ``kvstore`` is ``import kvstore``. A part may always import itself.
 TIERS: dict[str, set[str]] = {
     "kvstore.errors": set(),
-    "kvstore._vio": {"kvstore.errors"},
+    "kvstore._vio": {"errors"},
     "kvstore._crash": set(),
-    "kvstore.schema": BASE,
-    "kvstore.blocks": BASE,
-    "kvstore.index": BASE,
-    "kvstore.codecs": BASE | {"kvstore.schema"},
-    "kvstore.formats": BASE | {"kvstore.schema", "kvstore.codecs"},
-    "kvstore.catalog": BASE | {"kvstore.schema", "kvstore.blocks", "kvstore.codecs"},
-    "kvstore.remote": BASE | {"kvstore.schema", "kvstore.blocks", "kvstore.codecs",
-                              "kvstore.catalog"},
-    "kvstore.store": BASE
-    | {"kvstore.schema", "kvstore.blocks", "kvstore.index", "kvstore.codecs", "kvstore.formats",
-       "kvstore.catalog", "kvstore.remote"},
+    "kvstore._wyhash": set(),
+    "kvstore.schema": {"errors"},
+    "kvstore.blocks": {"errors", "_vio", "_crash"},
+    "kvstore.index": {"errors"},
+    "kvstore.codecs": {"errors", "schema"},
+    "kvstore.formats": {"errors", "_vio", "_wyhash", "schema", "codecs/"},
+    "kvstore.catalog": {"errors", "schema", "blocks/", "codecs/"},
+    "kvstore.remote": {"errors", "_crash", "schema", "blocks/", "codecs/", "catalog/"},
+    "kvstore.store": {"errors", "_vio", "_crash", "schema", "blocks/", "index/", "codecs/",
+                      "formats/", "catalog/", "remote/"},
     # the agent APIs' adapters: wire types and conversions, knowing nothing of mlx-lm
-    "kvstore.serving": {"kvstore.errors"},
+    "kvstore.serving": {"errors"},
+    "kvstore.mlx_lm": {"kvstore", "errors", "_human", "schema", "codecs/", "formats.errors",
+                       "serving/", "store", "store.tenants", "store.tiers",
+                       "store.upkeep.usage"},
+    "kvstore.cli": {"kvstore", "errors", "_human", "schema", "codecs.layout", "catalog.keys",
+                    "formats.errors", "formats.v3", "remote", "store", "store.local.modes",
+                    "store.upkeep.gc", "store.upkeep.usage", "mlx_lm/", "bench/", "demo"},
+    "kvstore.bench": {"kvstore", "errors", "_vio", "schema", "blocks/", "codecs/",
+                      "catalog.settings", "remote", "remote.s3", "store",
+                      "store.data.writer", "store.local.filesystem", "mlx_lm/", "demo",
+                      "tiny"},
+    "kvstore._human": {"errors"},
+    "kvstore.tiny": set(),
+    "kvstore.demo": {"kvstore", "mlx_lm/", "tiny"},
+    "kvstore.serve": {"mlx_lm/"},
+    "kvstore.__main__": {"cli/"},
+    "kvstore": {"errors", "schema", "formats.errors", "formats.v3", "formats.v5file", "store"},
 }
-#: What a tier may import outside kvstore and the standard library (a tier not named here:
+#: What a part may import outside kvstore and the standard library (a part not named here:
 #: anything).
 THIRD_PARTY: dict[str, set[str]] = {"kvstore.serving": {"msgspec"}}
-#: Above the store (cli/, mlx_lm/, bench/, the top-level modules): anything but the index,
-#: which only the store composes. The integrations never import the command line.
-TOP_FORBIDDEN = {"kvstore.index"}
-INTEGRATION_FORBIDDEN = {"kvstore.cli"}
+DOC = PKG.parent / "docs" / "ARCHITECTURE.md"
 
 #: Modules that open files, and which files; no other module opens one (so the block
 #: files of a root are opened by blocks/ alone).
@@ -113,10 +128,13 @@ def _edges() -> dict[str, set[str]]:
 
 
 def _tier(name: str) -> str:
+    """The part of the table module ``name`` belongs to."""
+    if name == "kvstore":
+        return name
     for t in sorted(TIERS, key=len, reverse=True):
-        if name == t or name.startswith(t + "."):
+        if t != "kvstore" and (name == t or name.startswith(t + ".")):
             return t
-    return "top"
+    raise AssertionError(f"{name} is in no part of docs/ARCHITECTURE.md's table")
 
 
 def _owner(name: str, table: dict[str, str] | set[str]) -> bool:
@@ -175,31 +193,92 @@ def _package(name: str) -> str:
     return ".".join(parts[:2]) if len(parts) > 1 else name
 
 
-def _tier_errors(name: str, target: str) -> str | None:
-    """Why module ``name`` may not import ``target``, or None."""
-    tier = _tier(name)
-    if not target.startswith("kvstore") or _package(target) == _package(name):
+def _allows(allowed: set[str], target: str) -> bool:
+    """Whether a part whose list is ``allowed`` may import ``target`` (a module's name)."""
+    for a in allowed:
+        full = "kvstore" if a == "kvstore" else "kvstore." + a.rstrip("/")
+        if target == full or (a.endswith("/") and target.startswith(full + ".")):
+            return True
+    return False
+
+
+def _tier_errors(name: str, target: str, table: dict[str, set[str]] | None = None) -> str | None:
+    """Why module ``name`` may not import ``target``, or None (``table``: TIERS)."""
+    table = TIERS if table is None else table
+    if not (target == "kvstore" or target.startswith("kvstore.")):
         return None
-    if target == "kvstore":
-        return None if tier == "top" else "imports the kvstore package itself"
-    if tier in TIERS:
-        if _tier(target) == tier or _owner(target, TIERS[tier]):
-            return None
-        return f"({tier}) imports {target}"
-    if _owner(target, TOP_FORBIDDEN):
-        return f"imports {target}: only the store composes the index"
-    if name.startswith("kvstore.mlx_lm") and _owner(target, INTEGRATION_FORBIDDEN):
-        return f"imports {target}: an integration never needs the CLI"
-    return None
+    tier = _tier(name)
+    if target != "kvstore" and target != tier and _tier(target) == tier:
+        return None
+    if target == tier or _allows(table[tier], target):
+        return None
+    return f"({tier}) imports {target}, which its row of docs/ARCHITECTURE.md does not allow"
 
 
 def test_the_tier_check_can_fail() -> None:
     assert _tier_errors("kvstore.blocks.local", "kvstore.store.store")
     assert _tier_errors("kvstore.codecs.base", "kvstore.formats.v3")
     assert _tier_errors("kvstore.cli.main", "kvstore.index")
+    assert _tier_errors("kvstore.cli.main", "kvstore.index.lmdb_index")
     assert _tier_errors("kvstore.mlx_lm.serve", "kvstore.cli.render")
     assert _tier_errors("kvstore.store.upkeep.gc", "kvstore")
     assert _tier_errors("kvstore.store.upkeep.gc", "kvstore.blocks") is None
+    # above the store: a module the row names, not its siblings; a package's own names
+    assert _tier_errors("kvstore.mlx_lm.metrics", "kvstore.store.upkeep.usage") is None
+    assert _tier_errors("kvstore.mlx_lm.metrics", "kvstore.store.upkeep.gc")
+    assert _tier_errors("kvstore.mlx_lm.metrics", "kvstore.store") is None
+    assert _tier_errors("kvstore.mlx_lm.metrics", "kvstore.store.store")
+    assert _tier_errors("kvstore.demo", "kvstore.cli.main")
+    assert _tier_errors("kvstore.serve", "kvstore.store")
+    assert _tier_errors("kvstore.tiny", "kvstore")
+    assert _tier_errors("kvstore.bench.limits", "kvstore.store.data.writer") is None
+    assert _tier_errors("kvstore.bench.limits", "kvstore.store.data.reader")
+    # a list changed in the table is a list changed in the check
+    changed = {**TIERS, "kvstore.demo": {"kvstore", "tiny"}}
+    assert _tier_errors("kvstore.demo", "kvstore.mlx_lm.serve", changed)
+    assert _tier_errors("kvstore.demo", "kvstore.mlx_lm.serve") is None
+
+
+def _doc_table(text: str) -> dict[str, set[str]]:
+    """docs/ARCHITECTURE.md's table: each part's name -> the backticked names of its "May
+    import (of kvstore)" cell before any ``;`` (what follows is prose: "never `cli`")."""
+    rows: dict[str, set[str]] = {}
+    lines = iter(text.splitlines())
+    for line in lines:
+        if line.startswith("| Part | Owns | May import (of kvstore) |"):
+            break
+    next(lines, None)  # the |---| row
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        cells = line.strip().strip("|").split("|")
+        part = re.match(r"\s*`([^`]+)`", cells[0])
+        assert part, f"a row of the table names no part: {line[:80]}"
+        name = part.group(1).removesuffix(".py").rstrip("/")
+        key = "kvstore" if name == "__init__" else f"kvstore.{name}"
+        rows[key] = set(re.findall(r"`([^`]+)`", cells[-1].split(";")[0]))
+    return rows
+
+
+def test_the_doc_states_these_lists() -> None:
+    doc = _doc_table(DOC.read_text(encoding="utf-8"))
+    assert doc == TIERS, "\n".join(
+        f"{k}: doc {sorted(doc.get(k, ()))} vs test {sorted(TIERS.get(k, ()))}"
+        for k in sorted(set(doc) | set(TIERS)) if doc.get(k) != TIERS.get(k))
+
+
+def test_the_doc_check_can_fail() -> None:
+    text = DOC.read_text(encoding="utf-8")
+    assert _doc_table(text)["kvstore.serving"] == {"errors"}
+    assert _doc_table(text)["kvstore"] == TIERS["kvstore"]
+    row = next(ln for ln in text.splitlines() if ln.startswith("| `demo.py` |"))
+    changed = _doc_table(text.replace(row, row.replace("`mlx_lm/`, ", "")))
+    assert changed["kvstore.demo"] == {"kvstore", "tiny"} != TIERS["kvstore.demo"]
+
+
+def test_every_module_is_in_a_part_of_the_table() -> None:
+    for m in MODULES:
+        _tier(m)  # raises for a module no row of the table holds
 
 
 def test_each_tier_imports_only_the_tiers_below() -> None:
@@ -362,4 +441,32 @@ def test_private_names_are_imported_from_inside_their_package_only() -> None:
     walked = {**{m: p for m, p in MODULES.items() if p.suffix == ".py"}, **TOOL_MODULES}
     bad = [f"{m}:{line} {why}" for m, p in sorted(walked.items())
            for t, line in _imported_names(m, p) if (why := _private_error(m, t))]
+    assert not bad, "\n".join(bad)
+
+
+#: The modules that delete a remote's objects by key (``client.delete_many``): the block store
+#: and the catalog. Every other deletion goes through them (``S3BlockStore.delete_many``,
+#: ``RemoteCatalog.remove_many``), as the remote's repair and compaction plans do.
+RAW_DELETERS = {"kvstore.remote.blocks", "kvstore.remote.catalog"}
+
+
+def _raw_delete(call: str) -> bool:
+    """Whether a call deletes objects by key: ``delete_many`` on anything but a block store
+    (``x.blocks.delete_many``)."""
+    parts = call.split(".")
+    return parts[-1] == "delete_many" and (len(parts) < 2 or parts[-2] != "blocks")
+
+
+def test_the_raw_delete_check_can_fail() -> None:
+    assert _raw_delete("remote.client.delete_many") and _raw_delete("c.delete_many")
+    assert _raw_delete("self.client.delete_many") and _raw_delete("delete_many")
+    assert not _raw_delete("remote.blocks.delete_many")
+    assert not _raw_delete("remote.catalog.remove_many")
+    bad = [c for c, _ in _calls("kvstore.remote.catalog") if _raw_delete(c)]
+    assert bad, "the walk sees the catalog's own client.delete_many"
+
+
+def test_only_the_block_store_and_the_catalog_delete_remote_objects_by_key() -> None:
+    bad = [f"{m}:{line} calls {call}" for m in sorted(MODULES) if m not in RAW_DELETERS
+           for call, line in _calls(m) if _raw_delete(call)]
     assert not bad, "\n".join(bad)

@@ -36,9 +36,7 @@ def _wipe(url: str) -> None:
     u = parse_s3_url(url)
     c = S3Client(u.bucket)
     try:
-        keys = [o.key for o in c.list(u.prefix)]
-        if keys:
-            c.delete_many(keys)
+        c.delete_prefix(u.prefix)
     finally:
         c.close()
 

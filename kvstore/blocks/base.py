@@ -110,6 +110,12 @@ class BlockStore(abc.ABC):
         self.check_writable()
         return self._delete(digest)
 
+    def delete_many(self, digests: Sequence[bytes]) -> list[bytes]:
+        """Remove many blocks (in batched requests where the backend can); those that were
+        there (a block gone already, removed by another process meanwhile, is skipped)."""
+        self.check_writable()
+        return [d for d in digests if self._delete(d)]
+
     def freshen(self, digest: bytes) -> bool:
         """Mark an existing block as just used, so a grace period spares it; False if it is
         missing. A store that cannot change a block's age (an object store) only says

@@ -130,6 +130,12 @@ class Catalog(abc.ABC):
         self.check_writable()
         return self._remove(digest)
 
+    def remove_many(self, digests: Sequence[bytes]) -> list[bytes]:
+        """Remove many entries (in batched requests where the catalog can), each as
+        :meth:`remove` does; those that were there (one removed meanwhile is skipped)."""
+        self.check_writable()
+        return [d for d in digests if self._remove(d)]
+
     @abc.abstractmethod
     def _commit(self, rec: Records, ensure: Ensure) -> bool: ...
 

@@ -181,7 +181,7 @@ _REBUILD_WORDS = {
 
 
 def plan_lines(plan: dict[str, Any]) -> list[str]:
-    """A repair plan (``RepairPlan.as_dict()``) in words, one action a line."""
+    """A repair plan (``RepairReport.as_dict()``, its report) in words, one action a line."""
     why = plan.get("why", {})
     out = [f"quarantine block {b} ({why.get(b, 'corrupt')})" for b in plan.get("quarantine", [])]
     out += [f"cut back entry {c['entry']} to its first {plural(c['n_tokens'], 'token')} "

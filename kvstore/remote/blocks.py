@@ -10,7 +10,7 @@ from ..blocks.base import BlockStat, BlockStore, Buffer
 from ..blocks.hashing import Digest, check_digest, new_hasher
 from ..errors import BlockNotFoundError, CorruptBlockError
 from .errors import RemoteNotFoundError, RemoteTooLargeError
-from .s3 import S3Client
+from .s3 import S3Client, run_all
 
 AHEAD = 32  # blocks a get_many downloads ahead of its caller
 
@@ -100,10 +100,15 @@ class S3BlockStore(BlockStore):
         self.client.delete(key)
         return True
 
-    def delete_many(self, digests: Sequence[bytes]) -> None:
-        """Delete many blocks with batched requests (missing ones are no error)."""
+    def delete_many(self, digests: Sequence[bytes]) -> list[bytes]:
+        """Delete many blocks: a HEAD each (on the pool), then batched DELETEs of those
+        there; the blocks that were there (one deleted meanwhile is skipped)."""
         self.check_writable()
-        self.client.delete_many([self.key(d) for d in digests])
+        keys = [self.key(d) for d in digests]
+        there = [self.client.head(k) is not None for k in keys] if self._pool is None else \
+            run_all(self._pool, lambda k: self.client.head(k) is not None, keys)
+        self.client.delete_many([k for k, t in zip(keys, there, strict=True) if t])
+        return [d for d, t in zip(digests, there, strict=True) if t]
 
     def iter(self) -> Iterator[Digest]:
         for d, _ in self.iter_stats():

@@ -37,10 +37,12 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+import msgspec
 
 from .._crash import crash_point
 from ..blocks import Digest
@@ -49,13 +51,14 @@ from ..catalog.base import Catalog, Ensure, open_manifest
 from ..catalog.find import DepthReader, Match
 from ..catalog.records import PRIORITY_NAMES, Records, priority_of, records_of, trimmable
 from ..catalog.signing import Signer, UnsignedManifestError
-from ..errors import DigestMismatchError, ManifestError
+from ..errors import DigestMismatchError, KVStoreError, ManifestError
 from ..schema import MAX_MANIFEST_BYTES, Manifest
 from .errors import RemoteNotFoundError, RemoteTooLargeError
 from .layout import (
     EXACT,
     MANIFESTS,
     Marker,
+    access_key,
     exact_dir,
     exact_marker,
     manifest_key,
@@ -489,6 +492,49 @@ class RemoteCatalog(Catalog):
         return [marker_key(self.prefix, ck, rec.digest, rec.n_tokens, rec.trimmable)
                 for ck in rec.depth_keys] + [
             exact_marker(self.prefix, rec.exact_key, rec.digest, rec.trimmable)]
+
+    def remove_many(self, digests: Sequence[bytes], *,
+                    listed: Mapping[bytes, Sequence[str]] | None = None,
+                    check: Callable[[], None] | None = None) -> list[bytes]:
+        """Remove many entries with batched DELETEs: every entry's markers first (they stop
+        matching), then the manifests. The markers are those each manifest names and, for
+        an entry whose manifest is bad or gone (a dangling marker), those a listing found
+        (``listed``: entry -> its marker objects as listed). ``check`` is called before
+        the first DELETE (the GC lease's check). Returns the entries that were there (a
+        manifest, or for one without, a marker): one removed meanwhile is skipped."""
+        self.check_writable()
+        todo = list(dict.fromkeys(digests))
+
+        def look(d: bytes) -> tuple[bool, list[str]]:
+            keys = list((listed or {}).get(d, ()))
+            there = self.has_manifest(d)
+            if there:
+                try:
+                    rec = self.records(d)
+                except (KVStoreError, ValueError):
+                    rec = None  # a bad manifest: its listed markers are all there is
+                if rec is not None:
+                    keys += self.marker_keys(rec)
+            elif keys:
+                there = self.client.head(keys[0]) is not None
+            return there, keys
+
+        got = run_all(self.pool, look, todo)
+        if check is not None:
+            check()
+        self.client.delete_many(sorted({k for _, ks in got for k in ks}))
+        self.client.delete_many([manifest_key(self.prefix, d) for d in todo])
+        for d in todo:
+            self.forget(d)
+        return [d for d, (there, _) in zip(todo, got, strict=True) if there]
+
+    def replace_access(self, merged: Mapping[str, int], read: Sequence[str]) -> None:
+        """Replace the access objects ``read`` (as the remote tier listed them) by one object
+        of the ``merged`` times (entry hex -> ms since the epoch), put first."""
+        self.check_writable()
+        if merged:
+            self.client.put(access_key(self.prefix), msgspec.msgpack.encode(dict(merged)))
+        self.client.delete_many(list(read))
 
     def _remove(self, digest: bytes) -> bool:
         """The entry's markers first (it stops matching), then its manifest."""

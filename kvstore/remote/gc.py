@@ -39,7 +39,7 @@ from ..catalog.thinning import EvictionOrder, checkpoint_order
 from ..errors import KVStoreError
 from ..schema import Manifest
 from .errors import RemoteLeaseError, RemoteNotFoundError
-from .layout import EXACT, MANIFESTS, MARKERS, access_key, entry_of_key, manifest_key
+from .layout import EXACT, MANIFESTS, MARKERS, entry_of_key
 from .tier import RemoteTier
 
 DEFAULT_GRACE = 3600.0  # seconds an unreferenced remote block is kept (a pull may be reading it)
@@ -73,17 +73,20 @@ class RemoteCompactReport:
 @dataclass
 class RemoteCompactPlan(Plan[RemoteCompactReport]):
     """What one remote compaction will delete, listed under the GC lease (``leased``) or, for
-    a dry run, without it. :meth:`report` is the dry run; :meth:`execute` deletes exactly
-    the listed keys, checking before each batch that the lease is still held, then lets the
-    lease go. A plan not executed lets it go with :meth:`release`."""
+    a dry run, without it. :meth:`report` is the dry run; :meth:`execute` removes exactly
+    the planned entries (:meth:`RemoteCatalog.remove_many`) and blocks
+    (:meth:`S3BlockStore.delete_many`), checking before each batch that the lease is still
+    held, then lets the lease go; what others removed meanwhile is skipped (the report of
+    the execution counts what it removed). A plan not executed lets it go with
+    :meth:`release`."""
 
     remote: RemoteTier
     leased: bool
     planned: RemoteCompactReport
-    evict_markers: list[str]
-    evict_manifests: list[str]
-    dangling: list[str]
-    sweep: list[bytes]
+    evict: list[bytes]  # entries, in eviction order
+    dangling: list[bytes]  # entries that have markers and no manifest
+    marks: dict[bytes, list[str]]  # the marker objects listed for each of them
+    sweep: dict[bytes, int]  # unreferenced blocks past the grace -> size
     merged: dict[str, int]
     access_keys: list[str]
 
@@ -95,10 +98,9 @@ class RemoteCompactPlan(Plan[RemoteCompactReport]):
             raise RemoteLeaseError("a plan made without the lease cannot be executed",
                                    bucket=self.remote.url.bucket, key=self.remote.lease.key)
         try:
-            _execute(self.remote, self)
+            return _execute(self.remote, self)
         finally:
             self.release()
-        return dataclasses.replace(self.planned, dry_run=False)
 
     def release(self) -> None:
         if self.leased:
@@ -207,15 +209,14 @@ def _plan(remote: RemoteTier, max_bytes: int | None, grace: float,
     rep.blocks_deleted = len(sweep)
     rep.bytes_deleted = sum(size[b] for b in sweep)
     bad = {bytes.fromhex(h) for h in rep.bad_manifests}
-    dangling = [k for d, ks in marks.items() if d not in listed and d not in bad for k in ks]
-    evict_markers = [k for d in evict for k in marks.get(d, ())]
-    rep.markers_deleted = len(dangling) + len(evict_markers)
+    dangling = sorted(d for d in marks if d not in listed and d not in bad)
+    rep.markers_deleted = sum(len(marks[d]) for d in (*dangling, *evict) if d in marks)
     rep.manifests_deleted = len(evict)
     merged = {d.hex(): int(t * 1000) for d, t in access.items() if d in kept}
     rep.access_merged = len(access_keys)
-    return RemoteCompactPlan(remote, leased, rep, evict_markers,
-                             [manifest_key(p, d) for d in evict], dangling, sweep, merged,
-                             access_keys)
+    return RemoteCompactPlan(remote, leased, rep, evict, dangling,
+                             {d: marks[d] for d in (*evict, *dangling) if d in marks},
+                             {b: size[b] for b in sweep}, merged, access_keys)
 
 
 @dataclass(frozen=True)
@@ -258,23 +259,41 @@ def _gone(remote: RemoteTier, d: bytes) -> bool:
         return True
 
 
-def _delete(remote: RemoteTier, keys: Sequence[str]) -> None:
-    for i in range(0, len(keys), BATCH):
-        remote.lease.check()
-        remote.client.delete_many(keys[i : i + BATCH])
+def _chunks(entries: Sequence[bytes], marks: dict[bytes, list[str]]) -> list[list[bytes]]:
+    """The entries in runs of about ``BATCH`` objects (their listed markers and manifest):
+    the lease is checked before each run's deletes."""
+    out: list[list[bytes]] = []
+    run: list[bytes] = []
+    n = 0
+    for d in entries:
+        k = len(marks.get(d, ())) + 1
+        if run and n + k > BATCH:
+            out.append(run)
+            run, n = [], 0
+        run.append(d)
+        n += k
+    return [*out, run] if run else out
+
+
+def _execute(remote: RemoteTier, plan: RemoteCompactPlan) -> RemoteCompactReport:
+    rep = dataclasses.replace(plan.planned, dry_run=False, evicted=[])
+    cat = remote.catalog
+    removed: set[bytes] = set()
+    for run in _chunks(plan.evict, plan.marks):  # evicted entries stop matching first
+        removed.update(cat.remove_many(run, listed=plan.marks, check=remote.lease.check))
         crash_point("remote_gc_after_delete")
-
-
-def _execute(remote: RemoteTier, plan: RemoteCompactPlan) -> None:
-    _delete(remote, plan.evict_markers)  # evicted entries stop matching first
-    _delete(remote, plan.evict_manifests)
-    for k in plan.evict_manifests:
-        d = entry_of_key(k)
-        if d is not None:
-            remote.forget(d)
-    _delete(remote, plan.dangling)
-    _delete(remote, [remote.blocks.key(b) for b in plan.sweep])
+    rep.evicted = [d.hex() for d in plan.evict if d in removed]
+    rep.manifests_deleted = len(rep.evicted)
+    for run in _chunks(plan.dangling, plan.marks):
+        cat.remove_many(run, listed=plan.marks, check=remote.lease.check)
+    blocks = sorted(plan.sweep)
+    deleted: list[bytes] = []
+    for i in range(0, len(blocks), BATCH):
+        remote.lease.check()
+        deleted += remote.blocks.delete_many(blocks[i : i + BATCH])
+    rep.blocks_deleted = len(deleted)
+    rep.bytes_deleted = sum(plan.sweep[b] for b in deleted)
     if plan.access_keys:
-        if plan.merged:
-            remote.client.put(access_key(remote.prefix), msgspec.msgpack.encode(plan.merged))
-        _delete(remote, plan.access_keys)
+        remote.lease.check()
+        cat.replace_access(plan.merged, plan.access_keys)
+    return rep

@@ -280,7 +280,20 @@ class S3Client:
         self._call("DELETE", key, self._s3.delete_object, Key=key)
 
     def delete_many(self, keys: Sequence[str]) -> None:
-        """Delete up to 1000 keys per request; any per-key failure is a RemoteError."""
+        """Delete up to 1000 keys per request; any per-key failure is a RemoteError.
+
+        Only the block store and the catalog delete a remote's objects by key
+        (tests/test_architecture.py checks it)."""
+        self._delete_keys(keys)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object under ``prefix`` (a scratch prefix of its own, as the bench's
+        runs use, never a remote's entries one by one); how many there were."""
+        keys = [o.key for o in self.list(prefix)]
+        self._delete_keys(keys)
+        return len(keys)
+
+    def _delete_keys(self, keys: Sequence[str]) -> None:
         for i in range(0, len(keys), 1000):
             batch = [{"Key": k} for k in keys[i : i + 1000]]
             r = self._call(

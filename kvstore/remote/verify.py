@@ -11,7 +11,10 @@ name it is good and that manifest lies (``lying``); else it is corrupt. ``repair
 (under the GC lease, as it deletes) drops each entry that is bad, lies about a block's
 size, or needs a missing or corrupt block (its markers first, then its manifest), the
 markers that name no manifest, and the corrupt blocks; never a good block, nor another
-entry because of a lying one.
+entry because of a lying one. The repair is a plan (:func:`plan_repair`, as the
+root's): its report is ``--repair --dry-run``'s, and its execution removes what it planned
+through ``RemoteCatalog.remove_many`` and ``S3BlockStore.delete_many``, once, counting only
+what was still there.
 The remote keeps no cut-back entries: a machine that had the entry can push a
 shorter one again.
 
@@ -22,16 +25,19 @@ they are missing) drives no deletion, and it and its markers are not dropped.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..blocks.base import BlockStat
+from ..catalog.base import Plan
 from ..catalog.signing import UnsignedManifestError
 from ..codecs.layout import manifest_blocks
 from ..errors import BlockNotFoundError, CorruptBlockError, KVStoreError
 from ..schema import Manifest
-from .layout import EXACT, MANIFESTS, MARKERS, entry_of_key, manifest_key
+from .errors import RemoteLeaseError
+from .layout import EXACT, MANIFESTS, MARKERS, entry_of_key
 from .tier import RemoteTier
 
 
@@ -71,19 +77,90 @@ class RemoteVerifyReport:
 
 def verify(remote: RemoteTier, *, read_data: bool, repair: bool, dry_run: bool
            ) -> RemoteVerifyReport:
-    """Check the remote; with ``repair`` (and not ``dry_run``) fix what was found."""
-    rep = RemoteVerifyReport(str(remote.url), read_data, repair, dry_run)
-    act = repair and not dry_run
-    if act:
+    """Check the remote; with ``repair`` plan its repair (:func:`plan_repair`): ``dry_run``
+    reports the plan, else it is executed."""
+    if not repair:
+        rep = RemoteVerifyReport(str(remote.url), read_data, repair, dry_run)
+        _check(remote, rep)
+        return rep
+    plan = plan_repair(remote, read_data=read_data, lease=not dry_run)
+    return plan.report() if dry_run else plan.execute()
+
+
+@dataclass
+class RemoteRepairPlan(Plan[RemoteVerifyReport]):
+    """What a repair of the remote will delete, found under the GC lease (``leased``) or, for
+    a dry run, without it. :meth:`report` is the dry run; :meth:`execute` removes exactly
+    the planned entries (:meth:`RemoteCatalog.remove_many`), dangling markers and corrupt
+    blocks (:meth:`S3BlockStore.delete_many`), then lets the lease go; what others removed
+    meanwhile is skipped and not counted. A plan not executed lets it go with
+    :meth:`release`."""
+
+    remote: RemoteTier
+    leased: bool
+    found: RemoteVerifyReport  # the check, and what the repair would do
+    drop: list[bytes]  # entries: bad, lying, or needing a missing or corrupt block
+    dangling: list[bytes]  # entries that have markers and no manifest
+    marks: dict[bytes, list[str]]  # the marker objects listed for each of them
+    corrupt: list[bytes]  # blocks whose bytes do not hash to their name
+
+    def report(self) -> RemoteVerifyReport:
+        return dataclasses.replace(self.found, dry_run=True)
+
+    def _execute(self) -> RemoteVerifyReport:
+        if not self.leased:
+            raise RemoteLeaseError("a plan made without the lease cannot be executed",
+                                   bucket=self.remote.url.bucket, key=self.remote.lease.key)
+        try:
+            cat, check = self.remote.catalog, self.remote.lease.check
+            dropped = cat.remove_many(self.drop, listed=self.marks, check=check)
+            gone = cat.remove_many(self.dangling, listed=self.marks, check=check)
+            check()
+            deleted = self.remote.blocks.delete_many(self.corrupt)
+        finally:
+            self.release()
+        rep = dataclasses.replace(self.found, dry_run=False)
+        _done(rep, dropped, gone, self.marks, deleted)
+        return rep
+
+    def release(self) -> None:
+        if self.leased:
+            self.remote.lease.release()
+
+
+def plan_repair(remote: RemoteTier, *, read_data: bool, lease: bool = True
+                ) -> RemoteRepairPlan:
+    """Check the remote and plan its repair (the module's docstring says what it drops).
+    With ``lease`` (a plan to execute) the GC lease is taken before anything is listed, and
+    held by the plan."""
+    rep = RemoteVerifyReport(str(remote.url), read_data, True, not lease)
+    if lease:
         remote.lease.take()
     try:
         marks, users = _check(remote, rep)
-        if repair:
-            _repair(remote, rep, marks, users, act)
-    finally:
-        if act:
+        bad_blocks = {bytes.fromhex(h) for h in rep.corrupt}  # never one that hashes right
+        drop = {bytes.fromhex(h) for h in (*rep.bad_manifests, *rep.missing, *rep.lying)}
+        drop |= {d for d, bs in users.items() if bs & bad_blocks}
+        have = set(users) | {bytes.fromhex(h) for h in (*rep.bad_manifests, *rep.refused)}
+        dangling = sorted(d for d in marks if d not in have)
+        plan = RemoteRepairPlan(remote, lease, rep, sorted(drop), dangling,
+                                {d: marks[d] for d in (*drop, *dangling) if d in marks},
+                                sorted(bad_blocks))
+    except BaseException:
+        if lease:
             remote.lease.release()
-    return rep
+        raise
+    _done(rep, plan.drop, plan.dangling, plan.marks, plan.corrupt)
+    return plan
+
+
+def _done(rep: RemoteVerifyReport, dropped: list[bytes], dangling: list[bytes],
+          marks: dict[bytes, list[str]], blocks: list[bytes]) -> None:
+    """Fill in what a repair drops (or dropped): the entries, their listed markers and the
+    dangling ones, the corrupt blocks."""
+    rep.dropped = sorted(d.hex() for d in dropped)
+    rep.deleted_blocks = len(blocks)
+    rep.deleted_markers = sum(len(marks.get(d, ())) for d in (*dropped, *dangling))
 
 
 def _check(remote: RemoteTier, rep: RemoteVerifyReport
@@ -152,25 +229,3 @@ def _check(remote: RemoteTier, rep: RemoteVerifyReport
         for d in claims[b]:
             rep.lying.setdefault(d.hex(), []).append(b.hex())
     return marks, users
-
-
-def _repair(remote: RemoteTier, rep: RemoteVerifyReport, marks: dict[bytes, list[str]],
-            users: dict[bytes, set[bytes]], act: bool) -> None:
-    bad_blocks = {bytes.fromhex(h) for h in rep.corrupt}  # never one that hashes right
-    drop = {bytes.fromhex(h) for h in (*rep.bad_manifests, *rep.missing, *rep.lying)}
-    drop |= {d for d, bs in users.items() if bs & bad_blocks}
-    have = set(users) | {bytes.fromhex(h) for h in (*rep.bad_manifests, *rep.refused)}
-    marker_keys = [k for d in sorted(drop) for k in marks.get(d, ())]
-    dangling = [k for d, ks in marks.items() if d not in have for k in ks]
-    rep.dropped = sorted(d.hex() for d in drop)
-    rep.deleted_blocks = len(bad_blocks)
-    rep.deleted_markers = len(marker_keys) + len(dangling)
-    if not act:
-        return
-    for keys in (marker_keys, [manifest_key(remote.prefix, d) for d in sorted(drop)], dangling,
-                 [remote.blocks.key(b) for b in sorted(bad_blocks)]):
-        if keys:
-            remote.lease.check()
-            remote.client.delete_many(keys)
-    for d in drop:
-        remote.forget(d)

@@ -193,6 +193,24 @@ class CatalogTests:
         assert got is not None and got.digest == keep.digest and got.length == 4
         assert cat.remove(e.digest) is False
 
+    def test_remove_many_removes_each_and_says_which_were_there(self, tier: Tier) -> None:
+        cat = tier.catalog
+        keep = Entry(list(range(640, 652)))
+        toks = {"a": list(range(660, 671)), "b": list(range(680, 683))}
+        a, b = Entry(toks["a"]), Entry(toks["b"], trimmable=False)
+        for e in (keep, a, b):
+            commit(tier, e)
+        assert cat.remove(b.digest) is True  # removed by another caller meanwhile
+        assert cat.remove_many([a.digest, b.digest]) == [a.digest]
+        for e, t in ((a, toks["a"]), (b, toks["b"])):
+            assert cat.exact(e.records.exact_key) is None
+            assert cat.manifest(e.digest) is None and cat.records(e.digest) is None
+            assert lookup(cat, t) is None
+        assert list(cat) == [keep.digest]
+        got = lookup(cat, list(range(640, 652)))
+        assert got is not None and got.digest == keep.digest and got.exact
+        assert cat.remove_many([a.digest]) == [] and cat.remove_many([]) == []
+
     def test_the_blocks_are_ensured_before_the_entry_is_visible(self, tier: Tier) -> None:
         cat = tier.catalog
         e = Entry(list(range(700, 710)))
@@ -234,4 +252,6 @@ class CatalogTests:
             ro.commit(Entry([1, 2, 3, 4, 5]).records, lambda ds: None)
         with pytest.raises(ReadOnlyStoreError):
             ro.remove(e.digest)
+        with pytest.raises(ReadOnlyStoreError):
+            ro.remove_many([e.digest])
         assert list(tier.catalog) == [e.digest]

@@ -155,7 +155,7 @@ class _BlockFiles:
 
 def _repair_bad(root: Root, digest: bytes, bad: dict[bytes, tuple[str, int]]) -> bool:
     """Quarantine the blocks a read found bad and cut back or drop the entries that
-    need them (one write transaction, one warning); False when every block now
+    need them (a plan, executed in one write transaction; one warning); False when every block now
     reads right (it was replaced meanwhile: read again).
 
     A block that is not of the size the manifest of ``digest`` gives it but whose bytes
@@ -164,29 +164,29 @@ def _repair_bad(root: Root, digest: bytes, bad: dict[bytes, tuple[str, int]]) ->
     so."""
     sized: dict[bytes, str] = {}
     try:
-        with root.index.write() as txn:
-            confirmed: dict[bytes, str] = {}
-            gone: set[bytes] = set()
-            for d, (why, size) in bad.items():
-                state, now, _ = root.blocks.inspect(d, size, read_data=True)
-                if state == "corrupt":
-                    confirmed[d] = now or why
-                elif state == "missing":
-                    gone.add(d)
-                elif state == "sized":
-                    sized[d] = now
-            if sized:
-                root.catalog.remove_in(txn, digest)
-            if not confirmed and not gone and not sized:
-                return False
+        confirmed: dict[bytes, str] = {}
+        gone: set[bytes] = set()
+        for d, (why, size) in bad.items():
+            state, now, _ = root.blocks.inspect(d, size, read_data=True)
+            if state == "corrupt":
+                confirmed[d] = now or why
+            elif state == "missing":
+                gone.add(d)
+            elif state == "sized":
+                sized[d] = now
+        if sized:
+            root.catalog.remove(digest)
+        if not confirmed and not gone and not sized:
+            return False
+        with root.index.read() as txn:
             plan = plan_for_blocks(root, txn, confirmed, gone)
-            plan.execute(root, txn)
+        done = plan.execute()
     except (KVStoreError, OSError) as e:
         names = ", ".join(f"{d.hex()} ({why})" for d, (why, _) in sorted(bad.items()))
         _log.warning("kvstore: corrupt block %s could not be quarantined: %s", names, e)
         return True
-    if not plan.empty():
-        _log.warning("%s", plan.summary())
+    if not done.empty():
+        _log.warning("%s", done.summary())
     if sized:
         d = min(sized)
         msg = (f"{root.catalog.where(digest)} lies: block {d.hex()} is {sized[d]}; the "

@@ -527,29 +527,6 @@ def plan_budget(root: Root, max_bytes: int, *, grace: float,
                        zeroed, past, [], [], {}, pressed=pressed)
 
 
-def compact(
-    root: Root,
-    *,
-    max_bytes: int | None = None,
-    namespace_max_bytes: int | None = None,
-    grace: float = DEFAULT_GRACE,
-    dry_run: bool = False,
-    progress: Progress | None = None,
-) -> CompactReport:
-    """Evict above the budgets, then delete expired garbage: zero-ref blocks, orphans, temps.
-
-    ``grace`` (seconds) protects zero-refcount blocks, orphan block files and
-    temp files younger than it. ``namespace_max_bytes`` applies to each
-    namespace separately. With ``dry_run`` nothing is written: the report is the
-    plan's (:func:`plan_compact`).
-    """
-    plan = plan_compact(
-        root, max_bytes=max_bytes, namespace_max_bytes=namespace_max_bytes, grace=grace
-    )
-    plan.progress = progress
-    return plan.report() if dry_run else plan.execute()
-
-
 # --- sweeping ------------------------------------------------------------------------------
 
 
@@ -579,7 +556,6 @@ __all__ = [
     "CompactPlan",
     "CompactReport",
     "EvictionOrder",
-    "compact",
     "kept_pins",
     "plan_budget",
     "plan_compact",

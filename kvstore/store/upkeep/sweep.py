@@ -142,11 +142,6 @@ def stale_tmp_files(root: Root, grace: float) -> list[TmpFile]:
     return out
 
 
-def stale_tmp(root: Root, grace: float) -> list[str]:
-    """The names of :func:`stale_tmp_files`."""
-    return [f.name for f in stale_tmp_files(root, grace)]
-
-
 def unlink_tmp(root: Root, names: list[str]) -> tuple[int, int]:
     """Unlink the named temp files of ``tmp/``; returns how many were there, and their bytes."""
     if not names:

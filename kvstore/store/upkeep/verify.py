@@ -2,10 +2,11 @@
 
 Without ``read_data`` the blocks are checked for presence, file type and size
 only; their contents are not read (as ``restic check`` without
-``--read-data``). The repair is a :class:`~kvstore.store.upkeep.repair.RepairPlan` made and
-executed in one write transaction, recounting from the manifests under the
-writer lock, so it is safe while other processes save, restore and compact;
-``dry_run`` makes the same plan in a read transaction and executes nothing.
+``--read-data``). The repair is a :class:`~kvstore.store.upkeep.repair.RepairPlan`
+(:func:`plan_repair`) read from one snapshot and executed in one write transaction that
+re-checks each step and recounts from the manifests under the writer lock, so it is safe
+while other processes save, restore and compact; ``dry_run`` reports the plan and
+executes nothing.
 Moving a corrupt block to ``quarantine/`` happens inside that transaction; a
 repair killed before its commit leaves the block missing (never wrong bytes),
 and the next repair deals with its entries.
@@ -17,15 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...catalog import keys as P
 from ...catalog.base import open_manifest
-from ...catalog.records import records_of
 from ...codecs.layout import manifest_blocks
 from ...errors import KVStoreError
-from ...index import RefInfo, now_ms
-from ..local.catalog import entry_record
+from ...index import RefInfo
 from ..local.root import Root
-from .repair import RepairPlan, plan_for_blocks
+from .repair import RepairPlan, RepairReport, plan_for_blocks, value_digest
 
 
 @dataclass
@@ -63,8 +61,8 @@ class VerifyReport:
     dropped_entries: list[str] = field(default_factory=list)
     cut_entries: list[tuple[str, str, int]] = field(default_factory=list)  # old, new, tokens
     orphans_removed: int = 0
-    # with repair: what it did (or, with dry_run, would do)
-    plan: RepairPlan | None = None
+    # with repair: the plan's report, what it would do (executed unless dry_run)
+    plan: RepairReport | None = None
 
     @property
     def sound(self) -> bool:
@@ -120,7 +118,7 @@ def _scan(root: Root, txn: Any, report: VerifyReport) -> _Scan:
         report.missing_entry_records.append(d.hex())
     report.dangling_keys += len(entries.keys() - s.manifests)
     for _, v in idx.iter_prefix(txn):
-        if _value_digest(v) not in s.manifests:
+        if value_digest(v) not in s.manifests:
             report.dangling_keys += 1
     for _, v in idx.iter_exact(txn):
         if v not in s.manifests:
@@ -166,12 +164,6 @@ def _lying(root: Root, txn: Any, s: _Scan, truth: dict[bytes, int]) -> set[bytes
     return out
 
 
-def _value_digest(v: bytes) -> bytes:
-    """The manifest a prefix-db value names: a trimmable entry's value ends in the
-    digest; a non-trimmable entry's state and reach keys hold the bare digest."""
-    return v if len(v) == 32 else P.split_value(v)[2]
-
-
 Progress = Callable[[str, int, int], None]  # (phase, done, total): a caller's progress bar
 
 
@@ -181,16 +173,44 @@ def verify(
 ) -> VerifyReport:
     """Check the index against the manifests and the block files; optionally repair.
 
-    Repair quarantines corrupt blocks, cuts back or drops the entries that need a
-    missing or corrupt block (see :mod:`kvstore.store.upkeep.repair`), rebuilds refcounts and
-    totals from the surviving manifests, removes dangling keys, dangling zero
-    records and orphan block files, all in one write transaction. With
-    ``dry_run`` (only with ``repair``) the plan is made and nothing is changed.
-    ``progress("blocks", done, total)`` is called as the blocks are checked, in bytes.
+    Repair (:func:`plan_repair`, then its execution) quarantines corrupt blocks, cuts back
+    or drops the entries that need a missing or corrupt block (see
+    :mod:`kvstore.store.upkeep.repair`), rebuilds refcounts and totals from the surviving
+    manifests, removes dangling keys, dangling zero records and orphan block files, all in
+    one write transaction. With ``dry_run`` (only with ``repair``) the plan is made and
+    nothing is changed. ``progress("blocks", done, total)`` is called as the blocks are
+    checked, in bytes.
     """
     if dry_run and not repair:
         raise ValueError("dry_run is a dry run of repair: pass repair=True as well")
-    report = VerifyReport(data_read=read_data, dry_run=dry_run)
+    report, plan = _examine(root, read_data, progress, plan=repair)
+    report.dry_run = dry_run
+    if plan is None:
+        return report
+    report.plan = plan.report()
+    if not dry_run:
+        done = plan.execute()
+        report.repaired = True
+        report.quarantined = sorted(b.hex() for b in done.quarantine)
+        report.dropped_entries = [d.hex() for d in (*done.undecodable, *done.drop)]
+        report.cut_entries = [(c.entry.hex(), c.to.hex(), c.n_tokens) for c in done.cut]
+        report.orphans_removed = len(done.orphans)
+    return report
+
+
+def plan_repair(root: Root, *, read_data: bool = False,
+                progress: Progress | None = None) -> RepairPlan:
+    """Check the root (as :func:`verify` does) and plan its repair: :meth:`RepairPlan.report`
+    says what :meth:`RepairPlan.execute` will do."""
+    plan = _examine(root, read_data, progress, plan=True)[1]
+    assert plan is not None
+    return plan
+
+
+def _examine(root: Root, read_data: bool, progress: Progress | None, *, plan: bool
+             ) -> tuple[VerifyReport, RepairPlan | None]:
+    """What verify finds, and with ``plan`` the repair of it."""
+    report = VerifyReport(data_read=read_data)
     with root.index.read() as txn:
         s = _scan(root, txn, report)
     referenced = {b for b, n in s.counted.items() if n > 0}
@@ -226,13 +246,8 @@ def verify(
     report.orphans = sorted(d.hex() for d, _ in root.block_files() if d not in s.refs)
     with root.index.read() as txn:
         s.lying = _lying(root, txn, s, truth)
-    report.bad_manifests.extend(d.hex() for d in sorted(s.lying))
-    if repair and dry_run:
-        with root.index.read() as txn:
-            report.plan = _plan(root, txn, s, bad_blocks, report)
-    elif repair:
-        _repair(root, set(bad_blocks), read_data, report)
-    return report
+        report.bad_manifests.extend(d.hex() for d in sorted(s.lying))
+        return report, (_plan(root, txn, s, bad_blocks, report) if plan else None)
 
 
 def _plan(
@@ -242,117 +257,19 @@ def _plan(
     corrupt = {b: why for b, (st, why) in bad.items() if st == "corrupt"}
     missing = {b for b, (st, _) in bad.items() if st == "missing"}
     plan = plan_for_blocks(root, txn, corrupt, missing, skip=s.bad | s.lying)
-    plan.undecodable = sorted(s.bad)
-    plan.drop = sorted({*plan.drop, *s.lying})  # a manifest that misstates a good block
-    plan.rebuild = {
+    p = plan.planned
+    p.undecodable = sorted(s.bad)
+    p.drop = sorted({*p.drop, *s.lying})  # a manifest that misstates a good block
+    p.rebuild = {
         "refcounts": len(found.refcount_drift) + len(found.size_drift),
         "dangling_keys": found.dangling_keys,
         "entry_records": len(found.missing_entry_records),
         "totals": len(found.totals_drift),
         "dangling_refs": len(found.dangling_refs),
     }
-    plan.orphans = sorted(bytes.fromhex(h) for h in found.orphans)
+    p.orphans = sorted(bytes.fromhex(h) for h in found.orphans)
+    plan.recount = True
     return plan
 
 
-class _NothingToDo(Exception):
-    """Aborts a repair's write transaction: a sound store is left byte for byte as it was."""
-
-
-def _repair(root: Root, suspects: set[bytes], read_data: bool, report: VerifyReport) -> None:
-    try:
-        _repair_in_txn(root, suspects, read_data, report)
-    except _NothingToDo:
-        pass
-    report.repaired = True
-
-
-def _repair_in_txn(
-    root: Root, suspects: set[bytes], read_data: bool, report: VerifyReport
-) -> None:
-    idx = root.index
-    with idx.write() as txn:
-        found = VerifyReport()
-        scan = _scan(root, txn, found)  # current state, under the writer lock
-        referenced = {b for b, n in scan.counted.items() if n > 0}
-        bad: dict[bytes, tuple[str, str]] = {}
-        truth: dict[bytes, int] = {}
-        for b in suspects | scan.disputed:
-            size = scan.expected.get(b, scan.refs[b].size if b in scan.refs else 0)
-            state, why, hashed = root.blocks.inspect(
-                b, size, read_data=read_data or b in scan.disputed)
-            if state == "corrupt" or (state == "missing" and b in referenced):
-                bad[b] = (state, why)
-            elif state == "sized" or (state == "ok" and b in scan.disputed):
-                truth[b] = hashed
-        scan.lying = _lying(root, txn, scan, truth)
-        for b, ref in scan.refs.items():
-            if ref.refcount == 0 and b not in referenced and not root.blocks.exists(b):
-                found.dangling_refs.append(b.hex())
-        found.orphans = sorted(d.hex() for d, _ in root.block_files() if d not in scan.refs)
-        plan = _plan(root, txn, scan, bad, found)
-        report.plan = plan
-        if plan.empty():
-            raise _NothingToDo
-        moved = plan.execute(root, txn)
-        _rebuild(root, txn, set(bad), plan, report)
-    report.quarantined = sorted(b.hex() for b in moved)
-    report.dropped_entries = [d.hex() for d in (*plan.undecodable, *plan.drop)]
-    report.cut_entries = [(c.entry.hex(), c.to.hex(), c.n_tokens) for c in plan.cut]
-
-
-def _rebuild(
-    root: Root, txn: Any, bad: set[bytes], plan: RepairPlan, report: VerifyReport
-) -> None:
-    """Recount refs from the manifests in ``txn``; fix keys, records and totals."""
-    idx = root.index
-    manifests: dict[bytes, dict[bytes, int]] = {}
-    for d, v in idx.iter_manifests(txn):
-        manifests[d] = manifest_blocks(open_manifest(v, d))
-    counted: dict[bytes, tuple[int, int]] = {}
-    for blocks in manifests.values():
-        for b, size in blocks.items():
-            n, _ = counted.get(b, (0, size))
-            counted[b] = (n + 1, size)
-    stamp = now_ms()
-    for b, ref in list(idx.iter_refs(txn)):
-        if b in bad or (b not in counted and not root.blocks.exists(b)):
-            idx.delete_ref(txn, b)  # quarantined, or a zero record whose file is gone
-            continue
-        n, size = counted.get(b, (0, ref.size))
-        if (n, size) != (ref.refcount, ref.size):
-            zero_since = (ref.zero_since or stamp) if n == 0 else 0
-            idx.put_ref(txn, b, RefInfo(n, size, zero_since))
-    for b, (n, size) in counted.items():
-        if idx.get_ref(b, txn) is None:
-            idx.put_ref(txn, b, RefInfo(n, size, 0))
-    # keys and records that name no manifest
-    stale = [(k, v) for k, v in idx.iter_prefix(txn) if _value_digest(v) not in manifests]
-    for k, v in stale:
-        idx.delete_prefix(txn, k, v)
-    for k in [k for k, v in idx.iter_exact(txn) if v not in manifests]:
-        idx.delete_exact(txn, k)
-    entries = dict(idx.iter_entries(txn))
-    for d in entries.keys() - manifests.keys():
-        idx.delete_entry(txn, d)
-        del entries[d]
-    for d in manifests.keys() - entries.keys():  # a record lost: the manifest's own
-        raw = idx.get_manifest(d, txn) or b""
-        m = open_manifest(raw, d)
-        entries[d] = entry_record(records_of(m, raw, d, last_access=m.created_at))
-        idx.put_entry(txn, d, entries[d])
-    # orphan files: nothing references them; a save in flight rewrites in its commit
-    for d in plan.orphans:
-        if idx.get_ref(d, txn) is None and root.blocks.delete(d):
-            report.orphans_removed += 1
-    refs = dict(idx.iter_refs(txn))
-    t = idx.totals(txn)
-    t.entries = len(entries)
-    t.logical_bytes = sum(r.logical_bytes for r in entries.values())
-    t.blocks = len(refs)
-    t.physical_bytes = sum(r.size for r in refs.values())
-    t.zero_bytes = sum(r.size for r in refs.values() if r.refcount == 0)
-    idx.put_totals(txn, t)
-
-
-__all__ = ["Progress", "VerifyReport", "verify"]
+__all__ = ["Progress", "VerifyReport", "plan_repair", "verify"]
