@@ -266,26 +266,33 @@ def verify(read_data: bool, repair: bool, dry_run: bool, as_json: bool) -> None:
     """Check the index against the block files.
 
     Without --read-data, blocks are checked for presence, type and size; their
-    contents are not read. Exits 1 when a problem is found (0 when the store is sound).
+    contents are not read. Exits 1 when a problem is found (0 when the store is sound,
+    or with --repair when the repair left it sound).
     """
     if dry_run and not repair:
         raise UserError("--dry-run goes with --repair (verify alone changes nothing)")
+    after = None
     with open_store(writes="repair" if repair and not dry_run else None) as store, \
             phase_progress({"blocks": "B"}) as bar:
         report = store.verify(read_data=read_data, repair=repair, dry_run=dry_run,
                               progress=bar)
+        if repair and not dry_run and not report.sound:  # what the repair left: checked again
+            after = store.verify(read_data=False, repair=False, dry_run=False)
         tmp = store.temp_files()
     from ..store.local.modes import world_readable
 
     exposed = world_readable(store.root)
     data = H.report_dict(report)
     sound = report.sound
+    repaired_sound = None if after is None else after.sound
     if as_json:
         emit({"root": str(store.root), "sound": sound, "dry_run": dry_run, "report": data,
+              "sound_after_repair": repaired_sound,
               "tmp_abandoned_files": tmp.abandoned_files,
               "tmp_abandoned_bytes": tmp.abandoned_bytes, "world_readable": exposed})
     else:
-        _print_verify(data, sound, repair=repair, dry_run=dry_run, root=str(store.root))
+        _print_verify(data, sound, repair=repair, dry_run=dry_run, root=str(store.root),
+                      after=None if after is None else (after.sound, H.report_dict(after)))
         if tmp.abandoned_files and not opts().quiet:  # not a fault of the store: a note
             click.echo(f"note: tmp/ holds {H.plural(tmp.abandoned_files, 'file')} "
                        f"({H.format_bytes(tmp.abandoned_bytes)}) left by writers that are "
@@ -294,7 +301,7 @@ def verify(read_data: bool, repair: bool, dry_run: bool, as_json: bool) -> None:
             click.echo(f"note: any user of this machine can read {' and '.join(exposed)} "
                        "(the stored prompts' tokens and KV); 'chmod -R go-rwx ROOT' makes "
                        "the root private (see the README's Trust and security)")
-    if not sound:
+    if not (sound or repaired_sound):
         click.get_current_context().exit(1)
 
 
@@ -303,7 +310,7 @@ _VERIFY_SKIP = ("entries", "blocks", "bytes_hashed", "data_read", "dry_run", "re
 
 
 def _print_verify(data: dict[str, Any], sound: bool, *, repair: bool, dry_run: bool,
-                  root: str) -> None:
+                  root: str, after: tuple[bool, dict[str, Any]] | None = None) -> None:
     plan = data.get("plan") or {}
     actions = H.plan_lines(plan)
     if dry_run:
@@ -334,6 +341,17 @@ def _print_verify(data: dict[str, Any], sound: bool, *, repair: bool, dry_run: b
             click.echo("repair did this:")
     if actions and (dry_run or repair):
         click.echo("\n".join(f"  {line}" for line in actions))
+    if after is not None:  # a repair of a store found unsound: what it left, checked again
+        left_sound, left = after
+        if left_sound:
+            click.echo(f"ok: the repair left the store sound (checked again: "
+                       f"{H.plural(left['entries'], 'entry', 'entries')}, "
+                       f"{H.plural(left['blocks'], 'block')})")
+            return
+        click.echo("after the repair:")
+        click.echo("\n".join(H.render_report(left, skip_empty=True, skip=_VERIFY_SKIP)))
+        click.echo(f"kvstore: verify --repair left problems in {root}", err=True)
+        return
     if not sound:
         # the repair must see what this run saw: a corrupt block is only found by reading it
         again = "kvstore verify --read-data --repair" if data.get("data_read") \

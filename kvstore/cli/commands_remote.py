@@ -167,16 +167,33 @@ def remote_stats(as_json: bool) -> None:
 @json_option
 @common
 def remote_verify(read_data: bool, repair: bool, dry_run: bool, as_json: bool) -> None:
-    """Check the remote: manifests, blocks and markers (exit 1 on a problem)."""
+    """Check the remote: manifests, blocks and markers.
+
+    Exits 1 on a problem (0 when the remote is sound, or with --repair when the repair
+    left it sound).
+    """
     if dry_run and not repair:
         raise UserError("--dry-run goes with --repair (verify alone changes nothing)")
+    after = None
     with _remote() as r:
         rep = r.verify(read_data=read_data, repair=repair, dry_run=dry_run)
+        if repair and not dry_run and not rep.sound:  # what the repair left: checked again
+            after = r.verify(read_data=False, repair=False, dry_run=False)
     if as_json:
-        emit(rep.as_dict())
+        emit({**rep.as_dict(), "sound_after_repair": None if after is None else after.sound})
     else:
         _print_verify(rep)
-    if not rep.sound and not (repair and not dry_run):
+        if after is not None and after.sound:
+            click.echo("ok: the repair left the remote sound (checked again: "
+                       f"{H.plural(after.entries, 'entry', 'entries')}, "
+                       f"{H.plural(after.blocks, 'block')}, "
+                       f"{H.plural(after.markers, 'marker')})")
+        elif after is not None:
+            click.echo("after the repair:")
+            _print_verify(after)
+            click.echo(f"kvstore: remote verify --repair left problems on {after.url}",
+                       err=True)
+    if not (rep.sound or (after is not None and after.sound)):
         click.get_current_context().exit(1)
 
 

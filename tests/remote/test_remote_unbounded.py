@@ -97,6 +97,8 @@ def test_every_command_skips_and_reports_each_hostile_manifest(
 
     rep = _cli(tmp_path, url, "remote", "verify", "--repair", "--json")
     assert rep.code == 0 and rep.json()["dropped"] == bad
+    # issue 38, item 8: found unsound, and the repair left it sound (checked again)
+    assert (rep.json()["sound"], rep.json()["sound_after_repair"]) == (False, True)
     assert _cli(tmp_path, url, "remote", "verify").code == 0
 
 
