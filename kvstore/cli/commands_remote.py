@@ -11,7 +11,17 @@ from typing import Any
 import click
 
 from . import render as H
-from ._util import ByteSize, UserError, common, emit, json_option, open_store, opts, remote_url
+from ._util import (
+    ByteSize,
+    UserError,
+    cmd,
+    common,
+    emit,
+    json_option,
+    open_store,
+    opts,
+    remote_url,
+)
 
 __all__ = ["pull", "push", "remote_group"]
 
@@ -53,7 +63,8 @@ def push(timeout: float | None, as_json: bool) -> None:
         for e in st.errors[:5]:
             click.echo(f"  failed: {e}", err=True)
     if st.failed or st.pending:
-        raise UserError(f"{st.failed + st.pending} entries not pushed (run 'kvstore push' again)")
+        raise UserError(f"{st.failed + st.pending} entries not pushed "
+                        f"(run '{cmd('push', remote=True)}' again)")
 
 
 @click.command()
@@ -133,8 +144,9 @@ def remote_ls(as_json: bool) -> None:
                    f"{e.model_id}/{e.namespace}{flag}")
     _say(f"{H.plural(len(rows), 'entry', 'entries')} on {r.url}")
     if skipped:
-        click.echo(f"skipped {H.plural(len(skipped), 'bad manifest')} ('kvstore remote verify' "
-                   f"says why): {', '.join(h[:12] for h in skipped)}", err=True)
+        click.echo(f"skipped {H.plural(len(skipped), 'bad manifest')} "
+                   f"('{cmd('remote verify', remote=True)}' says why): "
+                   f"{', '.join(h[:12] for h in skipped)}", err=True)
     if refused:
         click.echo(f"refused {H.plural(len(refused), 'manifest')} not signed with the signing "
                    f"key: {', '.join(h[:12] for h in refused)}", err=True)
@@ -217,9 +229,10 @@ def _print_verify(rep: Any) -> None:
             click.echo(f"  {H.plural(rep.dangling, 'marker')} naming no manifest")
     if rep.incomplete:
         _say(f"note: {H.plural(len(rep.incomplete), 'push', 'pushes')} not finished "
-             "(in progress, or stopped: 'kvstore push' completes them)")
+             f"(in progress, or stopped: '{cmd('push', remote=True)}' completes them)")
     if not rep.read_data:
-        _say("note: block contents were not read; 'kvstore remote verify --read-data' "
+        _say("note: block contents were not read; "
+             f"'{cmd('remote verify --read-data', remote=True)}' "
              "downloads and hashes every block")
     if rep.repair:
         did = "would drop" if rep.dry_run else "dropped"
@@ -258,7 +271,7 @@ def remote_compact(max_bytes: int | None, grace: float | None, dry_run: bool,
                    err=True)
     if rep.bad_manifests:
         click.echo(f"skipped {H.plural(len(rep.bad_manifests), 'bad manifest')} (kept; "
-                   "'kvstore remote verify --repair' drops them): "
+                   f"'{cmd('remote verify --repair', remote=True)}' drops them): "
                    + ", ".join(h[:12] for h in rep.bad_manifests[:5]), err=True)
     if rep.access_ignored:
         click.echo(f"ignored {H.plural(rep.access_ignored, 'access record')} that could not "

@@ -105,7 +105,7 @@ def test_verify_sound_then_corrupt_exits_1(fresh_root: Root) -> None:
     assert bad.code == 1
     assert "corrupt blocks" in bad.out and digest.hex()[:12] in bad.out
     assert bad.err.strip() == (f"kvstore: verify found problems in {root}; "
-                               "'kvstore verify --read-data --repair' can fix it")
+                               f"'kvstore verify --read-data --repair --root {root}' can fix it")
     d = run("verify", "--read-data", "--json", "--root", root)
     assert d.code == 1 and d.json()["sound"] is False
     assert d.json()["report"]["corrupt_blocks"] == [digest.hex()]
