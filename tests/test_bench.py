@@ -340,3 +340,17 @@ def test_a_serve_that_does_not_start_keeps_its_log_outside_the_scratch(
     assert kept.parent == tmp_path and kept.name.startswith("kvstore-bench-serve-")
     text = kept.read_text()
     assert text == f"kvstore: error: --model {tmp_path / 'no-model'}: no such model directory\n"
+
+
+# --- issue 38, item 16: a group not asked for is "not run", not "not measured" ---------------
+
+
+def test_a_target_of_a_group_not_asked_for_says_not_run() -> None:
+    from kvstore.bench.report import Target, targets, targets_table
+
+    ts = targets([])
+    assert ts[0] == Target("save speed", ">= 0.9x", "not run", None,
+                           "the save group was not run (--only left it out)")
+    assert "| save speed | >= 0.9x | not run | n/a: the save group was not run (--only left it " \
+           "out) |" in targets_table(ts)
+    assert "not measured" not in targets_table(ts)
