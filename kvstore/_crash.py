@@ -18,6 +18,12 @@ And those of the remote tier (``REMOTE_POINTS``; docs/FORMAT.md, "The remote tie
 - ``push_before_exact``: a push, its depth markers put, its exact marker not yet
 - ``remote_gc_after_list``: remote compact, everything listed, nothing deleted
 - ``remote_gc_after_delete``: remote compact, after its first delete, lease still held
+
+And those of ``kvstore model fetch`` (``MODEL_POINTS``, kvstore/mlx_lm/gguf.py):
+
+- ``convert_before_place``: a conversion, every file written in its temporary folder,
+  nothing in the target yet
+- ``convert_mid_place``: a conversion into an existing directory, its first file moved in
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ REMOTE_POINTS = (
     "remote_gc_after_list",
     "remote_gc_after_delete",
 )
+MODEL_POINTS = ("convert_before_place", "convert_mid_place")
 
 _AT = os.environ.get("KVSTORE_CRASH_AT", "")
 

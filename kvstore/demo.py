@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 
 from kvstore import Store
+from kvstore.errors import KVStoreError
 from kvstore.mlx_lm import PersistentPromptCache
 from kvstore.tiny import make_tiny_model, sample_text
 
@@ -273,6 +274,10 @@ def _python() -> list[str]:
     return [sys.executable] if home == Path.cwd().resolve() else [sys.executable, "-P"]
 
 
+class DemoModelError(KVStoreError, ValueError):
+    """``--model`` names neither a known model nor an mlx-lm model directory."""
+
+
 def _real_model(model: str | None, say: Callable[[str], None]) -> Path | None:
     """The real model's directory for ``--model``, saying which and why; None for the tiny
     model (the default, whatever the model cache holds: it runs in seconds, offline)."""
@@ -290,8 +295,17 @@ def _real_model(model: str | None, say: Callable[[str], None]) -> Path | None:
         d = fetch_model(model, log=say)
         say(f"model: {model}, {MODELS[model].description} (--model {model}): {d}")
         return d
+    path = Path(model).expanduser()
+    known = ", ".join(sorted(MODELS))
+    if not path.exists():
+        raise DemoModelError(f"--model {model}: no such model directory (give {known} or an "
+                             "mlx-lm model directory)")
+    if not path.is_dir():
+        raise DemoModelError(f"--model {model}: not a model directory")
+    if not (path / "config.json").is_file():
+        raise DemoModelError(f"--model {model}: not a model directory (no config.json)")
     say(f"model: {model} (--model)")
-    return Path(model)
+    return path
 
 
 def _second(argv: list[str], quiet: bool) -> int:

@@ -23,7 +23,14 @@ class KVStoreError(Exception):
 
 
 class NotAStoreError(KVStoreError, FileNotFoundError):
-    """The path is not a kvstore root (or does not exist)."""
+    """The path is not a kvstore root (or does not exist); ``command``, when set, is the
+    ``kvstore`` command that makes it one (``init``), for the command line to spell with
+    the ``--root`` its user gave."""
+
+    def __init__(self, message: str, *, command: str | None = None) -> None:
+        super().__init__(message + (f"; run kvstore {command}" if command else ""))
+        self.message = message
+        self.command = command
 
 
 class RootSettingsError(KVStoreError, ValueError):

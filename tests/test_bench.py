@@ -268,3 +268,89 @@ def test_startup_children_use_cached_bytecode_as_an_install_does(
     env = startup._env()
     assert "PYTHONDONTWRITEBYTECODE" not in env and "KVSTORE_ROOT" not in env
     assert env["PATH"] == os.environ["PATH"]
+
+
+# --- issue 38, item 2: a worker that dies is an error at once, not a 600 s wait -------------
+
+
+def test_a_dead_worker_is_an_error_at_once_naming_its_exit() -> None:
+    """A spawned worker that exits without its result (it died importing kvstore in a clone
+    named kvstore) once left the bench waiting 600 s on Queue.get; the worker still alive
+    beside it (waiting at the barrier for the dead one) is stopped."""
+    import multiprocessing as mp
+    import time
+
+    from kvstore.bench.concurrency import WorkerDiedError, gather
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    ps = [ctx.Process(target=os._exit, args=(3,)), ctx.Process(target=time.sleep, args=(60,))]
+    for p in ps:
+        p.start()
+    t = time.monotonic()
+    with pytest.raises(WorkerDiedError) as e:
+        gather(out, ps, "a kv restore worker", timeout=60)
+    assert str(e.value) == ("a kv restore worker died before sending its result "
+                            "(exit code 3; its error is above)")
+    assert time.monotonic() - t < 15
+    assert [p.exitcode for p in ps] == [3, -15]
+
+
+def test_a_worker_that_exits_cleanly_without_a_result_is_an_error() -> None:
+    import multiprocessing as mp
+
+    from kvstore.bench.concurrency import WorkerDiedError, gather
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=os._exit, args=(0,))
+    p.start()
+    with pytest.raises(WorkerDiedError, match=r"^a ml restore worker exited \(exit code 0\) "
+                                              r"without sending its result$"):
+        gather(out, [p], "a ml restore worker", timeout=60, grace=0.5)
+
+
+# --- issue 38, item 3: the write-cost serve runs with -P and a failed one keeps its log ------
+
+
+def test_a_serve_that_does_not_start_keeps_its_log_outside_the_scratch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run from the folder that holds a clone named kvstore (``-P`` keeps it off sys.path),
+    a serve that fails keeps its log where the error says, after the scratch is gone."""
+    import shutil
+    import tempfile
+
+    from kvstore.bench.write_cost import serve_chat
+
+    holder = tmp_path / "src"
+    holder.mkdir()
+    (holder / "kvstore").symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
+    monkeypatch.chdir(holder)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    with pytest.raises(RuntimeError) as e:
+        serve_chat(tmp_path / "no-model", scratch / "root", [], "system",
+                   ("hi",), 1, scratch / "deferred.log")
+    m = re.fullmatch(r"kvstore serve did not start \(exit code 2\); its log: (\S+)", str(e.value))
+    assert m, str(e.value)
+    shutil.rmtree(scratch)
+    kept = Path(m[1])
+    assert kept.parent == tmp_path and kept.name.startswith("kvstore-bench-serve-")
+    text = kept.read_text()
+    assert text == f"kvstore: error: --model {tmp_path / 'no-model'}: no such model directory\n"
+
+
+# --- issue 38, item 16: a group not asked for is "not run", not "not measured" ---------------
+
+
+def test_a_target_of_a_group_not_asked_for_says_not_run() -> None:
+    from kvstore.bench.report import Target, targets, targets_table
+
+    ts = targets([])
+    assert ts[0] == Target("save speed", ">= 0.9x", "not run", None,
+                           "the save group was not run (--only left it out)")
+    assert "| save speed | >= 0.9x | not run | n/a: the save group was not run (--only left it " \
+           "out) |" in targets_table(ts)
+    assert "not measured" not in targets_table(ts)

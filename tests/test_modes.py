@@ -244,7 +244,7 @@ def test_an_old_world_readable_root_keeps_working_and_verify_notes_it(tmp_path: 
     r = run_here("--root", root, "verify")
     assert r.code == 0
     assert ("note: any user of this machine can read index/data.mdb and blocks/ (the stored "
-            "prompts' tokens and KV); 'chmod -R go-rwx ROOT' makes the root private") in r.out
+            f"prompts' tokens and KV); 'chmod -R go-rwx {root}' makes the root private") in r.out
     assert run_here("--root", root, "verify", "--json").json()["world_readable"] == [
         "index/data.mdb", "blocks/"]
     root.chmod(0o700)  # one private directory on the way is enough

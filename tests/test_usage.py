@@ -76,6 +76,7 @@ def test_a_reset_starts_the_since_reset_counts_and_keeps_the_lifetime(tmp_path: 
         ((-1, 0, None), {}, "prompt_tokens must be an int >= 0"),
         ((True, 0, None), {}, "prompt_tokens must be an int >= 0"),
         ((10, 0, None), {"miss": "bad luck"}, "miss must be one of"),
+        ((10, 0, None), {}, "a request that reused nothing needs its miss reason"),
     ],
 )
 def test_note_request_refuses_figures_that_contradict_each_other(
@@ -180,3 +181,51 @@ def test_a_remote_that_does_not_answer_is_the_reason(
         u = s.usage().lifetime
     assert u.miss_reasons == {"remote_timeout": 1} and u.local_tokens == 40
     assert "unreachable" in caplog.text
+
+
+# --- issue 38, item 9: every miss has its reason, and they add up --------------------------
+
+
+def test_every_request_that_reused_nothing_has_a_reason_and_they_add_up(tmp_path: Path) -> None:
+    """``stats`` said "missed 8 requests … no_entry 4, other_model 2": the other two, prompts
+    of one token, had no reason."""
+    from kvstore.mlx_lm import PersistentPromptCache
+    from kvstore.tiny import make_tiny_model
+
+    key = (str(make_tiny_model(tmp_path / "llama", "llama")), None, None)
+    toks = _toks(40)
+    with open_store(tmp_path / "root") as s:
+        s.save(toks, make_cache(toks))
+        for _ in range(2):
+            assert s.restore(toks, namespace=OTHER_MODEL) == (None, 0)
+        for seed in range(2, 6):
+            assert s.restore(_toks(40, seed=seed)) == (None, 0)
+        assert s.restore(toks)[1] == 40
+        s.restore(toks[:20])
+        ppc = PersistentPromptCache(s)
+        for one in ([5], [6]):
+            cache, rest = ppc.fetch_nearest_cache(key, one)
+            assert cache is None and rest == one
+        assert ppc.request_counts().miss_reasons == {"too_short": 2}
+        ppc.close()
+        c = s.usage().lifetime
+    assert (c.requests, c.misses) == (10, 8)
+    assert c.miss_reasons == {"no_entry": 4, "other_model": 2, "too_short": 2}
+    assert sum(c.miss_reasons.values()) == c.misses and c.partial_reasons == {}
+    d = c.to_dict()
+    assert sum(d["miss_reasons"].values()) == d["misses"] == 8
+
+
+def test_a_partial_reuse_keeps_its_reason_apart_from_the_misses() -> None:
+    from kvstore.store.upkeep.usage import Counts
+
+    c = Counts()
+    c.note(100, 0, None, "no_entry")
+    c.note(100, 32, "local", "shallow")
+    c.note(100, 64, "memory", None)
+    assert (c.misses, c.miss_reasons, c.partial_reasons) == (1, {"no_entry": 1},
+                                                             {"shallow": 1})
+    both = c.copy()
+    both.add(c)
+    assert (both.miss_reasons, both.partial_reasons) == ({"no_entry": 2}, {"shallow": 2})
+    assert c.miss_reasons == {"no_entry": 1}  # the copy shares no dict

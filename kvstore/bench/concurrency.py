@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
+import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,56 @@ def _worker(kind: str, root: str, file: str, tokens: list[int], reps: int, barri
         store.close()
 
 
+class WorkerDiedError(RuntimeError):
+    """A worker process ended without sending its result."""
+
+
+def _exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+def gather(out: Any, procs: Sequence[Any], what: str, *, timeout: float = 600.0,
+           poll: float = 0.1, grace: float = 5.0) -> list[Any]:
+    """One result from `out` per process in `procs`, polling their liveness: a process that
+    ends without sending one raises :class:`WorkerDiedError` at once, naming `what` and its
+    exit, and the others are stopped (they may wait at a barrier for it forever)."""
+    got: list[Any] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < len(procs):
+            try:
+                got.append(out.get(timeout=poll))
+                continue
+            except queue.Empty:
+                pass
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise WorkerDiedError(f"{what} died before sending its result "
+                                      f"({_exit(dead[0].exitcode)}; its error is above)")
+            if all(p.exitcode == 0 for p in procs):
+                try:  # the last results may still be in the pipe
+                    got.append(out.get(timeout=grace))
+                    continue
+                except queue.Empty:
+                    raise WorkerDiedError(f"{what} exited (exit code 0) without sending "
+                                          "its result") from None
+            if time.monotonic() > deadline:
+                raise WorkerDiedError(f"{what}: no result after {timeout:.0f} s")
+    except BaseException:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(10)
+        raise
+    return got
+
+
 def _aggregate(kind: str, root: Path, file: Path, tokens: list[int], nbytes: int, procs: int,
                reps: int) -> float:
     """GB/s restored by ``procs`` processes together (wall time of the slowest)."""
@@ -50,7 +103,7 @@ def _aggregate(kind: str, root: Path, file: Path, tokens: list[int], nbytes: int
           for _ in range(procs)]
     for p in ps:
         p.start()
-    times = [out.get(timeout=600) for _ in ps]
+    times = gather(out, ps, f"a {kind} restore worker")
     for p in ps:
         p.join()
         if p.exitcode != 0:

@@ -63,8 +63,8 @@ def targets(rows: Sequence[Row]) -> list[Target]:
     def each(prefix: str, name: str, want: float, higher: bool = True) -> None:
         found = _find(rows, lambda r: r.name.startswith(prefix))
         if not found:
-            out.append(Target(name, f">= {want}x", "not measured", None,
-                              f"this run has no '{prefix}' row (--only left it out)"))
+            out.append(Target(name, f">= {want}x", "not run", None,
+                              f"the {prefix} group was not run (--only left it out)"))
         for r in found:
             ok = r.ratio >= want if higher else r.ratio <= want
             sign = ">=" if higher else "<="

@@ -15,10 +15,13 @@ deterministic: greedy decoding, the same tokens every run.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -48,11 +51,21 @@ def _post(port: int, body: dict[str, Any]) -> dict[str, Any]:
         return dict(json.loads(r.read()))
 
 
+def _kept(log_file: Path) -> Path:
+    """A copy of a failed child's log outside the bench's scratch folder (which is deleted
+    when the bench ends): in the temp dir, named so that it is found."""
+    fd, name = tempfile.mkstemp(prefix="kvstore-bench-serve-", suffix=".log")
+    with os.fdopen(fd, "wb") as out, log_file.open("rb") as src:
+        shutil.copyfileobj(src, out)
+    return Path(name)
+
+
 def serve_chat(model_dir: Path, root: Path, extra: list[str], system: str,
                turns: tuple[str, ...], reply_tokens: int, log_file: Path) -> list[dict[str, int]]:
     """Run the conversation through a fresh ``kvstore serve`` on ``root``; each turn's usage."""
     port = _free_port()
-    argv = [sys.executable, "-m", "kvstore.serve", "--root", str(root), "--model",
+    # -P: run from the folder that holds a clone, that clone must not hide the package
+    argv = [sys.executable, "-P", "-m", "kvstore.serve", "--root", str(root), "--model",
             str(model_dir), "--min-tokens", "32", "--host", "127.0.0.1", "--port", str(port),
             "--log-level", "INFO", *extra]
     usage = []
@@ -65,8 +78,10 @@ def serve_chat(model_dir: Path, root: Path, extra: list[str], system: str,
                     urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                     break
                 except (urllib.error.URLError, ConnectionError) as e:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"kvstore serve did not start (see {log_file})") from e
+                    if (code := proc.poll()) is not None or time.monotonic() > deadline:
+                        how = f"exit code {code}" if code is not None else "no answer in 300 s"
+                        raise RuntimeError(f"kvstore serve did not start ({how}); its log: "
+                                           f"{_kept(log_file)}") from e
                     time.sleep(0.3)
             history = [{"role": "system", "content": system}]
             for user in turns:

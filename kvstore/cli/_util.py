@@ -7,6 +7,7 @@ import importlib.util
 import json
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -59,6 +60,21 @@ class Options:
         from ..store import default_root
 
         return self.root if self.root is not None else default_root()
+
+    def command(self, args: str, *, remote: bool = False) -> str:
+        """``kvstore ARGS`` as a hint spells it: with the ``--root`` (and, for a command that
+        uses the remote, the ``--remote``) this run was given, so it acts where this one did."""
+        words = ["kvstore", args]
+        if self.root is not None:
+            words.append(f"--root {shlex.quote(str(self.root))}")
+        if remote and self.remote:
+            words.append(f"--remote {shlex.quote(self.remote)}")
+        return " ".join(words)
+
+
+def cmd(args: str, *, remote: bool = False) -> str:
+    """:meth:`Options.command` of this run."""
+    return opts().command(args, remote=remote)
 
 
 # --- shared options ---------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import time
 from typing import Any
 
@@ -13,6 +14,7 @@ from . import render_usage as U
 from ._util import (
     ByteSize,
     UserError,
+    cmd,
     common,
     emit,
     grace_default,
@@ -154,7 +156,7 @@ def _tmp_text(tmp: Any) -> str:
     parts = []
     if tmp.abandoned_files:
         parts.append(f"{files(tmp.abandoned_files, tmp.abandoned_bytes)} left by writers that "
-                     "are gone (an interrupted save): 'kvstore compact' removes them")
+                     f"are gone (an interrupted save): '{cmd('compact')}' removes them")
     if live:
         parts.append(f"{files(live, tmp.bytes - tmp.abandoned_bytes)} being written")
     return "; ".join(parts)
@@ -167,14 +169,14 @@ def _unreferenced_text(zero: list[tuple[int, int]], held: list[tuple[int, int]],
         return f"{H.plural(len(items), 'block')}, {H.format_bytes(sum(z for z, _ in items))}"
 
     if held_until is None:
-        return f"{blocks(zero)} (freed by 'kvstore compact')"
-    keep = H.grace_hold(grace, held_until)
+        return f"{blocks(zero)} (freed by '{cmd('compact')}')"
+    keep = H.grace_hold(grace, held_until, cmd("compact --grace 0"))
     if len(held) == len(zero):
         return f"{blocks(zero)}, {keep}"
     due = len(zero) - len(held)
     due_bytes = sum(z for z, _ in zero) - sum(z for z, _ in held)
     return (f"{blocks(zero)}: {H.plural(due, 'block')}, {H.format_bytes(due_bytes)} freed by "
-            f"'kvstore compact'; {blocks(held)} {keep}")
+            f"'{cmd('compact')}'; {blocks(held)} {keep}")
 
 
 @click.command()
@@ -206,7 +208,7 @@ def rm(entries: tuple[str, ...], as_json: bool) -> None:
                    f"{H.format_bytes(uniq[i])} unique)")
     if freed:
         click.echo(f"{H.format_bytes(freed)} of blocks are now unreferenced; "
-                   "'kvstore compact' deletes them after the grace period")
+                   f"'{cmd('compact')}' deletes them after the grace period")
 
 
 @click.command()
@@ -242,7 +244,7 @@ def compact(max_bytes: int | None, namespace_max_bytes: int | None, grace: float
     if data.get("held_until") is not None:  # evicted, yet not freed: say why and until when
         shown["held_back"] = (f"{H.format_bytes(data['held_bytes'])} in "
                               f"{H.plural(data['held_blocks'], 'block')} "
-                              f"{H.grace_hold(grace, data['held_until'])}")
+                              + H.grace_hold(grace, data["held_until"], cmd("compact --grace 0")))
         once = data["physical_after"] - data["held_bytes"]
         budget = "" if max_bytes is None else (
             f", within --max-bytes {H.format_bytes(max_bytes)}" if once <= max_bytes
@@ -266,35 +268,43 @@ def verify(read_data: bool, repair: bool, dry_run: bool, as_json: bool) -> None:
     """Check the index against the block files.
 
     Without --read-data, blocks are checked for presence, type and size; their
-    contents are not read. Exits 1 when a problem is found (0 when the store is sound).
+    contents are not read. Exits 1 when a problem is found (0 when the store is sound,
+    or with --repair when the repair left it sound).
     """
     if dry_run and not repair:
         raise UserError("--dry-run goes with --repair (verify alone changes nothing)")
+    after = None
     with open_store(writes="repair" if repair and not dry_run else None) as store, \
             phase_progress({"blocks": "B"}) as bar:
         report = store.verify(read_data=read_data, repair=repair, dry_run=dry_run,
                               progress=bar)
+        if repair and not dry_run and not report.sound:  # what the repair left: checked again
+            after = store.verify(read_data=False, repair=False, dry_run=False)
         tmp = store.temp_files()
     from ..store.local.modes import world_readable
 
     exposed = world_readable(store.root)
     data = H.report_dict(report)
     sound = report.sound
+    repaired_sound = None if after is None else after.sound
     if as_json:
         emit({"root": str(store.root), "sound": sound, "dry_run": dry_run, "report": data,
+              "sound_after_repair": repaired_sound,
               "tmp_abandoned_files": tmp.abandoned_files,
               "tmp_abandoned_bytes": tmp.abandoned_bytes, "world_readable": exposed})
     else:
-        _print_verify(data, sound, repair=repair, dry_run=dry_run, root=str(store.root))
+        _print_verify(data, sound, repair=repair, dry_run=dry_run, root=str(store.root),
+                      after=None if after is None else (after.sound, H.report_dict(after)))
         if tmp.abandoned_files and not opts().quiet:  # not a fault of the store: a note
             click.echo(f"note: tmp/ holds {H.plural(tmp.abandoned_files, 'file')} "
                        f"({H.format_bytes(tmp.abandoned_bytes)}) left by writers that are "
-                       "gone (an interrupted save); 'kvstore compact' removes them")
+                       f"gone (an interrupted save); '{cmd('compact')}' removes them")
         if exposed and not opts().quiet:  # an old root's modes: a note, never a chmod
             click.echo(f"note: any user of this machine can read {' and '.join(exposed)} "
-                       "(the stored prompts' tokens and KV); 'chmod -R go-rwx ROOT' makes "
+                       "(the stored prompts' tokens and KV); "
+                       f"'chmod -R go-rwx {shlex.quote(str(store.root))}' makes "
                        "the root private (see the README's Trust and security)")
-    if not sound:
+    if not (sound or repaired_sound):
         click.get_current_context().exit(1)
 
 
@@ -303,7 +313,7 @@ _VERIFY_SKIP = ("entries", "blocks", "bytes_hashed", "data_read", "dry_run", "re
 
 
 def _print_verify(data: dict[str, Any], sound: bool, *, repair: bool, dry_run: bool,
-                  root: str) -> None:
+                  root: str, after: tuple[bool, dict[str, Any]] | None = None) -> None:
     plan = data.get("plan") or {}
     actions = H.plan_lines(plan)
     if dry_run:
@@ -323,8 +333,8 @@ def _print_verify(data: dict[str, Any], sound: bool, *, repair: bool, dry_run: b
     else:
         click.echo("\n".join(H.render_report(data, skip_empty=True, skip=_VERIFY_SKIP)))
     if not quiet and not data.get("data_read"):
-        how = ("'kvstore verify --read-data --repair' also repairs what that finds" if repair
-               else "'kvstore verify --read-data' hashes every block")
+        how = (f"'{cmd('verify --read-data --repair')}' also repairs what that finds" if repair
+               else f"'{cmd('verify --read-data')}' hashes every block")
         click.echo(f"note: block contents were not read (only presence, type and size); {how}")
     if repair and not dry_run:
         if not actions:
@@ -334,9 +344,20 @@ def _print_verify(data: dict[str, Any], sound: bool, *, repair: bool, dry_run: b
             click.echo("repair did this:")
     if actions and (dry_run or repair):
         click.echo("\n".join(f"  {line}" for line in actions))
+    if after is not None:  # a repair of a store found unsound: what it left, checked again
+        left_sound, left = after
+        if left_sound:
+            click.echo(f"ok: the repair left the store sound (checked again: "
+                       f"{H.plural(left['entries'], 'entry', 'entries')}, "
+                       f"{H.plural(left['blocks'], 'block')})")
+            return
+        click.echo("after the repair:")
+        click.echo("\n".join(H.render_report(left, skip_empty=True, skip=_VERIFY_SKIP)))
+        click.echo(f"kvstore: verify --repair left problems in {root}", err=True)
+        return
     if not sound:
         # the repair must see what this run saw: a corrupt block is only found by reading it
-        again = "kvstore verify --read-data --repair" if data.get("data_read") \
-            else "kvstore verify --repair"
+        again = cmd("verify --read-data --repair") if data.get("data_read") \
+            else cmd("verify --repair")
         hint = "" if repair else f"; '{again}' can fix it"
         click.echo(f"kvstore: verify found problems in {root}{hint}", err=True)

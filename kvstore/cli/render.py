@@ -109,11 +109,12 @@ def format_time(ms: int) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ms / 1000))
 
 
-def grace_hold(grace: float, until_ms: int) -> str:
-    """Why unreferenced blocks stay, and when they go: the words of compact and stats."""
+def grace_hold(grace: float, until_ms: int, now: str = "kvstore compact --grace 0") -> str:
+    """Why unreferenced blocks stay, and when they go: the words of compact and stats
+    (``now``: the command that frees them now, as the hint spells it)."""
     return (f"kept by the {grace:g} s grace until {format_time(until_ms)} "
             f"({format_until(until_ms)}; a compact after that frees them; "
-            "'kvstore compact --grace 0' frees them now)")
+            f"'{now}' frees them now)")
 
 
 def format_until(ms: int, now_ms: int | None = None) -> str:

@@ -21,9 +21,11 @@ def saved_text(c: Counts) -> str:
             f"{H.plural(c.prompt_tokens, 'prompt token')})")
 
 
+def _reasons(why: dict[str, int]) -> str:
+    return ", ".join(f"{k} {H.format_count(v)}" for k, v in sorted(why.items()) if v) or "-"
+
+
 def _column(c: Counts) -> list[str]:
-    reasons = ", ".join(f"{k} {H.format_count(v)}" for k, v in sorted(c.miss_reasons.items())
-                        if v)
     return [
         saved_text(c),
         H.format_count(c.requests),
@@ -31,7 +33,8 @@ def _column(c: Counts) -> list[str]:
           f"{H.plural(getattr(c, f'{t}_tokens'), 'token')}" for t, _ in TIER_LABELS),
         H.plural(c.computed_tokens, "token"),
         H.plural(c.misses, "request") + " reused nothing",
-        reasons or "-",
+        _reasons(c.miss_reasons),
+        _reasons(c.partial_reasons),
     ]
 
 
@@ -39,7 +42,7 @@ def usage_lines(u: Usage) -> list[str]:
     """The requests block of ``kvstore stats``: the root's lifetime, and since the last reset
     when there was one."""
     labels = ["tokens saved", "requests", *(label for _, label in TIER_LABELS),
-              "computed", "missed", "miss reasons"]
+              "computed", "missed", "miss reasons", "reused less"]
     life = u.lifetime
     head = [f"lifetime (since {H.format_time(life.since)})" if life.since else "lifetime"]
     cols = [_column(life)]
@@ -54,6 +57,7 @@ def usage_lines(u: Usage) -> list[str]:
         return ("  " + first.ljust(lw) + "  " + "  ".join(cells)).rstrip()
 
     lines = [row("requests", head)]
-    lines += [row(label, [col[i] for col in cols]) for i, label in enumerate(labels)]
+    lines += [row(label, [col[i] for col in cols]) for i, label in enumerate(labels)
+              if label != "reused less" or any(col[i] != "-" for col in cols)]
     lines[0] = lines[0][2:]  # the block's title starts in the first column
     return lines

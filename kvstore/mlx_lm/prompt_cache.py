@@ -457,10 +457,10 @@ class PersistentPromptCache:
         `have` tokens, the tier it came from, and else why not."""
         # Look up all but the last token: like mlx-lm, leave at least one to process.
         if len(tokens) - 1 <= max(have, 0):
-            return None, None, None
+            return None, None, "too_short" if have <= 0 else None
         namespace = self.namespace_for(model_key)
-        if namespace is None:
-            return None, None, None
+        if namespace is None:  # a key kept in memory only: the store holds nothing of it
+            return None, None, "no_entry" if have <= 0 else None
         query = tokens[:-1]
         try:
             match = self.store.lookup(query, namespace=namespace)
@@ -573,8 +573,7 @@ class PersistentPromptCache:
     def request_counts(self) -> Counts:
         """This process's requests by tier (a copy; the root keeps them too: Store.usage)."""
         with self._lock:
-            return Counts(**{f: getattr(self._usage, f) for f in self._usage.__struct_fields__
-                             if f != "miss_reasons"}, miss_reasons=dict(self._usage.miss_reasons))
+            return self._usage.copy()
 
     @property
     def pending(self) -> int:

@@ -38,11 +38,13 @@ def test_temp_files_of_a_writer_that_is_gone_are_counted_and_compacted(fresh_roo
     text = run_here("stats", "--root", root).out
     row = next(line for line in text.splitlines() if line.startswith("temp files "))
     assert row.split(None, 2)[2] == ("1 file, 3.0 MiB left by writers that are gone (an "
-                                     "interrupted save): 'kvstore compact' removes them; "
+                                     f"interrupted save): 'kvstore compact --root {root}' "
+                                     "removes them; "
                                      "1 file, 1000 B being written")
     v = run_here("verify", "--root", root)
     assert v.code == 0 and ("note: tmp/ holds 1 file (3.0 MiB) left by writers that are gone "
-                            "(an interrupted save); 'kvstore compact' removes them") in v.out
+                            f"(an interrupted save); 'kvstore compact --root {root}' removes "
+                            "them") in v.out
     dry = run_here("compact", "--dry-run", "--json", "--root", root).json()["report"]
     assert (dry["tmp_removed"], dry["tmp_bytes"]) == (1, 3 << 20)
     done = run_here("compact", "--json", "--root", root).json()["report"]  # default grace
@@ -65,7 +67,8 @@ def test_compact_says_when_the_bytes_it_holds_back_are_free(fresh_root: Root) ->
     lines = r.out.splitlines()
     (held,) = [line for line in lines if line.startswith("held back")]
     assert re.search(r"until \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \(in 1[01] min; a compact after "
-                     r"that frees them; 'kvstore compact --grace 0' frees them now\)$", held)
+                     r"that frees them; 'kvstore compact --grace 0 --root \S+' frees them "
+                     r"now\)$", held)
     (then,) = [line for line in lines if line.startswith("on disk then")]
     assert then.endswith("0 B once they are freed, within --max-bytes 2.0 KiB"), then
     d = run_here("compact", "--grace", "0", "--json", "--root", root).json()["report"]

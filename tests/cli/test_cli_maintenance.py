@@ -105,7 +105,7 @@ def test_verify_sound_then_corrupt_exits_1(fresh_root: Root) -> None:
     assert bad.code == 1
     assert "corrupt blocks" in bad.out and digest.hex()[:12] in bad.out
     assert bad.err.strip() == (f"kvstore: verify found problems in {root}; "
-                               "'kvstore verify --read-data --repair' can fix it")
+                               f"'kvstore verify --read-data --repair --root {root}' can fix it")
     d = run("verify", "--read-data", "--json", "--root", root)
     assert d.code == 1 and d.json()["sound"] is False
     assert d.json()["report"]["corrupt_blocks"] == [digest.hex()]
@@ -141,3 +141,37 @@ def test_the_command_verify_suggests_is_the_one_that_fixes_it(fresh_root: Root,
     assert "repair did this:" in fix.out and "nothing needed repair" not in fix.out, fix
     assert run_here("verify", "--read-data", "--root", root).code == 0
 
+
+
+def test_a_repair_that_leaves_a_sound_store_exits_0_and_says_what_it_did(
+        fresh_root: Root) -> None:
+    """Issue 38, item 8: ``verify --read-data --repair`` exited 1 and said "verify found
+    problems" after a repair that had left the store sound."""
+    root = fresh_root.path
+    with Store.open(root, create=False) as s:
+        digest = s.manifest(fresh_root.ids["a40"]).token_blocks[-1]
+        path = s.blocks.path(digest)
+    path.write_bytes(b"\0" * path.stat().st_size)
+    r = run("verify", "--read-data", "--repair", "--root", root)
+    assert (r.code, r.err) == (0, ""), r
+    lines = r.out.splitlines()
+    at = lines.index("repair did this:")
+    assert lines[at + 1].startswith(f"  quarantine block {digest.hex()} (bytes hashing to ")
+    assert "verify found problems" not in r.out + r.err
+    assert re.fullmatch(r"ok: the repair left the store sound \(checked again: 6 entries, "
+                        r"\d+ blocks\)", lines[-1]), lines[-1]
+    again = run_here("verify", "--read-data", "--repair", "--json", "--root", root)
+    assert again.code == 0 and again.json()["sound"] is True
+    assert again.json()["sound_after_repair"] is None  # nothing was found: nothing re-checked
+
+
+def test_a_repair_json_says_the_store_was_unsound_and_the_repair_left_it_sound(
+        fresh_root: Root) -> None:
+    root = fresh_root.path
+    with Store.open(root, create=False) as s:
+        path = s.blocks.path(s.manifest(fresh_root.ids["a40"]).token_blocks[-1])
+    path.unlink()
+    r = run("verify", "--repair", "--json", "--root", root)
+    assert (r.code, r.err) == (0, ""), r
+    assert (r.json()["sound"], r.json()["sound_after_repair"]) == (False, True)
+    assert r.json()["report"]["repaired"] is True

@@ -80,7 +80,7 @@ def test_stats_does_not_promise_what_only_grace_zero_frees(fresh_root: Root) -> 
     run_here("rm", fresh_root.ids["a90"], "--root", root)
     r = run_here("stats", "--root", root)
     (line,) = [line for line in r.out.splitlines() if line.startswith("unreferenced")]
-    assert "freed by 'kvstore compact'" not in line
+    assert "freed by 'kvstore compact" not in line
     assert "600 s grace" in line and "--grace 0" in line, line
     d = run_here("stats", "--json", "--root", root).json()
     assert d["unreferenced_held_bytes"] == d["unreferenced_bytes"] > 0

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from cli_helpers import assert_user_error, run, run_here
+from cli_helpers import assert_user_error, run, run_here, run_many
 
 
 def test_demo_fills_the_root_and_reuses_it_from_a_second_process(tmp_path: Path) -> None:
@@ -79,3 +79,18 @@ def test_serve_rejects_a_bad_budget_without_starting() -> None:
 
 def test_an_unknown_command_is_a_user_error() -> None:
     assert_user_error(run_here("frobnicate"), "No such command 'frobnicate'", "kvstore --help")
+
+
+def test_demo_with_a_model_that_is_not_there_is_one_line(tmp_path: Path) -> None:
+    """Issue 38, item 5: ``demo --model /tmp/nope`` printed a 42-line HFValidationError."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    cases = {"nope": "no such model directory (give smollm2 or an mlx-lm model directory)",
+             "file": "not a model directory", "empty": "not a model directory (no config.json)"}
+    got = run_many([("demo", "--root", str(tmp_path / "root"), "--model", str(tmp_path / n))
+                    for n in cases])
+    for name, why in cases.items():
+        r = got[("demo", "--root", str(tmp_path / "root"), "--model", str(tmp_path / name))]
+        assert (r.code, r.out, r.err) == (2, "", f"kvstore: error: --model {tmp_path / name}: "
+                                                 f"{why}\n"), r
+    assert not (tmp_path / "root").exists()

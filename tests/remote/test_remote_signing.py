@@ -396,8 +396,9 @@ def test_the_cli_with_a_key_file(tmp_path: Path, url: str) -> None:
     assert cli("remote", "stats")["refused"] == 1
     ver = cli("remote", "verify", "--read-data", rc=1)
     assert ver["refused"] == [bad] and ver["sound"] is False
-    ver = cli("remote", "verify", "--repair")
+    ver = cli("remote", "verify", "--repair", rc=1)  # the refused manifest stays: not sound
     assert ver["refused"] == [bad] and ver["dropped"] == [] and ver["deleted_blocks"] == 0
+    assert ver["sound_after_repair"] is False
     comp = cli("remote", "compact", "--grace", "0", "--max-bytes", f"{2 * T * 64}B")
     assert comp["refused"] == [bad] and comp["evicted"] == [] and comp["blocks_deleted"] == 0
     assert objects(url) == before

@@ -69,7 +69,8 @@ def test_every_command_skips_and_reports_each_hostile_manifest(
     assert ls.json()["skipped"] == bad
     ls = _cli(tmp_path, url, "remote", "ls")
     assert ls.code == 0 and ls.err.strip().splitlines() == [
-        "skipped 5 bad manifests ('kvstore remote verify' says why): "
+        f"skipped 5 bad manifests ('kvstore remote verify --root {tmp_path / 'cli'} "
+        f"--remote {url}' says why): "
         + ", ".join(h[:12] for h in bad)]
 
     v = _cli(tmp_path, url, "remote", "verify", "--json")
@@ -80,7 +81,8 @@ def test_every_command_skips_and_reports_each_hostile_manifest(
     for dry in (["--dry-run"], []):
         c = _cli(tmp_path, url, "remote", "compact", "--grace", "0", *dry)
         assert c.code == 0 and c.err.strip().splitlines() == [
-            "skipped 5 bad manifests (kept; 'kvstore remote verify --repair' drops them): "
+            f"skipped 5 bad manifests (kept; 'kvstore remote verify --repair --root "
+            f"{tmp_path / 'cli'} --remote {url}' drops them): "
             + ", ".join(h[:12] for h in bad)]
         c = _cli(tmp_path, url, "remote", "compact", "--grace", "0", "--json", *dry)
         assert c.code == 0 and sorted(c.json()["bad_manifests"]) == bad
@@ -97,6 +99,8 @@ def test_every_command_skips_and_reports_each_hostile_manifest(
 
     rep = _cli(tmp_path, url, "remote", "verify", "--repair", "--json")
     assert rep.code == 0 and rep.json()["dropped"] == bad
+    # issue 38, item 8: found unsound, and the repair left it sound (checked again)
+    assert (rep.json()["sound"], rep.json()["sound_after_repair"]) == (False, True)
     assert _cli(tmp_path, url, "remote", "verify").code == 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -232,13 +233,13 @@ def open_root(
     if block_tokens is not None and block_tokens <= 0:
         raise RootSettingsError(f"block_tokens must be positive, got {block_tokens}")
     idx_dir = path / "index"
+    if path.exists() and not path.is_dir():  # before any hint to create a root there
+        raise NotAStoreError(f"{path} is a file, not a directory: a kvstore root is a directory")
     check_layout(path)
     fresh = not (idx_dir / "data.mdb").exists()
     if fresh:
         if not create or read_only:
-            raise NotAStoreError(f"{path} is not a kvstore root (no index/); run kvstore init")
-        if path.exists() and not path.is_dir():
-            raise NotAStoreError(f"{path} is not a directory")
+            raise NotAStoreError(f"{path} is not a kvstore root (no index/)", command="init")
         if path.is_dir() and _foreign(path):
             raise NotAStoreError(f"{path} is not a kvstore root and is not empty")
     elif read_only is None and not root_writable(path):
@@ -306,7 +307,8 @@ def _not_shared(path: Path, have: RootModes, want: RootModes) -> str:
     g = group_name(want.group)
     if have.group is not None:
         return f"{path} is shared with group {group_name(have.group)}, not {g}"
+    root = shlex.quote(str(path))
     return (f"{path} is a private root (created before --shared-group, or without it); "
             f"kvstore never changes an existing root's modes. To share it with {g}, as its "
-            f"owner: chgrp -R {g} ROOT && chmod -R g+rwX,o-rwx ROOT && "
-            "find ROOT -type d -exec chmod g+s {} +")
+            f"owner: chgrp -R {g} {root} && chmod -R g+rwX,o-rwx {root} && "
+            f"find {root} -type d -exec chmod g+s {{}} +")

@@ -42,6 +42,8 @@ MISS_REASONS = (
     "remote_timeout",  # the remote tier did not answer in time (or failed just before)
     "gone",  # the entry found was evicted or removed before it could be read
     "error",  # reading the entry failed otherwise (logged)
+    "too_short",  # a prompt of one token: mlx-lm computes at least the last one, so none
+    # of it can be reused
 )
 
 _N = Annotated[int, msgspec.Meta(ge=0)]
@@ -59,7 +61,10 @@ class Counts(msgspec.Struct, kw_only=True):
     local_tokens: _N = 0
     remote_requests: _N = 0
     remote_tokens: _N = 0
+    # why: of the requests that reused nothing (they add up to ``misses``), and of those
+    # that reused some tokens but less than the store shares with them
     miss_reasons: dict[str, _N] = msgspec.field(default_factory=dict)
+    partial_reasons: dict[str, _N] = msgspec.field(default_factory=dict)
 
     @property
     def reused_tokens(self) -> int:
@@ -89,10 +94,12 @@ class Counts(msgspec.Struct, kw_only=True):
     def add(self, other: Counts) -> None:
         """Add ``other``'s counts to these (``since`` stays)."""
         for name in self.__struct_fields__:
-            if name not in ("since", "miss_reasons"):
+            if name not in ("since", "miss_reasons", "partial_reasons"):
                 setattr(self, name, getattr(self, name) + getattr(other, name))
-        for reason, n in other.miss_reasons.items():
-            self.miss_reasons[reason] = self.miss_reasons.get(reason, 0) + n
+        for mine, theirs in ((self.miss_reasons, other.miss_reasons),
+                             (self.partial_reasons, other.partial_reasons)):
+            for reason, n in theirs.items():
+                mine[reason] = mine.get(reason, 0) + n
 
     def note(self, prompt_tokens: int, reused_tokens: int, tier: str | None,
              miss: str | None) -> None:
@@ -103,7 +110,13 @@ class Counts(msgspec.Struct, kw_only=True):
             setattr(self, f"{tier}_requests", getattr(self, f"{tier}_requests") + 1)
             setattr(self, f"{tier}_tokens", getattr(self, f"{tier}_tokens") + reused_tokens)
         if miss is not None:
-            self.miss_reasons[miss] = self.miss_reasons.get(miss, 0) + 1
+            why = self.partial_reasons if reused_tokens else self.miss_reasons
+            why[miss] = why.get(miss, 0) + 1
+
+    def copy(self) -> Counts:
+        """A copy that shares no dict with these counts."""
+        return msgspec.structs.replace(self, miss_reasons=dict(self.miss_reasons),
+                                       partial_reasons=dict(self.partial_reasons))
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape (docs/CLI.md, ``stats --json``: ``requests``)."""
@@ -119,6 +132,7 @@ class Counts(msgspec.Struct, kw_only=True):
             "tiers": {t: {"requests": getattr(self, f"{t}_requests"),
                           "tokens": getattr(self, f"{t}_tokens")} for t in TIERS},
             "miss_reasons": {r: self.miss_reasons.get(r, 0) for r in MISS_REASONS},
+            "partial_reasons": {r: self.partial_reasons.get(r, 0) for r in MISS_REASONS},
         }
 
 
@@ -150,6 +164,9 @@ def check_request(prompt_tokens: int, reused_tokens: int, tier: str | None,
         raise ValueError(f"tier must be one of {TIERS} when tokens were reused, got {tier!r}")
     if miss is not None and miss not in MISS_REASONS:
         raise ValueError(f"miss must be one of {MISS_REASONS} or None, got {miss!r}")
+    if not reused_tokens and miss is None:  # every miss has its reason: they add up
+        raise ValueError(f"a request that reused nothing needs its miss reason, one of "
+                         f"{MISS_REASONS}")
 
 
 def _decode(raw: bytes | None) -> Usage:
@@ -163,6 +180,7 @@ def _decode(raw: bytes | None) -> Usage:
         return Usage()
     for c in (u.lifetime, u.since_reset):  # only the reasons this version knows
         c.miss_reasons = {k: v for k, v in c.miss_reasons.items() if k in MISS_REASONS}
+        c.partial_reasons = {k: v for k, v in c.partial_reasons.items() if k in MISS_REASONS}
     return u
 
 
