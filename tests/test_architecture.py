@@ -32,6 +32,8 @@ TIERS: dict[str, set[str]] = {
     "kvstore.store": BASE
     | {"kvstore.schema", "kvstore.blocks", "kvstore.index", "kvstore.codecs", "kvstore.formats",
        "kvstore.catalog", "kvstore.remote"},
+    # what serve does to a request that knows nothing of mlx-lm (the prefix-stability rules)
+    "kvstore.serving": {"kvstore.errors"},
 }
 #: Above the store (cli/, mlx_lm/, bench/, the top-level modules): anything but the index,
 #: which only the store composes. The integrations never import the command line.

@@ -15,7 +15,9 @@ Two more of mlx-lm's functions are swapped for the call: the HTTP server's start
 so that a port taken meanwhile stops mlx-lm's generation thread (else the process
 waits on it forever), and the Hugging Face cache scan behind ``GET /v1/models``,
 which raises when no hub cache exists (a model served from a directory needs none).
-Three more carry a request's ``cache_salt`` (see :mod:`kvstore.mlx_lm.tenants`).
+Three more carry a request's ``cache_salt`` (see :mod:`kvstore.mlx_lm.tenants`), and
+two more apply the prefix-stability rules and tell the prompt cache a request's messages
+(see :mod:`kvstore.mlx_lm.rewrites`).
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ from typing import Any
 from kvstore import KVStoreError, Store, _human, default_root
 from kvstore.mlx_lm import PersistentPromptCache
 from kvstore.mlx_lm.prefill import segmenting_tokenize
+from kvstore.serving.rules import UnknownRuleError, select
 from kvstore.store.tiers import DEFAULT_DEADLINE
 
 from .metrics import ServeMetrics
 from .requests import RequestLog
+from .rewrites import rewriting_server
 from .tenants import salted_server
 from .writebehind import DEFAULT_DEFER_SECONDS
 
@@ -167,6 +171,27 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="hash every block of every save instead of referencing the blocks a stored "
         "entry holds for the same leading tokens",
+    )
+    g.add_argument(
+        "--no-rule",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="turn off one prefix-stability rule (repeatable; docs/CLI.md lists them: "
+        "claude-billing-header keeps Claude Code's billing line, nonce and all)",
+    )
+    g.add_argument(
+        "--rules",
+        default=None,
+        metavar="NAMES",
+        help="the prefix-stability rules to apply, comma-separated ('none': none; "
+        "default: all)",
+    )
+    g.add_argument(
+        "--log-excerpts",
+        action="store_true",
+        help="quote a few dozen characters of both sides where a request's prompt parted "
+        "from the stored one in its log line (off: prompts are private)",
     )
     return p
 
@@ -379,6 +404,10 @@ def _serve(argv: list[str]) -> int:
         raise ServeError(f"--defer-seconds must be >= 0, got {ours.defer_seconds:g}")
     if not ours.remote_deadline > 0:
         raise ServeError(f"--remote-deadline must be > 0, got {ours.remote_deadline:g}")
+    try:
+        rules = select(only=ours.rules, off=ours.no_rule)
+    except UnknownRuleError as e:
+        raise ServeError(str(e)) from None
     if "-h" not in rest and "--help" not in rest:
         check_listen(rest)
         rest = _known_models(rest)
@@ -429,6 +458,7 @@ def _serve(argv: list[str]) -> int:
                          _hub_scan_or_none(getattr(server, "scan_cache_dir"))),  # noqa: B009
                 _swapped(sys, "argv", ["kvstore serve", *rest]),
                 salted_server(server),
+                rewriting_server(server, rules, excerpts=ours.log_excerpts),
                 _sigterm_interrupts(),
             ):
                 server.main()  # type: ignore[no-untyped-call]
