@@ -127,3 +127,13 @@ def test_cli_md_lists_exactly_the_rules() -> None:
     assert [name for name, _ in rows] == rules.names()
     for (name, summary), rule in zip(rows, RULES, strict=True):
         assert summary == rule.summary, name
+
+
+def test_serve_refuses_an_unknown_rule_in_one_line(capsys: pytest.CaptureFixture[str]
+                                                   ) -> None:
+    from kvstore.mlx_lm.serve import serve_main
+
+    assert serve_main(["--no-rule", "billing", "--model", "nowhere/none"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("kvstore: error: no rule named 'billing' (rules: claude-billing-header, "
+                   "sorted-tool-schemas, sorted-tool-arguments)\n")

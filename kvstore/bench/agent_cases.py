@@ -24,6 +24,7 @@ time) per request, through ``mlx_lm.server`` alone, ``kvstore serve`` and ``kvst
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import secrets
@@ -35,7 +36,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -256,7 +256,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@contextmanager
+@contextlib.contextmanager
 def server(module: str, args: Sequence[str], log_file: Path, *, timeout: float = 300
            ) -> Iterator[int]:
     """``python -m MODULE ARGS`` on 127.0.0.1 (its output appended to ``log_file``, kept);
@@ -315,16 +315,17 @@ def agent_rows(scratch: Path, log: Log) -> list[Row]:
 
     model = make_tiny_model(scratch / "agent-model", "llama")
     requests = session()
-    modes = {"mlx_lm.server": ("mlx_lm.server", None, []),
+    modes: dict[str, tuple[str, Path | None, list[str]]] = {
+             "mlx_lm.server": ("mlx_lm.server", None, []),
              "kvstore serve": ("kvstore.serve", scratch / "agents-root", []),
              "kvstore serve --rules none": ("kvstore.serve", scratch / "agents-root-off",
                                             ["--rules", "none"])}
     runs = {label: Run(label) for label in modes}
     log(f"[agents] {len(requests)} requests of a replayed agent session, tiny llama")
-    with contextlib_exit() as stack:
-        drivers = {}
-        for label, (module, root, extra) in modes.items():
-            port = stack.enter_context(server(module, serve_args(model, root, extra),
+    with contextlib.ExitStack() as stack:
+        drivers: dict[str, Driver] = {}
+        for label, (module, root, args) in modes.items():
+            port = stack.enter_context(server(module, serve_args(model, root, args),
                                               scratch / f"agents-{len(drivers)}.log"))
             drivers[label] = openai_driver(port)
         for r in requests:
@@ -341,7 +342,7 @@ def agent_rows(scratch: Path, log: Log) -> list[Row]:
 
         return median([s.seconds for s in xs])
 
-    extra = {f"ttft_ms_{i + 1}_{key}": s.seconds * 1e3 for key, sent in
+    extra: dict[str, float] = {f"ttft_ms_{i + 1}_{key}": s.seconds * 1e3 for key, sent in
              (("baseline", base), ("kvstore", kv), ("rules_off", off))
              for i, s in enumerate(sent)}
     extra.update({f"reused_{i + 1}_{key}": s.reused for key, sent in
@@ -355,8 +356,3 @@ def agent_rows(scratch: Path, log: Log) -> list[Row]:
             "kvstore serve --rules none", "speedup"),
     ]
 
-
-def contextlib_exit() -> Any:
-    import contextlib
-
-    return contextlib.ExitStack()
