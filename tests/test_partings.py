@@ -191,6 +191,9 @@ def test_the_parting_from_the_memory_tier_and_from_the_store(store: kvstore.Stor
     cold.fetch_nearest_cache(KEY, first + [9, 9, 9])
     rec = seen2.opened[-1]
     assert (rec.shared, rec.parting) == (700, None)
+    _, rest = pc.fetch_nearest_cache(KEY, first)  # all of it, from memory
+    rec = seen.opened[-1]
+    assert (rec.reused_tokens, rec.shared, rec.parting) == (700, 700, None)
     pc.close()
     cold.close()
 

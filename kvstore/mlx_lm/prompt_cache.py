@@ -219,6 +219,7 @@ class PersistentPromptCache:
                             time.perf_counter() - t0, miss, prompt=list(tokens))
         if context is not None:
             rec.rewrites = dict(context.rewrites)
+        rec.shared = reused
         if len(tokens) - reused > 1:
             self._parting(rec, model_key, namespace, tokens, context)
         with self._lock:
