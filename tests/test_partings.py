@@ -62,7 +62,7 @@ def test_a_position_is_placed_in_its_message_role_and_block() -> None:
     render = _render(["read", "write"])
     prompt = _prompt(render)
     text = "".join(map(chr, prompt))
-    mm = MessageMap(MESSAGES, render, lambda s: [ord(c) for c in s], has_tools=True)
+    mm = MessageMap(MESSAGES, render, has_tools=True)
 
     def at(needle: str, offset: int = 0) -> tuple[int, str, str, int]:
         return mm.locate(prompt, text.index(needle) + offset)
@@ -91,7 +91,7 @@ def test_placing_renders_about_log2_messages_prefixes() -> None:
     messages = [{"role": "user" if i % 2 else "assistant", "content": f"m{i:03d}"}
                 for i in range(256)]
     prompt = inner(messages, True)
-    mm = MessageMap(messages, render, lambda s: [ord(c) for c in s], has_tools=False)
+    mm = MessageMap(messages, render, has_tools=False)
     text = "".join(map(chr, prompt))
     assert mm.locate(prompt, text.index("m200") + 2)[0] == 200
     assert len(calls) <= 9  # log2(256) + 1, not 200
@@ -220,3 +220,40 @@ def test_a_partial_hit_shorter_than_the_store_shares_says_shallow(
     assert rec.shared == 1900 and rec.parting is not None and rec.parting.position == 1900
     assert rec.parting.message is None  # no messages known: a text completion's
     cold.close()
+
+
+def test_the_text_renders_place_a_token_as_the_token_renders_do(tmp_path: Path) -> None:
+    """``locator`` bisects over the template's text (decoding the prompt's tokens to find
+    the parting's character); it places every token as the bisection over tokenized
+    renders does, for a real tokenizer and a template that renders tools."""
+    from mlx_lm.server import process_message_content
+    from mlx_lm.tokenizer_utils import load
+
+    from kvstore.bench.agent_cases import AGENT_TEMPLATE, openai_chat_body, session
+    from kvstore.mlx_lm.partings import locator
+    from kvstore.serving.rules import names, rewrite
+    from kvstore.tiny import make_tiny_model
+
+    tok = load(make_tiny_model(tmp_path / "model", "llama"))
+    tok._tokenizer.chat_template = AGENT_TEMPLATE
+    body, _ = rewrite(openai_chat_body(session(turns=4, subagent_at=0)[-1]), names())
+    msgs, tools = body["messages"], body["tools"]
+    process_message_content(msgs)
+    prompt = list(tok.apply_chat_template(msgs, tools=tools, tokenize=True,
+                                          add_generation_prompt=True))
+
+    def tokens(m: list[dict[str, Any]], with_tools: bool) -> list[int]:
+        return list(tok.apply_chat_template(m, tools=tools if with_tools else None,
+                                            tokenize=True, add_generation_prompt=False))
+
+    by_tokens = MessageMap(msgs, tokens, has_tools=True)
+    by_text = locator(tok, msgs, tools, {})
+    places = set()
+    for p in [0, 1, 17, *range(40, len(prompt), 97), len(prompt) - 2, len(prompt) - 1]:
+        got = by_text(prompt, p)
+        assert got == by_tokens.locate(prompt, p), p
+        places.add(got[1:3])
+    assert places == {("system", "text"), ("system", "tools"), ("user", "text"),
+                      ("assistant", "text"),  # its header, before the calls start
+                      ("assistant", "tool_use"), ("tool", "tool_result"),
+                      ("assistant", "generation_prompt")}
