@@ -85,9 +85,9 @@ class Diagnosis:
         only extends it, or nothing is shared).
 
         Bisects to the deepest block some entry shares (as :meth:`reason` does), then reads
-        the tokens of at most :data:`PARTING_CANDIDATES` entries listed there (trimmable
-        entries nearest the query's own next tokens, and non-trimmable ones by their reach
-        markers): whatever the number of entries, a bounded cost.
+        the tokens of at most :data:`PARTING_CANDIDATES` trimmable entries listed there
+        (those nearest the query's own next tokens) and as many non-trimmable ones (by
+        their reach markers): whatever the number of entries, a bounded cost.
         """
         tk = self.keys_for(tokens, ns)
         best, theirs = 0, None
@@ -101,7 +101,7 @@ class Diagnosis:
             digests = [v[-32:] for v in after + before]
             _, reach = r.index.neighbors(P.reach_key(tk.chain[k]), b"\0", PARTING_CANDIDATES,
                                          r.txn)
-            for digest in (digests[:PARTING_CANDIDATES] + reach)[:2 * PARTING_CANDIDATES]:
+            for digest in digests[:PARTING_CANDIDATES] + reach[:PARTING_CANDIDATES]:
                 try:
                     m = r.manifest(digest)
                 except ManifestError:
