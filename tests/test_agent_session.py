@@ -109,3 +109,26 @@ def test_agent_session_on_a_hybrid_model(tmp_path: Path, kind: str) -> None:
         sent = replay(openai_driver(port), session())
     reused = [round(s.reused, 3) for s in sent]
     assert min(reused[1:]) >= 0.85, reused
+
+
+def test_the_session_is_the_one_the_issue_asks_for() -> None:
+    """12 requests of the agent, a subagent's 3 after its 6th, the same system prompt and
+    20 tools for both, a new ``cch`` on every request, keys in a new order."""
+    from kvstore.bench.agent_cases import openai_chat_body
+
+    requests = session()
+    assert [r.agent for r in requests] == ["main"] * 6 + ["subagent"] * 3 + ["main"] * 6
+    assert len({r.system[0] for r in requests}) == len(requests)  # a new cch each time
+    assert all(re.fullmatch(r"x-anthropic-billing-header: cc_version=2\.1\.37\.a3f; "
+                            r"cc_entrypoint=cli; cch=[0-9a-f]{5};", r.system[0])
+               for r in requests)
+    assert len({r.system[1] for r in requests}) == 1
+    assert all(len(r.tools) == 20 for r in requests)
+    main = [r for r in requests if r.agent == "main"]
+    assert [len(r.turns) for r in main] == [1 + 2 * i for i in range(12)]
+    assert [t.role for t in main[-1].turns[:3]] == ["user", "assistant", "tool"]
+    bodies = [openai_chat_body(r) for r in requests[:2]]
+    assert list(bodies[0]["tools"][0]["function"]["parameters"]) != list(
+        bodies[1]["tools"][0]["function"]["parameters"]) or list(
+        bodies[0]["tools"][1]["function"]["parameters"]) != list(
+        bodies[1]["tools"][1]["function"]["parameters"])  # the keys' order drifts
