@@ -34,10 +34,11 @@ TIERS: dict[str, set[str]] = {
     "kvstore.remote": {"errors", "_crash", "schema", "blocks/", "codecs/", "catalog/"},
     "kvstore.store": {"errors", "_vio", "_crash", "schema", "blocks/", "index/", "codecs/",
                       "formats/", "catalog/", "remote/"},
-    # the agent APIs' adapters: wire types and conversions, knowing nothing of mlx-lm
+    # the agent APIs' adapters (wire types and conversions) and the prefix-stability rules,
+    # knowing nothing of mlx-lm
     "kvstore.serving": {"errors"},
-    "kvstore.mlx_lm": {"kvstore", "errors", "_crash", "_human", "schema", "codecs/", "formats.errors",
-                       "serving/", "store", "store.tenants", "store.tiers",
+    "kvstore.mlx_lm": {"kvstore", "errors", "_crash", "_human", "schema", "codecs/",
+                       "formats.errors", "serving/", "store", "store.tenants", "store.tiers",
                        "store.upkeep.usage"},
     "kvstore.cli": {"kvstore", "errors", "_human", "schema", "codecs.layout", "catalog.keys",
                     "formats.errors", "formats.v3", "remote", "store", "store.local.modes",

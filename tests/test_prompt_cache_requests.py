@@ -112,6 +112,8 @@ def test_each_request_counts_the_tier_that_gave_its_tokens(
         "memory": "0", "local": "0", "remote": "0", "computed": "100",
         "restore_ms": f"{first.restore_seconds * 1e3:.1f}", "miss": "no_entry",
         "saves_queued": "1", "saves_deferred": "0", "reply": "queued",
+        "rewrites": "-", "shared": "0", "part": "-", "part_msg": "-", "part_role": "-",
+        "part_block": "-", "part_matched": "-",
     }
     ppc.close()
     cold.close()

@@ -20,6 +20,7 @@ from .report import human, table, targets, targets_table
 GROUPS = ("save", "restore", "multiturn", "shared", "lookup", "ttft", "checkpoints",
           "concurrency", "startup", "remote")
 MODEL_GROUP = "model"  # only with --model: a real model's prefill takes minutes on a CPU
+AGENTS_GROUP = "agents"  # only with --only agents: a replayed agent session, minutes on a CPU
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the rows and targets as JSON")
     p.add_argument("--config", choices=sorted(CONFIGS), help="a named size (overrides --quick)")
     p.add_argument("--only", metavar="GROUPS",
-                   help=f"comma-separated subset of {','.join(GROUPS)}")
+                   help=f"comma-separated subset of {','.join(GROUPS)}; also {AGENTS_GROUP} "
+                        "(a replayed agent session, not run by default)")
     p.add_argument("--remote", metavar="URL",
                    help="s3://BUCKET/PREFIX for the remote group (default: $KVSTORE_REMOTE; "
                         "without one, or when it does not answer, the group is skipped)")
@@ -110,6 +112,10 @@ def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
         else:
             log(f"[remote] {remote}")
             add(remote_rows(cfg, scratch, remote))
+    if AGENTS_GROUP in groups:
+        from .agent_cases import agent_rows
+
+        add(agent_rows(scratch, log))
     if MODEL_GROUP in groups and model_dir is not None:
         from .model_cases import model_rows
 
@@ -149,10 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     groups = GROUPS + ((MODEL_GROUP,) if args.model else ())
     if args.only:
         groups = tuple(g.strip() for g in args.only.split(",") if g.strip())
-        bad = [g for g in groups if g not in (*GROUPS, MODEL_GROUP)]
+        bad = [g for g in groups if g not in (*GROUPS, MODEL_GROUP, AGENTS_GROUP)]
         if bad:
             print(f"kvstore bench: unknown group(s) {', '.join(bad)}; choose from "
-                  f"{', '.join(GROUPS)}, {MODEL_GROUP} (with --model)", file=sys.stderr)
+                  f"{', '.join(GROUPS)}, {AGENTS_GROUP}, {MODEL_GROUP} (with --model)",
+                  file=sys.stderr)
             return 2
     model_dir = None
     if MODEL_GROUP in groups:

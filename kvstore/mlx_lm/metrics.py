@@ -11,6 +11,7 @@ server's start. docs/CLI.md lists the metrics.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -21,6 +22,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from kvstore import Store
+from kvstore.serving.rules import names as rule_names
 from kvstore.store.upkeep.usage import MISS_REASONS
 
 from .requests import CacheObserver, RequestRecord
@@ -51,12 +53,23 @@ class ServeMetrics(CacheObserver):
             "kvstore_save_seconds", "Time a background save took (block writes and commit)",
             registry=self.registry,
             buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, float("inf")))
+        self._lock = threading.Lock()
+        self.rewrites: dict[str, int] = {}  # rule name: requests it fired in
+        self.partings: dict[tuple[str, str], int] = {}  # (role, block): requests
         self.registry.register(_Figures(self))
 
     # --- the observer -----------------------------------------------------------------
 
     def fetched(self, rec: RequestRecord) -> None:
         self.restore_seconds.labels(rec.tier or "none").observe(rec.restore_seconds)
+
+    def finished(self, rec: RequestRecord) -> None:
+        with self._lock:
+            for rule in rec.rewrites:
+                self.rewrites[rule] = self.rewrites.get(rule, 0) + 1
+            if rec.parting is not None:
+                key = (rec.parting.role, rec.parting.block)
+                self.partings[key] = self.partings.get(key, 0) + 1
 
     def saved(self, done: object) -> None:
         if isinstance(done, SaveDone) and not done.failed:
@@ -171,6 +184,19 @@ class _Figures(Collector):
         for r in MISS_REASONS:
             why.add_metric([r], reasons.get(r, 0))
         yield why
+        with self.m._lock:
+            fired, parted = dict(self.m.rewrites), dict(self.m.partings)
+        rw = CounterMetricFamily("kvstore_rewrites", "Requests a prefix-stability rule "
+                                 "rewrote, by rule", labels=["rule"])
+        for name in rule_names():
+            rw.add_metric([name], fired.get(name, 0))
+        yield rw
+        pt = CounterMetricFamily("kvstore_partings", "Requests whose prompt parted from the "
+                                 "deepest stored sequence, by the role and block of the "
+                                 "message where it did", labels=["role", "block"])
+        for (role, block), n in sorted(parted.items()):
+            pt.add_metric([role, block], n)
+        yield pt
 
         saves = CounterMetricFamily("kvstore_saves", "Snapshots handed to the write-behind "
                                     "queue, by what became of them", labels=["outcome"])

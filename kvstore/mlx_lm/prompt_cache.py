@@ -37,7 +37,14 @@ from .cache_control import parse_pin_type
 from .fingerprint import fingerprint_model, fingerprint_model_dir, namespace_for_path
 from .persist_stats import PersistStats
 from .prefill import CHECKPOINT, parse_checkpoint_type
-from .requests import CacheObserver, RequestRecord, RequestTracker
+from .requests import (
+    EXCERPT_CHARS,
+    CacheObserver,
+    Parting,
+    RequestContext,
+    RequestRecord,
+    RequestTracker,
+)
 from .writebehind import (
     DEFAULT_DEFER_SECONDS,
     SaveDone,
@@ -161,6 +168,7 @@ class PersistentPromptCache:
         self._writer = WriteBehind(store, queue_bytes=queue_bytes, reuse_prefix=reuse_prefix,
                                    defer_seconds=defer_seconds, on_save=self._saved)
         self._requests = RequestTracker(self._finished)
+        self._context: RequestContext | None = None  # of the next fetch (set_request)
         ref = weakref.ref(self)
 
         def _flush_at_exit() -> None:
@@ -210,6 +218,7 @@ class PersistentPromptCache:
         ``cached_tokens``) and, when it reused nothing or less than it might have, why.
         """
         t0 = time.perf_counter()
+        context, self._context = self._context, None
         model_key = self._tenant(model_key)
         self._expire_pins()
         cache, rest = self._memory.fetch_nearest_cache(model_key, tokens)
@@ -243,6 +252,11 @@ class PersistentPromptCache:
                             namespace.model_id if namespace is not None else "-",
                             len(tokens), tier if reused else None, reused,
                             time.perf_counter() - t0, miss, prompt=list(tokens))
+        if context is not None:
+            rec.rewrites = dict(context.rewrites)
+        rec.shared = reused
+        if len(tokens) - reused > 1:
+            self._parting(rec, model_key, namespace, tokens, context)
         with self._lock:
             self._usage.note(rec.prompt_tokens, reused, rec.tier, miss)
         try:
@@ -360,6 +374,62 @@ class PersistentPromptCache:
                 except Exception:  # noqa: BLE001 - a stamp never fails a request
                     logger.warning("kvstore: breakpoint use not recorded", exc_info=True)
 
+    # --- what the server knows of a request -------------------------------------------
+
+    def set_request(self, context: RequestContext | None) -> None:
+        """What the server knows of the request whose lookup comes next (``kvstore serve``
+        calls it from mlx-lm's tokenize, just before the lookup, in the same thread):
+        the rewrites that fired and how to place a token among its messages, for its log
+        line. The next :meth:`fetch_nearest_cache` takes it."""
+        self._context = context
+
+    def _parting(self, rec: RequestRecord, model_key: Hashable, namespace: Namespace | None,
+                 tokens: list[int], context: RequestContext | None) -> None:
+        """Set ``rec.shared`` (the leading tokens the deepest stored sequence of any tier
+        shares with the prompt) and, when that sequence goes on with another token there,
+        ``rec.parting``. Never fails a request."""
+        try:
+            shared, theirs = self._memory_parting(model_key, tokens)
+            if namespace is not None:
+                n, t = self.store.parting(tokens, namespace=namespace)
+                if n > shared or (n == shared and theirs is None):
+                    shared, theirs = n, t
+            if rec.reused_tokens > shared:
+                shared, theirs = rec.reused_tokens, None
+            rec.shared = shared
+            if not theirs:
+                return
+            where: tuple[int | None, str, str, int | None] = (None, "-", "-", None)
+            ours = their_text = None
+            if context is not None and context.locate is not None:
+                where = context.locate(tokens, shared)
+            if context is not None and context.decode is not None:
+                ours = context.decode(tokens[shared: shared + len(theirs)])[:EXCERPT_CHARS]
+                their_text = context.decode(theirs)[:EXCERPT_CHARS]
+            rec.parting = Parting(shared, *where, ours=ours, theirs=their_text)
+        except Exception:  # noqa: BLE001 - a diagnosis never fails a request
+            logger.warning("kvstore: the parting of a request was not found", exc_info=True)
+
+    def _memory_parting(self, model_key: Hashable, tokens: list[int]
+                        ) -> tuple[int, list[int] | None]:
+        """The memory tier's side of :meth:`_parting`: how far the prompt follows mlx-lm's
+        token trie, and the stored tokens after that when a sequence goes on there."""
+        node = getattr(getattr(self._memory, "_trie", None), "_trie", {}).get(model_key)
+        if node is None:
+            return 0, None
+        i = 0
+        while i < len(tokens) and tokens[i] in node:
+            node = node[tokens[i]]
+            i += 1
+        theirs: list[int] = []
+        while i < len(tokens) and len(theirs) < 16:
+            nxt = next((k for k in node if k != "__value__"), None)
+            if nxt is None:
+                break
+            theirs.append(nxt)
+            node = node[nxt]
+        return i, theirs or None
+
     # --- tenants ---------------------------------------------------------------
 
     def set_tenant(self, salt: str | None) -> None:
@@ -468,10 +538,15 @@ class PersistentPromptCache:
                 return None, None, self.store.miss_reason(query, namespace=namespace,
                                                           reused=have)
             cache = self.store.load(match)
+            # a usable match may still be shorter than what the store shares with the
+            # prompt (a checkpoint before the parting): say why (``shallow``)
+            why = None
+            if match.length < len(query):
+                why = self.store.miss_reason(query, namespace=namespace, reused=match.length)
         except Exception as e:
             logger.warning("kvstore: store read failed; treating it as a miss", exc_info=True)
             return None, None, failure_reason(e)
-        return (list(cache), list(tokens[match.length :])), match.origin or match.where, None
+        return (list(cache), list(tokens[match.length :])), match.origin or match.where, why
 
     def _fetch_pending(
         self, model_key: Hashable, tokens: list[int], have: int

@@ -16,13 +16,56 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["CacheObserver", "RequestLog", "RequestRecord", "RequestTracker", "logfmt"]
+__all__ = ["CacheObserver", "Parting", "RequestContext", "RequestLog", "RequestRecord",
+           "RequestTracker", "logfmt"]
 
 OPEN_MAX = 256  # requests waiting for their reply's insert
 OPEN_MAX_AGE = 600.0  # seconds
+
+
+EXCERPT_CHARS = 40  # of each side of a parting, with ``--log-excerpts``
+
+
+@dataclass(frozen=True)
+class Parting:
+    """Where a prompt parted from the deepest stored sequence that shares its start: the
+    stored one goes on with another token at ``position``. ``message``, ``role``,
+    ``block`` and ``matched`` place it among the request's messages
+    (:mod:`kvstore.mlx_lm.partings`); None and ``-`` when the request had none (a text
+    completion). ``ours``/``theirs``: a few dozen characters of each side from there,
+    only with ``--log-excerpts`` (prompts are private)."""
+
+    position: int
+    message: int | None = None
+    role: str = "-"
+    block: str = "-"
+    matched: int | None = None
+    ours: str | None = None
+    theirs: str | None = None
+
+
+@dataclass
+class RequestContext:
+    """What the server knows of a request that its prompt cache does not, handed over just
+    before the request's lookup (:meth:`PersistentPromptCache.set_request`): the rewrites
+    that fired (:mod:`kvstore.serving.rules`), how to place a token position among the
+    request's messages (``(index, role, block, tokens of that message before it)``) and,
+    with ``--log-excerpts``, how to turn tokens back into text."""
+
+    rewrites: dict[str, int] = field(default_factory=dict)
+    locate: Callable[[Sequence[int], int], tuple[int, str, str, int]] | None = None
+    decode: Callable[[Sequence[int]], str] | None = None
+
+
+def _counts(d: dict[str, int]) -> str:
+    return ",".join(f"{k}:{v}" for k, v in d.items()) or "-"
+
+
+def _opt(v: object) -> object:
+    return "-" if v is None else v
 
 
 @dataclass(eq=False)
@@ -41,6 +84,9 @@ class RequestRecord:
     saves_queued: int = 0  # snapshots of this request written at once
     saves_deferred: int = 0  # snapshots kept in memory until replaced or flushed
     reply: str = "none"  # what became of the reply's snapshot: queued, deferred, short, …
+    shared: int = 0  # leading tokens the deepest stored sequence (any tier) shares
+    parting: Parting | None = None  # where it goes on otherwise; None: it ends there
+    rewrites: dict[str, int] = field(default_factory=dict)  # rule name: places rewritten
 
     @property
     def computed_tokens(self) -> int:
@@ -66,7 +112,22 @@ class RequestRecord:
             ("saves_queued", self.saves_queued),
             ("saves_deferred", self.saves_deferred),
             ("reply", self.reply),
+            ("rewrites", _counts(self.rewrites)),
+            ("shared", self.shared),
+            *self._parting_fields(),
         ])
+
+    def _parting_fields(self) -> list[tuple[str, object]]:
+        p = self.parting
+        if p is None:
+            return [("part", "-"), ("part_msg", "-"), ("part_role", "-"), ("part_block", "-"),
+                    ("part_matched", "-")]
+        fields: list[tuple[str, object]] = [
+            ("part", p.position), ("part_msg", _opt(p.message)), ("part_role", p.role),
+            ("part_block", p.block), ("part_matched", _opt(p.matched))]
+        if p.ours is not None or p.theirs is not None:
+            fields += [("part_ours", p.ours or ""), ("part_theirs", p.theirs or "")]
+        return fields
 
 
 class CacheObserver:

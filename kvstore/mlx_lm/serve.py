@@ -16,7 +16,9 @@ so that a port taken meanwhile stops mlx-lm's generation thread (else the proces
 waits on it forever), and the Hugging Face cache scan behind ``GET /v1/models``,
 which raises when no hub cache exists (a model served from a directory needs none).
 Three more carry a request's ``cache_salt`` (see :mod:`kvstore.mlx_lm.tenants`), three
-its ``cache_control`` breakpoints (:mod:`kvstore.mlx_lm.cache_control`), and
+its ``cache_control`` breakpoints (:mod:`kvstore.mlx_lm.cache_control`), two apply the
+prefix-stability rules and tell the prompt cache a request's messages
+(:mod:`kvstore.mlx_lm.rewrites`), and
 :mod:`kvstore.mlx_lm.seam` adds the agent APIs (Anthropic Messages, OpenAI Responses).
 """
 
@@ -42,11 +44,13 @@ from typing import Any, NoReturn
 from kvstore import KVStoreError, Store, _human, default_root
 from kvstore.mlx_lm import PersistentPromptCache
 from kvstore.mlx_lm.prefill import segmenting_tokenize
+from kvstore.serving.rules import UnknownRuleError, select
 from kvstore.store.tiers import DEFAULT_DEADLINE
 
 from .cache_control import breakpoint_server
 from .metrics import ServeMetrics
 from .requests import RequestLog
+from .rewrites import rewriting_server
 from .seam import agent_apis
 from .tenants import salted_server
 from .writebehind import DEFAULT_DEFER_SECONDS
@@ -195,6 +199,27 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="hash every block of every save instead of referencing the blocks a stored "
         "entry holds for the same leading tokens",
+    )
+    g.add_argument(
+        "--no-rule",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="turn off one prefix-stability rule (repeatable; docs/CLI.md lists them: "
+        "claude-billing-header keeps Claude Code's billing line, nonce and all)",
+    )
+    g.add_argument(
+        "--rules",
+        default=None,
+        metavar="NAMES",
+        help="the prefix-stability rules to apply, comma-separated ('none': none; "
+        "default: all)",
+    )
+    g.add_argument(
+        "--log-excerpts",
+        action="store_true",
+        help="quote a few dozen characters of both sides where a request's prompt parted "
+        "from the stored one in its log line (off: prompts are private)",
     )
     return p
 
@@ -667,6 +692,10 @@ def _serve(argv: list[str]) -> int:
     asked = None
     if ours.metrics_port is not None and not 0 < ours.metrics_port < 65536:
         raise ServeError(f"--metrics-port must be 1 to 65535, got {ours.metrics_port}")
+    try:
+        rules = select(only=ours.rules, off=ours.no_rule)
+    except UnknownRuleError as e:
+        raise ServeError(str(e)) from None
     if "-h" not in rest and "--help" not in rest:
         asked = mlx_lm_options(server, rest).model
         if asked is None:
@@ -731,6 +760,7 @@ def _serve(argv: list[str]) -> int:
                 salted_server(server),
                 agent_apis(server),  # /v1/messages, /v1/responses (kvstore.serving)
                 breakpoint_server(server),
+                rewriting_server(server, rules, excerpts=ours.log_excerpts),
                 _sigterm_interrupts(),
             ):
                 server.main()  # type: ignore[no-untyped-call]

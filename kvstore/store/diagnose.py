@@ -17,10 +17,13 @@ import msgspec
 
 from ..catalog import keys as P
 from ..catalog.find import deepest_reached, find
+from ..errors import ManifestError
 from ..schema import Namespace
 from .local.catalog import LocalCatalog, LocalReader
 
 NAMESPACES_TTL = 60.0  # seconds a listing of the root's namespaces is reused
+PARTING_CANDIDATES = 8  # entries at the deepest shared block whose tokens a parting reads
+NEXT_TOKENS = 16  # of the stored side at a parting, for the log's excerpt
 
 _ns_dec = msgspec.json.Decoder(Namespace)
 
@@ -74,6 +77,44 @@ class Diagnosis:
                 if shared_blocks(r, tk2) > 0 or find(r, tk2) is not None:
                     return "other_model"
         return "no_entry"
+
+    def parting(self, tokens: Any, ns: Namespace) -> tuple[int, list[int] | None]:
+        """How many leading tokens of ``tokens`` the deepest entry of ``ns`` shares with it,
+        exactly (not by whole blocks), and that entry's next tokens (up to
+        :data:`NEXT_TOKENS`) when it goes on past them (None: it ends there, the prompt
+        only extends it, or nothing is shared).
+
+        Bisects to the deepest block some entry shares (as :meth:`reason` does), then reads
+        the tokens of at most :data:`PARTING_CANDIDATES` trimmable entries listed there
+        (those nearest the query's own next tokens) and as many non-trimmable ones (by
+        their reach markers): whatever the number of entries, a bounded cost.
+        """
+        tk = self.keys_for(tokens, ns)
+        best, theirs = 0, None
+        with self.catalog.reader() as r:
+            k = shared_blocks(r, tk)
+            if not r.reaches(k, tk.chain[k]):
+                return 0, None
+            base = k * tk.block_tokens
+            probe = P.encode_tail(tk.tokens[base: base + P.TAIL])
+            before, after = r.index.neighbors(tk.chain[k], probe, PARTING_CANDIDATES, r.txn)
+            digests = [v[-32:] for v in after + before]
+            _, reach = r.index.neighbors(P.reach_key(tk.chain[k]), b"\0", PARTING_CANDIDATES,
+                                         r.txn)
+            for digest in digests[:PARTING_CANDIDATES] + reach[:PARTING_CANDIDATES]:
+                try:
+                    m = r.manifest(digest)
+                except ManifestError:
+                    continue
+                if m is None:
+                    continue
+                n = P.common_tokens(m.tokens, tk.le)
+                goes_on = m.n_tokens > n and n < len(tk)
+                if n > best or (n == best and goes_on and theirs is None):
+                    best = n
+                    theirs = (list(P.tokens_from_le(m.tokens[4 * n: 4 * (n + NEXT_TOKENS)]))
+                              if goes_on else None)
+        return best, theirs
 
     def namespaces(self) -> list[Namespace]:
         """The namespaces of the root's entries (listed at most every ``NAMESPACES_TTL`` s)."""

@@ -56,5 +56,10 @@ class Served:
         (:meth:`kvstore.store.diagnose.Diagnosis.reason`); None when it holds no more."""
         return self.diagnosis.reason(tokens, ns, reused, remote_down=self.tiers.unavailable)
 
+    def parting(self, tokens: Any, ns: Namespace) -> tuple[int, list[int] | None]:
+        """The tokens the deepest local entry shares with ``tokens``, and its next ones
+        (:meth:`kvstore.store.diagnose.Diagnosis.parting`)."""
+        return self.diagnosis.parting(tokens, ns)
+
 
 __all__ = ["Served"]

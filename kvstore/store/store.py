@@ -505,6 +505,13 @@ class Store:
         (:meth:`kvstore.store.diagnose.Diagnosis.reason`); None when it holds no more."""
         return self.served.miss_reason(tokens, self._ns(namespace), reused)
 
+    def parting(self, tokens: Any, *, namespace: Namespace | None = None
+                ) -> tuple[int, list[int] | None]:
+        """How many leading tokens of ``tokens`` the deepest entry of this root shares with
+        it (exactly), and that entry's next tokens when it goes on past them, where the
+        two part (:meth:`kvstore.store.diagnose.Diagnosis.parting`)."""
+        return self.served.parting(tokens, self._ns(namespace))
+
     def stats(self) -> Stats:
         """Entries, blocks, logical vs physical bytes and the dedup ratio."""
         return self.maintenance.stats()
