@@ -103,9 +103,13 @@ def test_placing_renders_about_log2_messages_prefixes() -> None:
 class Seen(CacheObserver):
     def __init__(self) -> None:
         self.opened: list[RequestRecord] = []
+        self.done: list[RequestRecord] = []
 
     def fetched(self, rec: RequestRecord) -> None:
         self.opened.append(rec)
+
+    def finished(self, rec: RequestRecord) -> None:
+        self.done.append(rec)
 
 
 def _kv(tokens: list[int]) -> list[Any]:
@@ -165,7 +169,12 @@ def test_the_parting_from_the_memory_tier_and_from_the_store(store: kvstore.Stor
     assert len(second) - len(rest) == 300  # trimmed to the parting
     rec = seen.opened[-1]
     assert (rec.shared, rec.rewrites) == (300, {"sorted-tool-schemas": 2})
-    assert rec.parting is not None
+    # placed among the messages only once the request is answered: it renders the chat
+    # template, which no request's first token waits for
+    assert rec.parting is not None and (rec.parting.position, rec.parting.message) == (300, None)
+    assert asked == []
+    rec.placed()  # what its reply does (PersistentPromptCache._finished; the log line
+    assert rec.parting is not None  # through serve: tests/test_serve_partings.py)
     assert (rec.parting.position, rec.parting.message, rec.parting.role, rec.parting.block,
             rec.parting.matched) == (300, 3, "tool", "tool_result", 41)
     assert (rec.parting.ours, rec.parting.theirs) == (None, None)  # not asked: no excerpt
@@ -182,6 +191,7 @@ def test_the_parting_from_the_memory_tier_and_from_the_store(store: kvstore.Stor
     cold.set_request(ctx)
     cold.fetch_nearest_cache(KEY, second)
     rec = seen2.opened[-1]
+    rec.placed()  # as its reply would
     assert rec.shared == 300 and rec.parting is not None and rec.parting.position == 300
     assert rec.parting.ours == " ".join(f"t{t}" for t in range(5000, 5016))[:40]
     assert rec.parting.theirs == " ".join(f"t{t}" for t in range(301, 317))[:40]

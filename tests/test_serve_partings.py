@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import re
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -79,13 +80,19 @@ def test_a_parting_is_placed_to_the_token_message_role_and_block(
     log = tmp_path / "serve.log"
     first, second = _messages("three matches", "0a1b2"), _messages("no match", "93fe1")
     args = ["--root", str(tmp_path / "root"), "--model", str(model), "--min-tokens", "16",
-            "--chat-template", AGENT_TEMPLATE, "--log-level", "INFO",
+            "--chat-template", AGENT_TEMPLATE, "--log-level", "INFO", "--metrics-on-api-port",
             *(["--log-excerpts"] if excerpts else [])]
     with server_process("kvstore.serve", args, log) as (port, client):
         for messages in (first, second):
             client.chat.completions.create(model="default_model", messages=messages,
                                            tools=TOOLS, max_tokens=1, temperature=0.0)
+        # a request is counted once its reply is in the cache, a moment after the answer
+        deadline = time.monotonic() + 30
         m = _metrics(port)
+        while not any(n == "kvstore_partings_total" and v for (n, _), v in m.items()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+            m = _metrics(port)
     a, b = _tokens(model, first), _tokens(model, second)
     part = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
     tool_starts = len(_tokens(model, second, head=3, generation=False))

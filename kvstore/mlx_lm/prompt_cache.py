@@ -399,14 +399,21 @@ class PersistentPromptCache:
             rec.shared = shared
             if not theirs:
                 return
-            where: tuple[int | None, str, str, int | None] = (None, "-", "-", None)
-            ours = their_text = None
-            if context is not None and context.locate is not None:
-                where = context.locate(tokens, shared)
-            if context is not None and context.decode is not None:
-                ours = context.decode(tokens[shared: shared + len(theirs)])[:EXCERPT_CHARS]
-                their_text = context.decode(theirs)[:EXCERPT_CHARS]
-            rec.parting = Parting(shared, *where, ours=ours, theirs=their_text)
+            rec.parting = Parting(shared)
+            if context is None or (context.locate is None and context.decode is None):
+                return
+
+            def place() -> Parting:  # after the request: it renders the chat template
+                where: tuple[int | None, str, str, int | None] = (None, "-", "-", None)
+                ours = their_text = None
+                if context.locate is not None:
+                    where = context.locate(tokens, shared)
+                if context.decode is not None:
+                    ours = context.decode(tokens[shared: shared + len(theirs)])[:EXCERPT_CHARS]
+                    their_text = context.decode(theirs)[:EXCERPT_CHARS]
+                return Parting(shared, *where, ours=ours, theirs=their_text)
+
+            rec.place = place
         except Exception:  # noqa: BLE001 - a diagnosis never fails a request
             logger.warning("kvstore: the parting of a request was not found", exc_info=True)
 
@@ -595,6 +602,7 @@ class PersistentPromptCache:
                 logger.warning("kvstore: %s observer failed", what, exc_info=True)
 
     def _finished(self, rec: RequestRecord) -> None:
+        rec.placed()  # after the reply, so placing it costs no request its first token
         self._notify("finished", rec)
 
     def _saved(self, done: SaveDone) -> None:

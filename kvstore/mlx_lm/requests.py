@@ -86,7 +86,20 @@ class RequestRecord:
     reply: str = "none"  # what became of the reply's snapshot: queued, deferred, short, …
     shared: int = 0  # leading tokens the deepest stored sequence (any tier) shares
     parting: Parting | None = None  # where it goes on otherwise; None: it ends there
+    #: how to place ``parting`` among the request's messages, run when the request has
+    #: finished (:meth:`placed`), not before its prefill: it renders the chat template
+    place: Callable[[], Parting] | None = field(repr=False, default=None)
     rewrites: dict[str, int] = field(default_factory=dict)  # rule name: places rewritten
+
+    def placed(self) -> None:
+        """Place the parting among the request's messages (once; never raises)."""
+        place, self.place = self.place, None
+        if place is not None:
+            try:
+                self.parting = place()
+            except Exception:  # noqa: BLE001 - a diagnosis never fails a request
+                logging.getLogger("kvstore.serve").warning(
+                    "kvstore: the parting of a request was not placed", exc_info=True)
 
     @property
     def computed_tokens(self) -> int:
