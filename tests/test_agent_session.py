@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from kvstore import Store
-from kvstore.bench.agent_cases import openai_driver, replay, serve_args, server, session
+from kvstore.bench.agent_cases import (
+    anthropic_driver,
+    openai_driver,
+    replay,
+    serve_args,
+    server,
+    session,
+)
 from kvstore.tiny import make_tiny_model
 
 pytest.importorskip("openai")
@@ -97,6 +104,37 @@ def test_agent_session_reuses_its_prompts_and_the_billing_rule_is_what_does_it(
     lines = _lines(off_log)[1:]
     assert {(ln["part_msg"], ln["part_role"], ln["part_block"]) for ln in lines} == {
         ("0", "system", "text")}
+
+
+@pytest.mark.slow
+def test_agent_session_through_the_messages_api_as_claude_code_sends_it(tmp_path: Path) -> None:
+    """The same session through ``/v1/messages`` with the official ``anthropic`` client
+    (the billing line its own first system block, tool_use and tool_result blocks): every
+    request after the first reads at least 90% of its prompt from the cache, as the usage
+    figures say (they add up to the prompt: the request log's count), in memory and after
+    a restart from disk alone; the billing line kept, under 5%."""
+    pytest.importorskip("anthropic")
+    model = make_tiny_model(tmp_path / "model", "llama")
+    root, log = tmp_path / "root", tmp_path / "serve.log"
+    with server("kvstore.serve", serve_args(model, root), log) as port:
+        sent = replay(anthropic_driver(port), session())
+    assert sent[0].cached_tokens == 0
+    reused = [round(s.reused, 3) for s in sent]
+    assert min(reused[1:]) >= 0.90, reused
+    lines = _lines(log)
+    assert [int(ln["prompt"]) for ln in lines] == [s.prompt_tokens for s in sent]
+    assert all("claude-billing-header:1" in ln["rewrites"] for ln in lines)
+    with server("kvstore.serve", serve_args(model, root, ["--prompt-cache-size", "0"]),
+                tmp_path / "restart.log") as port:
+        resent = replay(anthropic_driver(port), session(seed=0))
+    reused = [round(s.reused, 3) for s in resent]
+    assert min(reused) >= 0.90, reused
+    with server("kvstore.serve", serve_args(model, tmp_path / "root-off",
+                                            ["--no-rule", "claude-billing-header"]),
+                tmp_path / "off.log") as port:
+        off = replay(anthropic_driver(port), [session()[i] for i in (0, 1, 2, 3, 6)])
+    reused = [round(s.reused, 3) for s in off]
+    assert max(reused[1:]) < 0.05, reused
 
 
 @pytest.mark.slow

@@ -13,8 +13,10 @@ carries the scripted tool call instead, as an agent's client sends back what its
 chose.
 
 The session is written once, in the shape of Anthropic's Messages API (system blocks,
-``tool_use`` and ``tool_result``), and a :class:`Driver` sends it in its own API: today
-:class:`OpenAIChatDriver` (``/v1/chat/completions`` with the ``openai`` client); a
+``tool_use`` and ``tool_result``), and a :class:`Driver` sends it in its own API:
+:class:`AnthropicMessagesDriver` (``/v1/messages`` with the ``anthropic`` client, as Claude
+Code sends it) or :class:`OpenAIChatDriver` (``/v1/chat/completions`` with the ``openai``
+client); a
 Messages driver with the ``anthropic`` SDK plugs in beside it.
 
 ``kvstore bench --only agents`` measures the time to first token (a one-token request's
@@ -242,6 +244,47 @@ class OpenAIChatDriver:
         return Sent(request.agent, r.usage.prompt_tokens, cached, seconds)
 
 
+def anthropic_messages_body(request: AgentRequest) -> dict[str, Any]:
+    """The request as Claude Code sends it to ``/v1/messages``: the system blocks as text
+    blocks (the billing line the first), tools with their ``input_schema``, each call a
+    ``tool_use`` block of the assistant and each result a ``tool_result`` block of the
+    user."""
+    messages: list[dict[str, Any]] = []
+    for t in request.turns:
+        if t.role == "assistant":
+            blocks: list[dict[str, Any]] = [{"type": "text", "text": t.text}] if t.text else []
+            blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.input}
+                       for c in t.calls]
+            messages.append({"role": "assistant", "content": blocks})
+        elif t.role == "tool":
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": t.call_id, "content": t.text}]})
+        else:
+            messages.append({"role": "user", "content": t.text})
+    return {"system": [{"type": "text", "text": text} for text in request.system],
+            "tools": list(request.tools), "messages": messages}
+
+
+@dataclass
+class AnthropicMessagesDriver:
+    """Sends each request to ``/v1/messages`` with the official ``anthropic`` client, as
+    Claude Code does; the prompt is the three usage figures' sum."""
+
+    client: Any
+    model: str = "default_model"
+
+    def send(self, request: AgentRequest) -> Sent:
+        body = anthropic_messages_body(request)
+        t0 = time.perf_counter()
+        # current SDKs send no sampling parameters: the server's defaults (greedy) hold
+        r = self.client.messages.create(model=self.model, max_tokens=1, **body)
+        seconds = time.perf_counter() - t0
+        u = r.usage
+        read = u.cache_read_input_tokens or 0
+        prompt = u.input_tokens + read + (u.cache_creation_input_tokens or 0)
+        return Sent(request.agent, prompt, read, seconds)
+
+
 def replay(driver: Driver, requests: Sequence[AgentRequest]) -> list[Sent]:
     """Send the session's requests in order."""
     return [driver.send(r) for r in requests]
@@ -298,6 +341,14 @@ def openai_driver(port: int) -> OpenAIChatDriver:
 
     return OpenAIChatDriver(openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1",
                                           api_key="unused", timeout=600, max_retries=0))
+
+
+def anthropic_driver(port: int) -> AnthropicMessagesDriver:
+    import anthropic
+
+    return AnthropicMessagesDriver(anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}",
+                                                       api_key="unused", timeout=600,
+                                                       max_retries=0))
 
 
 @dataclass
