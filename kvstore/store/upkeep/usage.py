@@ -42,6 +42,7 @@ MISS_REASONS = (
     "remote_timeout",  # the remote tier did not answer in time (or failed just before)
     "gone",  # the entry found was evicted or removed before it could be read
     "error",  # reading the entry failed otherwise (logged)
+    "recompute_faster",  # the process predicted that computing the prefix beats restoring it
 )
 
 _N = Annotated[int, msgspec.Meta(ge=0)]
