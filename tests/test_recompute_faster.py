@@ -14,8 +14,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 import kvstore
-from kvstore.mlx_lm import PersistentPromptCache
-from kvstore.mlx_lm import crossover
+from kvstore.mlx_lm import PersistentPromptCache, crossover
 from kvstore.mlx_lm.requests import CacheObserver, RequestRecord
 from kvstore.tiny import make_tiny_model
 

@@ -18,7 +18,7 @@ from .common import CONFIGS, QUICK, Config, Row, cache_bytes, machine, make_cach
 from .report import human, table, targets, targets_table
 
 GROUPS = ("save", "restore", "multiturn", "shared", "lookup", "ttft", "checkpoints",
-          "concurrency", "startup", "remote")
+          "concurrency", "startup", "remote", "gpu")
 MODEL_GROUP = "model"  # only with --model: a real model's prefill takes minutes on a CPU
 
 
@@ -110,6 +110,10 @@ def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
         else:
             log(f"[remote] {remote}")
             add(remote_rows(cfg, scratch, remote))
+    if "gpu" in groups:
+        from .gpu_cases import gpu_rows
+
+        add(gpu_rows(cfg, scratch, log))  # one line and no rows where MLX has no GPU
     if MODEL_GROUP in groups and model_dir is not None:
         from .model_cases import model_rows
 

@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..blocks.pools import READ_WORKERS, balanced, io_pool
