@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                     store.save(toks, _prefill(model, toks))
                     files = block_files(tmp / "root")
                     sides = {
-                        "prefill": lambda toks=toks: _prefill(model, toks),
+                        "prefill": lambda toks=toks, model=model: _prefill(model, toks),
                         "warm": lambda toks=toks: store.restore(toks),
                         "cold": lambda toks=toks: store.restore(toks),
                     }
