@@ -8,7 +8,8 @@ Three limit rows beside the restore rows, from the page cache, verified (the def
   allocated once (reused memory). Held to 0.8x. This is where :mod:`kvstore.codecs.warm`
   keeps MLX's freed buffers for the next restore;
 - ``in a fresh process``: one ``Store.restore`` in a new process (timed inside it, after
-  ``Store.open``), which must fault in every page it fills; not held;
+  ``Store.open``, mlx-lm's import and MLX's first evaluation), which must fault in every
+  page it fills; not held;
 - ``first touch of its pages alone``: the part of that which is page faults: mapping as
   many fresh bytes and writing one byte a page, on the restore's threads, no copy.
 
@@ -44,6 +45,9 @@ from kvstore import Namespace, Store
 root, toks = sys.argv[1], json.load(open(sys.argv[2]))
 ns = Namespace(model_id="kvstore-bench", config_fingerprint="synthetic")
 store = Store.open(root, namespace=ns, create=False)
+import mlx.core as mx
+import mlx_lm.models.cache  # imported by the first restore: not the restore's own cost
+mx.eval(mx.zeros((1,)))  # nor MLX's start-up
 f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 t = time.perf_counter()
 cache, n = store.restore(toks, verify=True)
