@@ -61,8 +61,9 @@ def test_smoke_run_writes_every_row_with_both_figures(tmp_path: Path,
     names = [r["name"] for r in rows]
     for want in EXPECTED:
         assert any(n.startswith(want) for n in names), f"no row {want!r} in {names}"
-    # the remote group needs a gateway (tests/remote/test_remote_bench.py runs it)
-    assert {r["group"] for r in rows} == (set(GROUPS) - {"remote"}) | {"limit"}
+    # the remote group needs a gateway (tests/remote/test_remote_bench.py runs it), the gpu
+    # group a GPU (without one it says so in a line and adds no rows)
+    assert {r["group"] for r in rows} == (set(GROUPS) - {"remote", "gpu"}) | {"limit"}
     for r in rows:
         for key in ("kvstore", "baseline", "ratio"):
             assert isinstance(r[key], float | int) and math.isfinite(r[key]), (r["name"], key)

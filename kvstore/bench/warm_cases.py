@@ -26,15 +26,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..blocks.pools import READ_WORKERS, balanced, io_pool
 from .common import Row, median
 from .limits import limit_row
 
 if TYPE_CHECKING:
-    from .io_cases import SavedPair
     from .limits import RawRead
+
+SavedPair = Any  # io_cases.SavedPair (which imports this module: not imported back)
 
 PAGE = mmap.PAGESIZE
 
