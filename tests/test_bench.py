@@ -274,3 +274,39 @@ def test_startup_children_use_cached_bytecode_as_an_install_does(
     env = startup._env()
     assert "PYTHONDONTWRITEBYTECODE" not in env and "KVSTORE_ROOT" not in env
     assert env["PATH"] == os.environ["PATH"]
+
+
+# --- issue 37: time to first token on a GPU -------------------------------------------------
+
+
+def test_the_gpu_group_says_in_one_line_why_it_is_skipped(tmp_path: Path) -> None:
+    import mlx.core as mx
+
+    from kvstore.bench.cli import run
+    from kvstore.bench.common import SMOKE
+
+    if mx.is_available(mx.gpu):
+        pytest.skip("this machine's MLX has a GPU")
+    lines: list[str] = []
+    assert run(SMOKE, tmp_path, ("gpu",), log=lines.append) == []
+    assert len(lines) == 1 and lines[0].startswith("[gpu] skipped: MLX "), lines
+    assert "has no GPU here" in lines[0] and "mlx-cuda-13" in lines[0]
+
+
+def test_the_gpu_case_runs_on_a_tiny_shape_and_gets_the_prefills_token(tmp_path: Path) -> None:
+    """The case as the GPU runs it, on a tiny llama shape and on whatever device MLX has:
+    every restore must give the prefill's first token, or it raises."""
+    import dataclasses
+
+    from kvstore.bench.common import SMOKE
+    from kvstore.bench.gpu_cases import TINY, gpu_rows
+
+    cfg = dataclasses.replace(SMOKE, gpu_sizes=(300,), gpu_reps=1)
+    rows = gpu_rows(cfg, tmp_path, lambda line: None, shape=TINY, force=True)
+    assert [r.name.split(" (")[0] for r in rows] == [
+        "GPU time to first token, 300 tokens, page cache",
+        "GPU time to first token, 300 tokens, page cache",
+        "GPU time to first token, 300 tokens, after eviction",
+        "GPU time to first token, 300 tokens, after eviction"]
+    assert all(r.kvstore > 0 and r.baseline > 0 for r in rows)
+    assert list(tmp_path.iterdir()) == []
