@@ -74,6 +74,7 @@ OPENS_FILES = {
     "kvstore.bench": "the raw files it measures the machine's limits on, its JSON report",
     "kvstore.tiny": "the tiny model's config, beside its weights",
     "kvstore.catalog.signing": "the signing key's file ($KVSTORE_SIGNING_KEY_FILE)",
+    "kvstore.codecs.warm": "/proc/meminfo, for the memory available (issue 37)",
 }
 #: Vectored I/O (``os.preadv``/``os.pwritev``) is written once.
 VECTORED_IO = {"kvstore._vio", "kvstore.bench"}

@@ -61,8 +61,9 @@ def test_smoke_run_writes_every_row_with_both_figures(tmp_path: Path,
     names = [r["name"] for r in rows]
     for want in EXPECTED:
         assert any(n.startswith(want) for n in names), f"no row {want!r} in {names}"
-    # the remote group needs a gateway (tests/remote/test_remote_bench.py runs it)
-    assert {r["group"] for r in rows} == (set(GROUPS) - {"remote"}) | {"limit"}
+    # the remote group needs a gateway (tests/remote/test_remote_bench.py runs it), the gpu
+    # group a GPU (without one it says so in a line and adds no rows)
+    assert {r["group"] for r in rows} == (set(GROUPS) - {"remote", "gpu"}) | {"limit"}
     for r in rows:
         for key in ("kvstore", "baseline", "ratio"):
             assert isinstance(r[key], float | int) and math.isfinite(r[key]), (r["name"], key)
@@ -203,8 +204,13 @@ def test_each_restore_case_is_measured_once(tmp_path: Path) -> None:
 
     rows = run(SMOKE, tmp_path, ("restore",), log=lambda line: None)
     by_name = {r.name: r for r in rows}
-    limits = [r for r in rows if r.group == "limit"]
+    limits = [r for r in rows if r.group == "limit" and r.part_of]
     assert len(limits) == 3
+    # issue 37: the same entry restored again and again in one process, and in a fresh one
+    assert [r.name for r in rows if r.group == "limit" and not r.part_of] == [
+        "limit: restore 600 page cache, repeated in one process",
+        "limit: restore 600 page cache, in a fresh process",
+        "limit: restore 600 page cache, in a fresh process: first touch of its pages alone"]
     for r in limits:
         whole = by_name[r.part_of]  # the restore row whose runs it is a part of
         assert r.name == f"limit: {whole.name}: Store.restore alone"
@@ -354,3 +360,38 @@ def test_a_target_of_a_group_not_asked_for_says_not_run() -> None:
     assert "| save speed | >= 0.9x | not run | n/a: the save group was not run (--only left it " \
            "out) |" in targets_table(ts)
     assert "not measured" not in targets_table(ts)
+
+# --- issue 37: time to first token on a GPU -------------------------------------------------
+
+
+def test_the_gpu_group_says_in_one_line_why_it_is_skipped(tmp_path: Path) -> None:
+    import mlx.core as mx
+
+    from kvstore.bench.cli import run
+    from kvstore.bench.common import SMOKE
+
+    if mx.is_available(mx.gpu):
+        pytest.skip("this machine's MLX has a GPU")
+    lines: list[str] = []
+    assert run(SMOKE, tmp_path, ("gpu",), log=lines.append) == []
+    assert len(lines) == 1 and lines[0].startswith("[gpu] skipped: MLX "), lines
+    assert "has no GPU here" in lines[0] and "mlx-cuda-13" in lines[0]
+
+
+def test_the_gpu_case_runs_on_a_tiny_shape_and_gets_the_prefills_token(tmp_path: Path) -> None:
+    """The case as the GPU runs it, on a tiny llama shape and on whatever device MLX has:
+    every restore must give the prefill's first token, or it raises."""
+    import dataclasses
+
+    from kvstore.bench.common import SMOKE
+    from kvstore.bench.gpu_cases import TINY, gpu_rows
+
+    cfg = dataclasses.replace(SMOKE, gpu_sizes=(300,), gpu_reps=1)
+    rows = gpu_rows(cfg, tmp_path, lambda line: None, shape=TINY, force=True)
+    assert [r.name.split(" (")[0] for r in rows] == [
+        "GPU time to first token, 300 tokens, page cache",
+        "GPU time to first token, 300 tokens, page cache",
+        "GPU time to first token, 300 tokens, after eviction",
+        "GPU time to first token, 300 tokens, after eviction"]
+    assert all(r.kvstore > 0 and r.baseline > 0 for r in rows)
+    assert list(tmp_path.iterdir()) == []

@@ -18,6 +18,14 @@ A B C D rounds, all with the restore's read threads:
 
 Nothing here changes kvstore; it says which part of the restore's gap to its limit row
 is the machine's cost of new memory.
+
+    python tools/probe_restore_memory.py --peak [--tokens 16384] [--layers 32]
+
+measures instead the peak memory of one restore (issue 37): a fresh process opens the
+root, notes its resident memory, resets its high-water mark (``/proc/self/clear_refs``)
+and restores the entry, verified and then not (each in a process of its own); the peak
+above what it held before, against the cache's own bytes. The default shape with
+``--layers 32`` is Llama-3-8B's KV cache (8 KV heads of 128, bfloat16).
 """
 
 from __future__ import annotations
@@ -50,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--json", default=None)
+    p.add_argument("--peak", action="store_true", help="peak memory of one restore instead")
+    p.add_argument("--layers", type=int, default=QUICK.layers)
     a = p.parse_args(argv)
+    if a.peak:
+        return peak(a.tokens, a.layers, a.json)
     pool = ThreadPoolExecutor(THREADS)
     with tempfile.TemporaryDirectory(prefix="probe-restore-") as tmp:
         root = Path(tmp)
@@ -129,6 +141,66 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k:<40} {ms:8.1f} ms  {nbytes / ms / 1e6:6.2f} GB/s")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+_CHILD = r"""
+import json, sys
+from kvstore import Store
+from kvstore.bench.io_cases import NS, tokens_for
+
+def status(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+root, n, verify = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+store = Store.open(root, namespace=NS, create=False)
+toks = tokens_for(n, seed=1)
+import mlx.core as mx
+mx.eval(mx.zeros((1,)))  # MLX's own start-up is not the restore's
+before = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the high-water mark starts again from here
+cache, got = store.restore(toks, verify=verify)
+assert got == n
+mx.eval([c.state for c in cache])
+print(json.dumps({"before": before, "hwm": status("VmHWM"), "after": status("VmRSS")}))
+"""
+
+
+def peak(tokens: int, layers: int, json_path: str | None) -> int:
+    """One restore's peak memory in a fresh process, verified and not (see the module)."""
+    import dataclasses
+    import subprocess
+
+    from kvstore.bench.common import cache_bytes
+
+    cfg = dataclasses.replace(QUICK, layers=layers)
+    with tempfile.TemporaryDirectory(prefix="probe-peak-") as tmp:
+        root = Path(tmp)
+        cache = make_cache(cfg, tokens, seed=1)
+        nbytes = cache_bytes(cache)
+        with Store.open(root, namespace=NS, durable=False, create=True) as store:
+            store.save(tokens_for(tokens, seed=1), cache)
+        del cache
+        out: dict[str, Any] = {"tokens": tokens, "layers": layers, "cache_bytes": nbytes}
+        print(f"{tokens} tokens, {layers} layers: the cache is {nbytes / 2**20:.0f} MiB")
+        for verify in (True, False):
+            got = subprocess.run([sys.executable, "-c", _CHILD, str(root), str(tokens),
+                                  "1" if verify else "0"], check=True, capture_output=True,
+                                 text=True, timeout=600)
+            r = json.loads(got.stdout.strip().splitlines()[-1])
+            over = r["hwm"] - r["before"]
+            out["verified" if verify else "unverified"] = r
+            print(f"  {'verified' if verify else 'verify_reads=False'}: peak "
+                  f"{over / 2**20:.0f} MiB above the process before it, "
+                  f"{(over - nbytes) / 2**20:+.0f} MiB beside the cache's own; "
+                  f"held after: {(r['after'] - r['before']) / 2**20:.0f} MiB")
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 

@@ -18,7 +18,7 @@ from .common import CONFIGS, QUICK, Config, Row, cache_bytes, machine, make_cach
 from .report import human, table, targets, targets_table
 
 GROUPS = ("save", "restore", "multiturn", "shared", "lookup", "ttft", "checkpoints",
-          "concurrency", "startup", "remote")
+          "concurrency", "startup", "remote", "gpu")
 MODEL_GROUP = "model"  # only with --model: a real model's prefill takes minutes on a CPU
 AGENTS_GROUP = "agents"  # only with --only agents: a replayed agent session, minutes on a CPU
 
@@ -116,6 +116,11 @@ def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
         from .agent_cases import agent_rows
 
         add(agent_rows(scratch, log))
+
+    if "gpu" in groups:
+        from .gpu_cases import gpu_rows
+
+        add(gpu_rows(cfg, scratch, log))  # one line and no rows where MLX has no GPU
     if MODEL_GROUP in groups and model_dir is not None:
         from .model_cases import model_rows
 

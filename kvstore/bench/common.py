@@ -63,6 +63,9 @@ class Config:
     # the commands the startup group times in a fresh process (each also as `rm`, `show` ...)
     startup_commands: tuple[str, ...] = ("stats", "ls", "show", "tree", "rm", "verify", "compact",
                                          "inspect", "export", "import")
+    # time to first token on a GPU (issue 37; the gpu group, where MLX has one)
+    gpu_sizes: tuple[int, ...] = (4096, 16384, 32768)
+    gpu_reps: int = 3
     note: str = ""
 
 
@@ -80,6 +83,7 @@ QUICK = Config(
     ttft_reps=3,
     conc_reps=4,
     ckpt_reps=3,
+    gpu_sizes=(4096,),
     note="quick: 4k tokens only, fewer reps; lookup stops at 10k entries",
 )
 SMOKE = Config(
@@ -111,6 +115,8 @@ SMOKE = Config(
     ckpt_layers=2,
     ckpt_window=64,
     startup_commands=("stats",),
+    gpu_sizes=(300,),
+    gpu_reps=1,
     note="smoke: checks that every case runs; its figures mean nothing",
 )
 CONFIGS = {c.name: c for c in (FULL, QUICK, SMOKE)}

@@ -146,7 +146,10 @@ def load_tensors(make: Callable[[list[BaseException]], TensorStream], count: int
     stream = make(errors)
     ref = weakref.ref(stream, lambda _: released.set())
     try:
-        loaded = mx.load(cast(BinaryIO, stream), format="safetensors")
+        # on the CPU stream, whatever the default device: its load reads straight into the
+        # arrays' memory, which ``finish`` relies on (a GPU's load may stage the bytes
+        # elsewhere: every verified restore failed its digests on MLX's CUDA backend)
+        loaded = mx.load(cast(BinaryIO, stream), format="safetensors", stream=mx.cpu)
         assert isinstance(loaded, dict)
         arrays = [loaded[_name(i)] for i in range(count)]
         mx.eval(*arrays)

@@ -27,6 +27,7 @@ class PersistStats:
     deferred_bytes: int = 0
     superseded: int = 0  # deferred snapshots replaced by a later one of their conversation
     kv_bytes_added: int = 0  # the saves' logical bytes beyond what the root held before each
+    recomputed: int = 0  # store hits computed instead: predicted faster (miss recompute_faster)
 
     @property
     def write_amplification(self) -> float | None:

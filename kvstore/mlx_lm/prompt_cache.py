@@ -34,6 +34,7 @@ from kvstore.store.tenants import salt_tag, tenant_key, tenant_namespace
 from kvstore.store.upkeep.usage import Counts, failure_reason
 
 from .cache_control import parse_pin_type
+from .crossover import Throughputs, cache_nbytes
 from .fingerprint import fingerprint_model, fingerprint_model_dir, namespace_for_path
 from .persist_stats import PersistStats
 from .prefill import CHECKPOINT, parse_checkpoint_type
@@ -127,6 +128,11 @@ class PersistentPromptCache:
     their last use (by ``clock``, seconds), and saved to the store pinned for the same TTL.
     At most half the LRU's entries and half its bytes are pinned: beyond that, and when its
     TTL has passed, the least recently used pin is handed to the LRU as an ordinary entry.
+
+    A stored prefix is restored only when that is predicted faster than computing it,
+    from the restore and prefill rates this process measured (`throughputs`,
+    :mod:`kvstore.mlx_lm.crossover`); otherwise the request computes it and its miss
+    reason is ``recompute_faster``.
     """
 
     def __init__(
@@ -165,6 +171,8 @@ class PersistentPromptCache:
         self._lock = threading.Lock()  # guards the counters below
         self._counts: dict[str, int] = {}
         self._usage = Counts()  # this process's requests, by tier
+        self.throughputs = Throughputs()  # restore and prefill rates (issue 37)
+        self._prefill_marks: dict[int, tuple[float, int]] = {}  # request id -> (when, tokens)
         self._writer = WriteBehind(store, queue_bytes=queue_bytes, reuse_prefix=reuse_prefix,
                                    defer_seconds=defer_seconds, on_save=self._saved)
         self._requests = RequestTracker(self._finished)
@@ -296,12 +304,18 @@ class PersistentPromptCache:
         checkpoint = parse_checkpoint_type(cache_type)
         if checkpoint is not None:  # a cut inside a request's prompt: one of its saves
             rec, _ = self._requests.owner(tokens)
+            self._note_prefill(rec, len(tokens))
             outcome = self._enqueue(model_key, tokens, prompt_cache, CHECKPOINT, len(tokens),
                                     metadata=checkpoint)
             self._requests.inserted(rec, False, outcome)
             return
         self._memory.insert_cache(model_key, tokens, prompt_cache, cache_type=cache_type)
         rec, reply = self._requests.owner(tokens)
+        if reply:
+            with self._lock:
+                self._prefill_marks.pop(rec.id if rec is not None else -1, None)
+        else:
+            self._note_prefill(rec, len(tokens))
         # a reply's snapshot belongs to the conversation of every later one that starts
         # with its prompt (the next turn re-renders the reply's own tokens)
         stem = rec.prompt_tokens if rec is not None and reply else len(tokens)
@@ -544,16 +558,40 @@ class PersistentPromptCache:
             if match is None or match.length <= have:
                 return None, None, self.store.miss_reason(query, namespace=namespace,
                                                           reused=have)
+            # restore only what is predicted faster than computing it (issue 37)
+            pred = self.throughputs.predict(match.where, namespace, match.length,
+                                            match.length - max(have, 0))
+            if pred is not None and pred.recompute and self.throughputs.skip():
+                self._count("recomputed")
+                return None, None, "recompute_faster"
+            t = time.perf_counter()
             cache = self.store.load(match)
             # a usable match may still be shorter than what the store shares with the
             # prompt (a checkpoint before the parting): say why (``shallow``)
             why = None
             if match.length < len(query):
                 why = self.store.miss_reason(query, namespace=namespace, reused=match.length)
+            self.throughputs.note_restore(match.where, namespace, cache_nbytes(cache),
+                                          match.length, time.perf_counter() - t)
         except Exception as e:
             logger.warning("kvstore: store read failed; treating it as a miss", exc_info=True)
             return None, None, failure_reason(e)
         return (list(cache), list(tokens[match.length :])), match.origin or match.where, why
+
+    def _note_prefill(self, rec: RequestRecord | None, n: int) -> None:
+        """A snapshot of a request's first ``n`` prompt tokens: the tokens computed since its
+        fetch (or its previous snapshot) over the time it took, for the prefill rate."""
+        if rec is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            when, done = self._prefill_marks.get(rec.id, (rec.started, rec.reused_tokens))
+            if n <= done:
+                return
+            self._prefill_marks[rec.id] = (now, n)
+            while len(self._prefill_marks) > 256:  # requests that never replied
+                self._prefill_marks.pop(next(iter(self._prefill_marks)))
+        self.throughputs.note_prefill(n - done, now - when)
 
     def _fetch_pending(
         self, model_key: Hashable, tokens: list[int], have: int
@@ -651,6 +689,7 @@ class PersistentPromptCache:
             deferred_bytes=deferred_bytes,
             superseded=w.get("superseded", 0),
             kv_bytes_added=w.get("kv_bytes_added", 0),
+            recomputed=c.get("recomputed", 0),
         )
 
     def request_counts(self) -> Counts:

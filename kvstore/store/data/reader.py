@@ -24,11 +24,13 @@ from ...codecs.layout import (
     geometry,
     in_token_blocks,
     in_window_blocks,
+    itemsize,
     spec_nbytes,
     window_first_block,
     window_rows,
 )
 from ...codecs.mxload import TensorStream, load_tensors
+from ...codecs.warm import restoring
 from ...schema import TensorSpec
 
 _ZEROS = bytes(1 << 20)
@@ -363,7 +365,15 @@ def load_arrays(
 
     Afterwards ``check.bad()`` says which blocks did not read right (or, when
     it hashes, did not hash to their names): the arrays then hold wrong bytes.
-    A block ``files`` could not open is failed in ``check``.
+    A block ``files`` could not open is failed in ``check``. A process that restores
+    again and again keeps memory warm for its restores (:mod:`kvstore.codecs.warm`).
     """
+    nbytes = 0
+    for dtype, shape in shapes:
+        n = itemsize(dtype)
+        for d in shape:
+            n *= d
+        nbytes += n
+    restoring(nbytes)
     return load_tensors(lambda errors: BlockStream(shapes, plans, errors, check, files),
                         len(shapes))

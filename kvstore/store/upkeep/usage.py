@@ -44,6 +44,7 @@ MISS_REASONS = (
     "error",  # reading the entry failed otherwise (logged)
     "too_short",  # a prompt of one token: mlx-lm computes at least the last one, so none
     # of it can be reused
+    "recompute_faster",  # the process predicted that computing the prefix beats restoring it
 )
 
 _N = Annotated[int, msgspec.Meta(ge=0)]

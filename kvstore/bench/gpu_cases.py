@@ -1,0 +1,234 @@
+"""Time to first token on a GPU (issue 37): prefill vs kvstore's restore vs mlx-lm's file.
+
+Where MLX has a GPU (the ``mlx-cuda-13`` wheel on an NVIDIA card, or Metal), a
+Llama-3-8B-shaped model (32 layers, hidden 4096, 32 heads, 8 KV heads of 128, MLP
+14336, vocabulary 128256; random bfloat16 weights) answers an ``n``-token prompt three
+ways, each ending with the first token (the forward step of the prompt's last token
+and its argmax, evaluated):
+
+- **prefill**: the first ``n - 1`` tokens in chunks of 2048 (mlx-lm's
+  ``prefill_step_size``) from an empty cache;
+- **kvstore**: ``Store.restore`` (verified, the default) of the first ``n - 1`` tokens;
+- **mlx-lm**: ``load_prompt_cache`` of the same cache saved with ``save_prompt_cache``.
+
+The restores run with the files in the page cache (``warm``) and after
+``POSIX_FADV_DONTNEED`` on every block file and on the safetensors file
+(``dropped``); each row's ``read_gbps`` is a plain read of the safetensors file right
+after the drop, so a machine whose page cache ignores the advice (a sandboxed kernel)
+shows it. The first token of every restore must equal the prefill's. Without a GPU
+the group is skipped with one line saying so.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from .common import Config, Row, block_files, drop_from_page_cache, median, read_all
+
+PREFILL_STEP = 2048
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A llama model's shape (``mlx_lm.models.llama.ModelArgs``)."""
+
+    name: str
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+
+LLAMA3_8B = Shape("Llama-3-8B shape", 4096, 32, 14336, 32, 8, 128, 128256)
+TINY = Shape("tiny llama shape", 128, 2, 256, 4, 2, 32, 512)  # for trying the case on a CPU
+
+
+def gpu_reason() -> str | None:
+    """Why this process cannot run the group; None when MLX has a GPU."""
+    try:
+        ok = bool(mx.is_available(mx.gpu))
+    except (AttributeError, RuntimeError, ValueError) as e:
+        return f"MLX cannot tell whether it has a GPU ({e})"
+    if not ok:
+        version = getattr(mx, "__version__", "?")
+        return (f"MLX {version} has no GPU here (its device is {mx.default_device()}; "
+                "on an NVIDIA card install the mlx-cuda-13 wheel)")
+    return None
+
+
+def make_model(shape: Shape, dtype: Any = mx.bfloat16) -> Any:
+    """A llama model of ``shape`` with random weights in ``dtype``, evaluated layer by layer."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+        intermediate_size=shape.intermediate, num_attention_heads=shape.heads,
+        rms_norm_eps=1e-5, vocab_size=shape.vocab, head_dim=shape.head_dim,
+        num_key_value_heads=shape.kv_heads, rope_theta=500000.0, tie_word_embeddings=False)
+    mx.random.seed(0)
+    model = llama.Model(args)
+    model.set_dtype(dtype)
+    for layer in model.model.layers:
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
+    return model
+
+
+def _first_token(model: Any, cache: list[Any], last: int) -> int:
+    logits = model(mx.array([[last]]), cache=cache)
+    tok = mx.argmax(logits[0, -1])
+    mx.eval(tok)
+    return int(tok.item())  # type: ignore[arg-type]
+
+
+def _prefill(model: Any, tokens: list[int]) -> list[Any]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    for i in range(0, len(tokens), PREFILL_STEP):
+        model(mx.array([tokens[i : i + PREFILL_STEP]]), cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
+def _sync() -> None:
+    mx.synchronize()
+
+
+def gpu_rows(cfg: Config, scratch: Path, log: Callable[[str], None] = print, *,
+             shape: Shape = LLAMA3_8B, force: bool = False) -> list[Row]:
+    """The group's rows for each of ``cfg.gpu_sizes`` (``force``: run without a GPU too,
+    on whatever device MLX has: a check of the case, not a figure)."""
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    from ..schema import Namespace
+    from ..store import Store
+
+    why = gpu_reason()
+    if why is not None and not force:
+        log(f"[gpu] skipped: {why}")
+        return []
+    device = _device_name()
+    log(f"[gpu] {shape.name} on {device}, {', '.join(map(str, cfg.gpu_sizes))} tokens")
+    t = time.perf_counter()
+    model = make_model(shape)
+    log(f"  model built in {time.perf_counter() - t:.1f} s")
+    rng = mx.random.randint(0, shape.vocab, (max(cfg.gpu_sizes),), key=mx.random.key(1))
+    all_tokens: list[int] = [int(x) for x in rng.tolist()]  # type: ignore[arg-type,union-attr]
+    # warm-up: the kernels' first use (compilation) is not part of any side
+    warm_cache = _prefill(model, all_tokens[:PREFILL_STEP + 17])
+    _first_token(model, warm_cache, all_tokens[0])
+    del warm_cache
+    ns = Namespace(model_id=f"kvstore-bench-{shape.name}", config_fingerprint="random")
+    rows: list[Row] = []
+    for n in cfg.gpu_sizes:
+        tokens = all_tokens[:n]
+        head, last = tokens[:-1], tokens[-1]
+        lab = f"{n // 1024}k" if n % 1024 == 0 else str(n)
+        prefill_s: list[float] = []
+        want = None
+        for _ in range(max(1, cfg.gpu_reps - 1)):
+            _sync()
+            t = time.perf_counter()
+            cache = _prefill(model, head)
+            tok = _first_token(model, cache, last)
+            prefill_s.append(time.perf_counter() - t)
+            want = tok if want is None else want
+        for c in cache:  # back to the first n - 1 tokens: what is stored
+            c.trim(1)
+        root = Path(tempfile.mkdtemp(prefix=f"gpu-{n}-", dir=scratch))
+        file = root.parent / f"{root.name}.safetensors"
+        try:
+            with Store.open(root, namespace=ns) as store:
+                store.save(head, cache)
+            save_prompt_cache(str(file), cache)
+            nbytes = sum(c.nbytes for c in cache)
+            del cache
+            files = [*block_files(root), file]
+            store = Store.open(root, namespace=ns, create=False)
+
+            def kv(store: Store = store, head: list[int] = head,
+                   last: int = last) -> tuple[float, int]:
+                _sync()
+                t = time.perf_counter()
+                c, length = store.restore(head)
+                assert c is not None and length == len(head)
+                tok = _first_token(model, c, last)
+                return time.perf_counter() - t, tok
+
+            def ml(file: Path = file, last: int = last) -> tuple[float, int]:
+                _sync()
+                t = time.perf_counter()
+                c = load_prompt_cache(str(file))  # type: ignore[no-untyped-call]
+                tok = _first_token(model, c, last)
+                return time.perf_counter() - t, tok
+
+            for where in ("warm", "dropped"):
+                if where == "dropped":
+                    try:
+                        drop_from_page_cache(files)
+                    except OSError as e:  # a kernel without fadvise: the warm rows only
+                        log(f"  {lab}: the page cache cannot be dropped here ({e})")
+                        continue
+                res: dict[str, list[float]] = {"kv": [], "ml": []}
+                read_gbps: list[float] = []
+                read_all(files)
+                for rnd in range(cfg.gpu_reps + 1):
+                    sides: list[tuple[str, Callable[[], tuple[float, int]]]] = [("kv", kv),
+                                                                                ("ml", ml)]
+                    for side, fn in sides if rnd % 2 else sides[::-1]:
+                        if where == "dropped":
+                            drop_from_page_cache(files)
+                        dt, tok = fn()
+                        if tok != want:
+                            raise AssertionError(f"{side} restore at {n} tokens gave token "
+                                                 f"{tok}, the prefill {want}")
+                        if rnd:
+                            res[side].append(dt)
+                if where == "dropped":
+                    drop_from_page_cache([file])
+                    t = time.perf_counter()
+                    read_all([file])
+                    read_gbps.append(file.stat().st_size / (time.perf_counter() - t) / 1e9)
+                extra = {"tokens": float(n), "gb": nbytes / 1e9, "prefill_s": median(prefill_s)}
+                if read_gbps:
+                    extra["read_gbps"] = read_gbps[0]
+                what = "page cache" if where == "warm" else "after eviction"
+                name = f"GPU time to first token, {lab} tokens, {what} ({shape.name}, {device})"
+                rows += [
+                    Row("gpu", f"{name}: kvstore restore vs prefill", "s", median(res["kv"]),
+                        median(prefill_s), "prefill from scratch", "speedup", extra=extra),
+                    Row("gpu", f"{name}: kvstore restore vs mlx-lm load_prompt_cache", "s",
+                        median(res["kv"]), median(res["ml"]), "mlx-lm load_prompt_cache",
+                        "speedup", extra=extra),
+                ]
+                for r in rows[-2:]:
+                    log(f"  {r.name}: kvstore {r.kvstore * 1e3:.1f} ms, baseline "
+                        f"{r.baseline * 1e3:.1f} ms, ratio {r.ratio:.2f}")
+            store.close()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+            file.unlink(missing_ok=True)
+    return rows
+
+
+def _device_name() -> str:
+    try:
+        info = mx.device_info()
+        name = info.get("device_name") or info.get("architecture")
+        if name:
+            return str(name)
+    except (AttributeError, RuntimeError):
+        pass
+    return str(mx.default_device())

@@ -1,0 +1,148 @@
+"""Restores in a process that restores again and again, and in a fresh one (issue 37).
+
+Three limit rows beside the restore rows, from the page cache, verified (the default):
+
+- ``repeated in one process``: ``Store.restore`` of the same entry again and again in
+  this process (its cache dropped after each, as a server drops a request's), in rounds
+  with the machine's limit: ``preadv`` + BLAKE3 of the same block files into arrays
+  allocated once (reused memory). Held to 0.8x. This is where :mod:`kvstore.codecs.warm`
+  keeps MLX's freed buffers for the next restore;
+- ``in a fresh process``: one ``Store.restore`` in a new process (timed inside it, after
+  ``Store.open``, mlx-lm's import and MLX's first evaluation), which must fault in every
+  page it fills; not held;
+- ``first touch of its pages alone``: the part of that which is page faults: mapping as
+  many fresh bytes and writing one byte a page, on the restore's threads, no copy.
+
+Each row carries the minor page faults counted (``getrusage``) around its restores.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..blocks.pools import READ_WORKERS, balanced, io_pool
+from .common import Row, median
+from .limits import limit_row
+
+if TYPE_CHECKING:
+    from .limits import RawRead
+
+SavedPair = Any  # io_cases.SavedPair (which imports this module: not imported back)
+
+PAGE = mmap.PAGESIZE
+
+_CHILD = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+from kvstore import Namespace, Store
+root, toks = sys.argv[1], json.load(open(sys.argv[2]))
+ns = Namespace(model_id="kvstore-bench", config_fingerprint="synthetic")
+store = Store.open(root, namespace=ns, create=False)
+import mlx.core as mx
+import mlx_lm.models.cache  # imported by the first restore: not the restore's own cost
+mx.eval(mx.zeros((1,)))  # nor MLX's start-up
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+t = time.perf_counter()
+cache, n = store.restore(toks, verify=True)
+dt = time.perf_counter() - t
+f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+assert n == len(toks)
+print(json.dumps({"s": dt, "minflt": f1 - f0}))
+"""
+
+
+def _minflt() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def fresh_process_restore(pair: SavedPair) -> tuple[float, int]:
+    """One verified ``Store.restore`` in a new process: (seconds, minor faults)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(pair.tokens, f)
+        toks = f.name
+    try:
+        out = subprocess.run([sys.executable, "-c", _CHILD, str(pair.root), toks],
+                             check=True, capture_output=True, text=True, timeout=600)
+    finally:
+        os.unlink(toks)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return float(got["s"]), int(got["minflt"])
+
+
+def first_touch(nbytes: int) -> float:
+    """Seconds to map ``nbytes`` of fresh memory and write one byte a page, on the
+    restore's threads: the page-fault share of filling new arrays."""
+    pages = -(-nbytes // PAGE)
+    m = mmap.mmap(-1, pages * PAGE)
+    try:
+        view = memoryview(m)
+        groups = balanced([PAGE] * pages, READ_WORKERS)
+
+        def touch(idx: list[int]) -> None:
+            for i in idx:
+                view[i * PAGE] = 1
+
+        t = time.perf_counter()
+        futures = [io_pool().submit(touch, g) for g in groups[1:]]
+        touch(groups[0])
+        for fu in futures:
+            fu.result()
+        dt = time.perf_counter() - t
+        view.release()
+        return dt
+    finally:
+        m.close()
+
+
+def warm_rows(lab: str, pair: SavedPair, raw: RawRead, reps: int) -> list[Row]:
+    """The three rows of the module docstring for the entry of ``pair``."""
+    kv: list[float] = []
+    lim: list[float] = []
+    faults: list[int] = []
+    pair.warm()
+    for rnd in range(2 * reps + 2):  # two warm-ups: the policy raises MLX's limit at the 2nd
+        order = ("kv", "raw") if rnd % 2 else ("raw", "kv")
+        for side in order:
+            if side == "raw":
+                dt = raw(hash=True)
+                if rnd >= 2:
+                    lim.append(dt)
+                continue
+            f0 = _minflt()
+            t = time.perf_counter()
+            cache, length = pair.store.restore(pair.tokens, verify=True)
+            dt = time.perf_counter() - t
+            f1 = _minflt()
+            assert cache is not None and length == pair.n, "the benchmark entry went missing"
+            del cache
+            if rnd >= 2:
+                kv.append(dt)
+                faults.append(f1 - f0)
+    fresh = [fresh_process_restore(pair) for _ in range(max(2, reps // 2 + 1))]
+    fresh_s = median([s for s, _ in fresh])
+    fresh_faults = median([float(n) for _, n in fresh])
+    touch = median([first_touch(pair.bytes) for _ in range(reps)])
+    limit = median(lim)
+    th = f"{raw.threads} threads"
+    label = f"preadv + BLAKE3 of its block files into reused arrays, {th}"
+    extra = {"minflt_per_restore": median([float(n) for n in faults]),
+             "fresh_process_s": fresh_s, "fresh_process_minflt": fresh_faults,
+             "first_touch_s": touch, "gb": pair.bytes / 1e9}
+    base = f"restore {lab} page cache"
+    return [
+        limit_row(f"limit: {base}, repeated in one process", median(kv), limit, label,
+                  extra=extra),
+        limit_row(f"limit: {base}, in a fresh process", fresh_s, limit, label, target=None,
+                  extra={"minflt_per_restore": fresh_faults, "gb": pair.bytes / 1e9}),
+        limit_row(f"limit: {base}, in a fresh process: first touch of its pages alone",
+                  touch, limit, label + " (the page-fault part of a fresh process's restore)",
+                  target=None, extra={"pages": float(-(-pair.bytes // PAGE))}),
+    ]

@@ -1,0 +1,133 @@
+"""Issue 37: never a hit slower than a miss. The prompt cache restores a stored prefix
+only when its measured rates predict the restore faster than the prefill; otherwise
+the request computes it, counted with the miss reason ``recompute_faster``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+import kvstore
+from kvstore.mlx_lm import PersistentPromptCache, crossover
+from kvstore.mlx_lm.requests import CacheObserver, RequestRecord
+from kvstore.tiny import make_tiny_model
+
+T = 16
+
+
+def _kv(tokens: list[int]) -> list[Any]:
+    layers = []
+    for layer in range(2):
+        c = KVCache()
+        t = mx.array(tokens, dtype=mx.float32).reshape(1, 1, len(tokens), 1)
+        k = mx.broadcast_to(t * (layer + 1), (1, 2, len(tokens), 8))
+        c.update_and_fetch(k, -k)
+        layers.append(c)
+    mx.eval([c.state for c in layers])
+    return layers
+
+
+@pytest.fixture(scope="module")
+def key(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, None, None]:
+    model = make_tiny_model(tmp_path_factory.mktemp("model") / "llama", "llama")
+    return (str(model), None, None)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[kvstore.Store]:
+    with kvstore.Store.open(tmp_path / "root", durable=False, block_tokens=T) as s:
+        yield s
+
+
+class Seen(CacheObserver):
+    def __init__(self) -> None:
+        self.opened: list[RequestRecord] = []
+
+    def fetched(self, rec: RequestRecord) -> None:
+        self.opened.append(rec)
+
+
+A = list(range(100, 200))
+REPLY = list(range(900, 910))
+B = A + REPLY + list(range(300, 320))
+
+
+def _stored(store: kvstore.Store, key: Any) -> None:
+    ppc = PersistentPromptCache(store, min_tokens=16)
+    ppc.insert_cache(key, A + REPLY, _kv(A + REPLY))
+    assert ppc.drain(30)
+
+
+def test_the_choice_follows_the_measured_rates_both_ways(store: kvstore.Store,
+                                                        key: Any) -> None:
+    _stored(store, key)
+    # unmeasured: seeded conservatively, the store is used as before, and measured
+    first = PersistentPromptCache(store)
+    cache, rest = first.fetch_nearest_cache(key, B)
+    assert cache is not None and len(B) - len(rest) == 110
+    ns = first.namespace_for(key)
+    assert first.throughputs.restore_bps["local"] > 0
+    assert first.throughputs.bytes_per_token[ns] >= 2 * 2 * 2 * 8 * 4  # KV bytes a token
+    assert first.throughputs.prefill_tps is None
+
+    # a slow restore (1 kB/s, 1 kB a token) against a fast prefill: computed instead
+    slow = PersistentPromptCache(store)
+    seen = Seen()
+    slow.observers.append(seen)
+    slow.throughputs.note_restore("local", ns, 1000, 1, 1.0)
+    slow.throughputs.note_prefill(1000, 1.0)
+    pred = slow.throughputs.predict("local", ns, 110, 110)
+    assert pred is not None and pred.recompute and pred.restore_s == pytest.approx(110.0)
+    cache, rest = slow.fetch_nearest_cache(key, B)
+    assert cache is None and rest == B
+    assert [(r.tier, r.reused_tokens, r.miss) for r in seen.opened] == [
+        (None, 0, "recompute_faster")]
+    assert "miss=recompute_faster" in seen.opened[0].line()
+    assert slow.persist_stats().recomputed == 1
+    assert slow.request_counts().miss_reasons == {"recompute_faster": 1}
+    assert store.usage().lifetime.miss_reasons == {"recompute_faster": 1}
+
+    # a fast restore against a slow prefill (1 token/s): restored
+    fast = PersistentPromptCache(store)
+    fast.throughputs.note_restore("local", ns, 10**9, 1, 1e-3)
+    fast.throughputs.note_prefill(16, 16.0)
+    cache, rest = fast.fetch_nearest_cache(key, B)
+    assert cache is not None and len(B) - len(rest) == 110
+    assert fast.persist_stats().recomputed == 0
+    c = store.usage().lifetime
+    assert (c.local_requests, c.local_tokens, c.miss_reasons) == (2, 220,
+                                                                  {"recompute_faster": 1})
+
+
+def test_one_skipped_restore_in_probe_every_is_restored_and_measured(
+        store: kvstore.Store, key: Any) -> None:
+    _stored(store, key)
+    ppc = PersistentPromptCache(store)
+    ns = ppc.namespace_for(key)
+    ppc.throughputs.note_restore("local", ns, 1000, 1, 1.0)
+    ppc.throughputs.note_prefill(1000, 1.0)
+    got = [ppc.fetch_nearest_cache(key, B)[0] is not None
+           for _ in range(crossover.PROBE_EVERY)]
+    assert got == [False] * (crossover.PROBE_EVERY - 1) + [True]
+    assert ppc.persist_stats().recomputed == crossover.PROBE_EVERY - 1
+    assert ppc.throughputs.restore_bps["local"] > 1000  # the probe's rate was averaged in
+
+
+def test_the_prefill_rate_is_measured_from_fetch_to_the_prompts_snapshot(
+        store: kvstore.Store, key: Any) -> None:
+    ppc = PersistentPromptCache(store, min_tokens=16)
+    cache, rest = ppc.fetch_nearest_cache(key, B)  # nothing stored: all computed
+    assert cache is None
+    time.sleep(0.2)
+    ppc.insert_cache(key, B[:-1], _kv(B[:-1]))  # the prompt's end, as serve hands it over
+    tps = ppc.throughputs.prefill_tps
+    assert tps is not None and 0 < tps <= (len(B) - 1) / 0.2
+    ppc.insert_cache(key, B + [1, 2], _kv(B + [1, 2]))  # the reply: not a prefill
+    assert ppc.throughputs.prefill_tps == tps
+    assert ppc.drain(30)
