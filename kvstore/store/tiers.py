@@ -138,7 +138,7 @@ class Tiers:
                  until: float | None = None) -> Match | None:
         if self.health.benched(tier.name):
             return None
-        now = time.monotonic()
+        now = self.health.clock()
         ask = self.health.ask(tier.name, tier.timeout, until)
         if ask.skip is not None:
             if ask.background:  # not waited for, asked all the same
