@@ -267,16 +267,18 @@ class Tiers:
                 return None
         if tier.timeout is None:
             return fut.result()
-        with self._cv:  # the pull says how long it may take once it knows what it lacks
-            self._cv.wait_for(lambda: fut.done() or key in self._ends, tier.timeout * 2)
-            end = self._ends.get(key, time.monotonic())
-        try:
-            return fut.result(timeout=max(0.0, end - time.monotonic()))
-        except cf.TimeoutError:
-            self.counters.add(remote_errors=1)
-            budget = tier.timeout * 2
-            raise TierTimeoutError(f"{tier}: a pull had no answer in {budget:.0f} s or more"
-                                   ) from None
+        first = tier.timeout * 2  # until the pull starts, then its own bound
+        with self._cv:  # the pull moves its bound once it knows the bytes the root lacks
+            asked = time.monotonic()
+            while not fut.done():
+                end = self._ends.get(key, asked + first)
+                left = end - time.monotonic()
+                if left <= 0:
+                    self.counters.add(remote_errors=1)
+                    raise TierTimeoutError(f"{tier}: a pull of {match.entry_id} had no answer "
+                                           f"in {end - asked:.0f} s")
+                self._cv.wait(left)
+        return fut.result()
 
     def _start(self, tier: Tier, match: Match, *, quiet: bool
                ) -> tuple[tuple[str, bytes], cf.Future[Pulled] | None]:
@@ -311,6 +313,10 @@ class Tiers:
         """The one function that writes a lower tier's hit back into the root (each
         request bounded by the tier's own timeouts); counted."""
         began = time.monotonic()
+        if tier.timeout is not None:
+            with self._cv:
+                self._ends[key] = began + tier.timeout * 2
+                self._cv.notify_all()
         try:
             got = self._write_back(tier, match, key, began)
         except BaseException:
