@@ -304,16 +304,13 @@ class Store:
         cut back or dropped (see :mod:`kvstore.store.upkeep.repair`), and
         :class:`CorruptBlockError` names it: a new lookup then finds the
         longest intact prefix. A match of a lower tier is first written back
-        into this root (:meth:`Tiers.write_back`).
+        into this root (:meth:`Tiers.fetch`).
         """
         digest: bytes = match.digest
         if match.where != self.local.name:
-            try:
-                got = self.tiers.write_back(match)
-            except (KVStoreError, OSError):
-                self.counters.add(remote_errors=1)
-                raise
-            self.counters.add(remote_pulls=1, remote_pulled_bytes=got.bytes)
+            got = self.tiers.fetch(match)  # counted there
+            if got is None:  # the store is closing
+                raise EntryNotFoundError(f"{match.entry_id} not pulled: this store is closing")
             digest = got.digest
             if got.fresh and verify is None:  # every block was checked as it came in
                 verify = False

@@ -3,9 +3,11 @@
 As an overlay of stores (dulwich's ``OverlayObjectStore``) or a storage manager over
 backends (LMCache): a lookup asks each lower tier only for a match longer than the best
 found above it, within the tier's ``timeout``; a tier that failed or was slow is left
-alone for ``DOWN_FOR`` seconds (one warning), so a dead gateway costs a lookup nothing. A
-hit in a lower tier is **written back**: the blocks its prefix needs and its records
-(priority included) are copied into the root (:meth:`Tier.take`), so the next restore of
+alone for a while (one warning; :class:`~.health.Health` keeps each tier's state), so a
+dead gateway costs a lookup nothing. A hit in a lower tier is **written back**, always
+by :meth:`Tiers.fetch`: the blocks its prefix needs and its records (priority included)
+are copied into the root (:meth:`Root.take <kvstore.store.local.root.Root.take>`, with
+the blocks :meth:`~kvstore.store.local.root.Root.lacking` found), so the next restore of
 it on this machine is local. A save is **written behind**: queued, then copied into each
 lower tier by worker threads, never on the caller's thread. Every copy between tiers
 goes through :meth:`Tier.take`, with the records of :func:`records_of`.
@@ -15,8 +17,8 @@ lookup and the pull of what it found in a lower tier together take at most that 
 seconds: what is not in the root by then is not used (the caller computes it), and the
 lookup or pull goes on in the background (:class:`~.background.Background`: one per entry
 at a time, a bounded queue, stopped at close) so that the next lookup finds it in the
-root. A tier the deadline cut is not waited for during ``SLOW_FOR`` seconds (each lookup
-asks it in the background) unless one of those lookups answers in time.
+root. A tier the deadline cut is not waited for during a while (each lookup asks it in
+the background) unless one of those lookups answers in time.
 
 A push that fails is tried again after a growing pause, a bounded number of times within
 a bounded time (:class:`PushRetry`); what is given up is counted, and kept for the next
@@ -32,7 +34,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TypeVar
 
 from ..blocks import Digest
 from ..catalog.base import PushStats, Tier
@@ -45,21 +46,16 @@ from .background import Background
 from .counters import StoreCounters
 from .entries import Pulled, PullReport, resolve_id
 from .errors import TierTimeoutError
+from .health import DEFAULT_DEADLINE as DEFAULT_DEADLINE  # kvstore serve's
+from .health import Health
 from .local.root import Root
 from .retry import PushRetry, Retries
 
 _log = logging.getLogger("kvstore")
-_T = TypeVar("_T")
 
 DEFAULT_QUEUE = 1024  # entries waiting to be written behind before saves are shed
 DEFAULT_CLOSE_TIMEOUT = 10.0  # seconds close() waits for queued copies
-DOWN_FOR = 30.0  # seconds a failed tier is not asked again by lookups
 PULL_RATE = 10e6  # bytes/s a write-back is allowed at least, on top of the tier's timeout
-DEFAULT_DEADLINE = 1.5  # seconds: ``kvstore serve --remote-deadline``
-LATE_LOOKUPS = 4  # lookups a deadline left running before later ones skip the lower tiers
-SLOW_FOR = 30.0  # seconds lookups do not wait for a tier the deadline cut (asked in the
-#                  background meanwhile; lifted when one of them answers in time)
-LATE_WARN_EVERY = 60.0  # seconds between two warnings that the deadline cut a request
 
 
 class Tiers:
@@ -84,22 +80,28 @@ class Tiers:
         self._workers: list[threading.Thread] = []
         self._n_workers = workers
         self._requests = cf.ThreadPoolExecutor(4, thread_name_prefix="kvstore-tier-lookup")
-        self._down_until: dict[str, float] = {}
         self._closed = False
         self.counters = StoreCounters()  # the store's own (Store.__init__ hands it over)
-        #: Seconds a lookup and the pull of what it found below the root may take together
-        #: (None: each tier's own bounds, and a hit is pulled by ``Store.load``).
-        self.deadline: float | None = None
+        #: The lower tiers' health and the request deadline (:attr:`deadline`).
+        self.health = Health()
         self.pulls = Background(name="kvstore-pull")
-        self._late = 0  # lookups a deadline left running
-        self._slow_until: dict[str, float] = {}
-        self._late_warned = -LATE_WARN_EVERY
+        self._ends: dict[tuple[str, bytes], float] = {}  # when a running pull is overdue
+
+    @property
+    def deadline(self) -> float | None:
+        """Seconds a lookup and the pull of what it found below the root may take together
+        (None: each tier's own bounds); :attr:`health`'s."""
+        return self.health.deadline
+
+    @deadline.setter
+    def deadline(self, seconds: float | None) -> None:
+        self.health.deadline = seconds
 
     def later(self, tier: Tier, first: Callable[[], object], why: object) -> None:
         """Run ``first`` before ``tier`` is used (it was unreachable: its settings are
         checked at its first use), and leave it alone for a while."""
         self._pending[tier.name] = first
-        self._down_until[tier.name] = time.monotonic() + DOWN_FOR
+        self.health.bench(tier.name)
         _log.warning("kvstore: %s %s unreachable, working locally: %s", tier.name, tier, why)
 
     def _ready(self, tier: Tier) -> None:
@@ -114,59 +116,53 @@ class Tiers:
                 return t
         raise ValueError(f"no tier {name!r} below this root")
 
-    # --- lookups and write-back ----------------------------------------------------
+    # --- lookups -----------------------------------------------------------------------
 
     def find(self, tk: TokenKeys, best: Match | None) -> Match | None:
         """The best match of ``tk`` given the root's ``best``: a lower tier's when longer.
 
-        With a :attr:`deadline`, a lower tier's hit is pulled into the root before this
-        returns (the match is then the root's, ``origin`` names the tier), or not used
-        (``best`` is returned, the pull goes on in the background)."""
-        until = None if self.deadline is None else time.monotonic() + self.deadline
+        With a :attr:`deadline`, a lower tier's hit is fetched into the root
+        (:meth:`fetch`) before this returns (the match is then the root's, ``origin``
+        names the tier), or not used (``best`` is returned, the pull goes on in the
+        background)."""
+        until = self.health.until()
         for tier in self.lower:
             if best is not None and best.exact:
                 break
             hit = self._find_in(tier, tk, best.length if best is not None else 0, until)
             if hit is not None:
-                best = hit if until is None else self._pull_by(tier, tk, hit, best, until)
+                best = hit if until is None else self._pulled_by(tier, tk, hit, best, until)
         return best
 
     def _find_in(self, tier: Tier, tk: TokenKeys, floor: int,
                  until: float | None = None) -> Match | None:
-        now = time.monotonic()
-        if now < self._down_until.get(tier.name, 0.0):
+        if self.health.benched(tier.name):
             return None
-        wait, cut = tier.timeout, False
-        if until is not None:
-            left = until - now
-            slow = now < self._slow_until.get(tier.name, 0.0)
-            if left <= 0 or slow or self._late >= LATE_LOOKUPS:
-                if left > 0 and slow and self._late < LATE_LOOKUPS:  # not waited for
-                    self._in_background(tier, self._requests.submit(self._find_now, tier, tk,
-                                                                    floor), now)
-                self._missed(tier, "no time left" if left <= 0 else "it was slow"
-                             if slow else "lookups still running")
-                return None
-            if wait is None or left < wait:
-                wait, cut = left, True
+        now = self.health.clock()
+        ask = self.health.ask(tier.name, tier.timeout, until)
+        if ask.skip is not None:
+            if ask.background:  # not waited for, asked all the same
+                self._in_background(tier, self._requests.submit(self._find_now, tier, tk,
+                                                                floor), now)
+            self._missed(tier, ask.skip)
+            return None
         fut = self._requests.submit(self._find_now, tier, tk, floor)
         try:
-            return fut.result(timeout=wait)
+            return fut.result(timeout=ask.wait)
         except cf.TimeoutError:
-            if not cut:
+            if not ask.cut:
                 self._failed_lookup(tier, f"no answer in {tier.timeout} s")
                 return None
         except (KVStoreError, OSError) as e:
             self._failed_lookup(tier, e)
             return None
-        self._slow_until[tier.name] = time.monotonic() + SLOW_FOR
+        self.health.cut(tier.name)
         self._missed(tier, "the lookup")
         self._in_background(tier, fut, now)
         return None
 
     def _in_background(self, tier: Tier, fut: cf.Future[Match | None], began: float) -> None:
-        with self._cv:
-            self._late += 1
+        self.health.late()
         fut.add_done_callback(lambda f: self._late_lookup(tier, f, began))
 
     def _failed_lookup(self, tier: Tier, why: object) -> None:
@@ -174,11 +170,9 @@ class Tiers:
         self.down(tier, why)
 
     def _late_lookup(self, tier: Tier, fut: cf.Future[Match | None], began: float) -> None:
-        """A lookup the deadline left running (or not waited for) answered: pull what it
+        """A lookup the deadline left running (or not waited for) answered: fetch what it
         found, in the background; the tier is waited for again if it answered in time."""
-        with self._cv:
-            self._late -= 1
-            self._cv.notify_all()
+        self.health.answered(tier.name, began)
         if fut.cancelled():
             return
         e = fut.exception()
@@ -186,57 +180,26 @@ class Tiers:
             if isinstance(e, (KVStoreError, OSError)):
                 self._failed_lookup(tier, e)
             return
-        if self.deadline is not None and time.monotonic() - began <= self.deadline:
-            self._slow_until.pop(tier.name, None)
         hit = fut.result()
         if hit is not None and not self._closed:
-            self._pull_later(tier, hit)
+            self._start(tier, hit, quiet=True)
 
     def settle(self, timeout: float | None = None) -> bool:
         """Wait until no lookup a deadline left running and no background pull is left
         (False on timeout)."""
         end = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            if not self._cv.wait_for(lambda: not self._late, timeout):
-                return False
+        if not self.health.settle(timeout):
+            return False
         return self.pulls.wait(None if end is None else max(0.0, end - time.monotonic()))
 
-    def _pull_later(self, tier: Tier, hit: Match) -> cf.Future[Pulled | None] | None:
-        fut = self.pulls.submit((tier.name, hit.digest), lambda: self._pull_quietly(tier, hit))
-        if fut is None and not self.pulls.closed:
-            self.counters.add(remote_pulls_shed=1)
-        return fut
-
-    def _pull_quietly(self, tier: Tier, hit: Match) -> Pulled | None:
-        """Write ``hit`` back on this thread; count it, or count and log its failure."""
-        if self._closed:
-            return None
+    def _pulled_by(self, tier: Tier, tk: TokenKeys, hit: Match, best: Match | None,
+                   until: float) -> Match | None:
+        """``hit`` (of ``tier``) fetched into the root by ``until`` and found there again
+        (the root's own lookup says how it serves ``tk``), or ``best`` (the pull goes
+        on)."""
         try:
-            got = self.write_back(hit, inline=True)
-        except (ManifestError, DigestMismatchError) as e:  # the entry's fault, not the tier's
-            self.counters.add(remote_errors=1)
-            _log.warning("kvstore: pull of %s from %s failed: %s", hit.entry_id, tier, e)
-            return None
-        except (KVStoreError, OSError) as e:
-            self.counters.add(remote_errors=1)
-            self.down(tier, f"pull of {hit.entry_id} failed: {e}")
-            return None
-        self.counters.add(remote_pulls=1, remote_pulled_bytes=got.bytes)
-        return got
-
-    def _pull_by(self, tier: Tier, tk: TokenKeys, hit: Match, best: Match | None,
-                 until: float) -> Match | None:
-        """``hit`` (of ``tier``) pulled into the root by ``until`` and found there again, or
-        ``best`` (the pull goes on)."""
-        fut = self._pull_later(tier, hit)
-        if fut is None:
-            return best
-        try:
-            got = fut.result(timeout=max(0.0, until - time.monotonic()))
-        except cf.TimeoutError:
-            self._missed(tier, f"the pull of {hit.entry_id}")
-            return best
-        except cf.CancelledError:
+            got = self.fetch(hit, until, quiet=True)
+        except (KVStoreError, OSError):  # counted and logged by the pull (_pull_failed)
             return best
         if got is None:
             return best
@@ -249,9 +212,7 @@ class Tiers:
     def _missed(self, tier: Tier, what: str) -> None:
         """Count (and now and then log) a request the deadline cut short."""
         self.counters.add(remote_deadline_misses=1)
-        now = time.monotonic()
-        if now - self._late_warned >= LATE_WARN_EVERY:
-            self._late_warned = now
+        if self.health.warn_due():
             _log.warning("kvstore: %s %s past the %g s remote deadline (%s): computed "
                          "here, pulled in the background", tier.name, tier, self.deadline,
                          what)
@@ -265,21 +226,111 @@ class Tiers:
     def unavailable(self) -> bool:
         """Whether lookups leave a lower tier alone now, or do not wait for it (it failed,
         timed out or was cut by the deadline recently)."""
-        now = time.monotonic()
-        return any(now < max(self._down_until.get(t.name, 0.0),
-                             self._slow_until.get(t.name, 0.0)) for t in self.lower)
+        return self.health.unavailable(t.name for t in self.lower)
 
     def down(self, tier: Tier | str, why: object) -> None:
         """Leave a tier alone for a while after a failure (one warning each time)."""
         t = self.tier(tier) if isinstance(tier, str) else tier
-        self._down_until[t.name] = time.monotonic() + DOWN_FOR
-        _log.warning("kvstore: %s %s not used for %.0f s: %s", t.name, t, DOWN_FOR, why)
+        self.health.bench(t.name)
+        _log.warning("kvstore: %s %s not used for %.0f s: %s", t.name, t,
+                     self.health.down_for, why)
 
-    def write_back(self, match: Match, *, inline: bool = False) -> Pulled:
-        """Copy what ``match`` needs from its tier into the root (its prefix, cut at the
-        block boundary past ``match.length``, when the entry can be cut) and commit it
-        (``inline``: on this thread, each request bounded by the tier's own timeouts)."""
+    # --- the one pull route: a lower tier's hit written back into the root ----------------
+
+    def fetch(self, match: Match, until: float | None = None, *,
+              quiet: bool = False) -> Pulled | None:
+        """Write ``match`` (a lower tier's) back into the root: the blocks its prefix needs
+        (cut at the block boundary past ``match.length`` when the entry can be cut) and its
+        records. Every pull goes this way, on a background thread (one per entry at a
+        time), counted there (``remote_pulls``, ``remote_errors``).
+
+        Waits until ``until`` (:meth:`Health.until <kvstore.store.health.Health.until>`)
+        and returns None if the pull is not done by then (it goes on, so that the next
+        lookup finds it in the root); with no ``until``, waits the tier's own bound (its
+        timeout twice over plus the bytes the root lacks at ``PULL_RATE``) and raises a
+        :class:`TierTimeoutError` past it. A failed pull raises; ``quiet`` (a request
+        that does not use the error) logs it instead, and benches the tier unless the
+        entry was at fault."""
         tier = self.tier(match.where)
+        key, fut = self._start(tier, match, quiet=quiet)
+        if fut is None:  # shed: the queue of pulls is full
+            if until is not None or self.pulls.closed:
+                return None
+            return self._pull(tier, match, key)  # the caller waits for it: on its thread
+        if until is not None:
+            try:
+                return fut.result(timeout=max(0.0, until - time.monotonic()))
+            except cf.TimeoutError:
+                self._missed(tier, f"the pull of {match.entry_id}")
+                return None
+            except cf.CancelledError:
+                return None
+        if tier.timeout is None:
+            return fut.result()
+        first = tier.timeout * 2  # until the pull starts, then its own bound
+        with self._cv:  # the pull moves its bound once it knows the bytes the root lacks
+            asked = time.monotonic()
+            while not fut.done():
+                end = self._ends.get(key, asked + first)
+                left = end - time.monotonic()
+                if left <= 0:
+                    self.counters.add(remote_errors=1)
+                    raise TierTimeoutError(f"{tier}: a pull of {match.entry_id} had no answer "
+                                           f"in {end - asked:.0f} s")
+                self._cv.wait(left)
+        return fut.result()
+
+    def _start(self, tier: Tier, match: Match, *, quiet: bool
+               ) -> tuple[tuple[str, bytes], cf.Future[Pulled] | None]:
+        """The pull of ``match`` in the background (the one running already, if any)."""
+        key = (tier.name, bytes(match.digest))
+        fut = self.pulls.submit(key, lambda: self._pull(tier, match, key))
+        if fut is None:
+            if not self.pulls.closed:
+                self.counters.add(remote_pulls_shed=1)
+            return key, None
+        fut.add_done_callback(self._wake)
+        if quiet:
+            fut.add_done_callback(lambda f: self._pull_failed(tier, match, f))
+        return key, fut
+
+    def _wake(self, _: object) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def _pull_failed(self, tier: Tier, match: Match, fut: cf.Future[Pulled]) -> None:
+        """Log a failed pull nobody asked to hear of, and bench its tier unless the entry
+        was at fault (a lying manifest, a bad block)."""
+        if fut.cancelled():
+            return
+        e = fut.exception()
+        if isinstance(e, (ManifestError, DigestMismatchError)):
+            _log.warning("kvstore: pull of %s from %s failed: %s", match.entry_id, tier, e)
+        elif isinstance(e, (KVStoreError, OSError)):
+            self.down(tier, f"pull of {match.entry_id} failed: {e}")
+
+    def _pull(self, tier: Tier, match: Match, key: tuple[str, bytes]) -> Pulled:
+        """The one function that writes a lower tier's hit back into the root (each
+        request bounded by the tier's own timeouts); counted."""
+        began = time.monotonic()
+        if tier.timeout is not None:
+            with self._cv:
+                self._ends[key] = began + tier.timeout * 2
+                self._cv.notify_all()
+        try:
+            got = self._write_back(tier, match, key, began)
+        except BaseException:
+            self.counters.add(remote_errors=1)
+            raise
+        finally:
+            with self._cv:
+                self._ends.pop(key, None)
+                self._cv.notify_all()
+        self.counters.add(remote_pulls=1, remote_pulled_bytes=got.bytes)
+        return got
+
+    def _write_back(self, tier: Tier, match: Match, key: tuple[str, bytes],
+                    began: float) -> Pulled:
         self._ready(tier)
         got, rec = tier.catalog.manifest(match.digest), tier.catalog.records(match.digest)
         if got is None or rec is None:
@@ -292,11 +343,12 @@ class Tiers:
             rec = records_of(short, raw, digest, priority=rec.priority)
         # nobody checked who wrote what a tier without a key gives: a keyed push won't sign it
         rec = replace(rec, pulled_unsigned=not tier.signed)
-        need = list(rec.blocks)
-        missing = [d for d in need if not self.root.blocks.exists(d)]
-        nbytes = sum(rec.blocks[d] for d in missing)
-        copied = (self.root.take(rec, tier.blocks) if inline
-                  else self._bounded(tier, lambda: self.root.take(rec, tier.blocks), nbytes))
+        lacking = self.root.lacking(rec)  # each block inspected once, here
+        if tier.timeout is not None:
+            with self._cv:
+                self._ends[key] = began + tier.timeout * 2 + lacking.size / PULL_RATE
+                self._cv.notify_all()
+        copied = self.root.take(rec, tier.blocks, lacking)
         digest = rec.digest
         if not copied.created:  # the same tokens were committed here meanwhile
             digest = self.root.catalog.exact(rec.exact_key) or digest
@@ -319,9 +371,11 @@ class Tiers:
                 rec = tier.catalog.records(listed[i]) if i in listed else None
                 if rec is None:
                     raise EntryNotFoundError(f"no entry {i} on {tier}")
-                out.pulled.append(self.write_back(Match(
-                    Digest(listed[i]), rec.n_tokens, True, rec.trimmable, rec.n_tokens,
-                    where=tier.name)))
+                got = self.fetch(Match(Digest(listed[i]), rec.n_tokens, True, rec.trimmable,
+                                       rec.n_tokens, where=tier.name))
+                if got is None:  # not with no deadline: the store is closing
+                    raise KVStoreError(f"{i} not pulled: this store is closing")
+                out.pulled.append(got)
             except UnsignedManifestError as e:  # refused (logged and counted): never pulled
                 if entry_ids is not None:  # asked for by name: say why it was not
                     out.failed[i] = str(e)
@@ -333,17 +387,6 @@ class Tiers:
         if not self.lower:
             raise ValueError("this store has no remote: Store.open(..., remote='s3://...')")
         return self.lower[0]
-
-    def _bounded(self, tier: Tier, fn: Callable[[], _T], nbytes: int) -> _T:
-        """``fn`` within the tier's timeout twice over plus ``nbytes`` at ``PULL_RATE``."""
-        if tier.timeout is None:
-            return fn()
-        budget = tier.timeout * 2 + nbytes / PULL_RATE
-        fut = self._requests.submit(fn)
-        try:
-            return fut.result(timeout=budget)
-        except cf.TimeoutError:
-            raise TierTimeoutError(f"{tier}: a pull had no answer in {budget:.0f} s") from None
 
     # --- write-behind ----------------------------------------------------------------
 

@@ -257,3 +257,31 @@ def test_the_compaction_race(tmp_path: Path, url: str) -> None:
                 cache, n = c.restore(q)
                 assert cache is not None and n == len(q) and matches(cache, q, n)
         assert sum(1 for _ in c.entries()) >= len(left) - 1
+
+
+@pytest.mark.parametrize("deadline", [None, 60.0])
+def test_a_pull_asks_the_root_once_per_block(tmp_path: Path, url: str,
+                                             deadline: float | None,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a deadline or without, a hit below the root is written back by one route
+    (Tiers.fetch): each block is looked for in the root once (Root.lacking), not once to
+    size the wait and again by Root.take."""
+    toks = tokens_for(3, 6 * T, shared=0)
+    with open_store(tmp_path / "a", remote=url) as a:
+        a.save(toks, make_cache(toks))
+        assert a.push(60).blocks == 6
+    with open_store(tmp_path / "b", remote=url, remote_deadline=deadline) as b:
+        asked: list[tuple[str, bytes]] = []
+        blocks = b.local.blocks
+        for name in ("inspect", "exists"):
+            real = getattr(blocks, name)
+            monkeypatch.setattr(blocks, name, lambda d, *a, _r=real, _n=name, **k:
+                                (asked.append((_n, d)), _r(d, *a, **k))[1])
+        cache, n = b.restore(toks)
+        assert n == len(toks) and cache is not None and matches(cache, toks, n)
+        looked = [d for name, d in asked if name == "inspect"]
+        assert len(looked) == 6 and len(set(looked)) == 6, [n for n, _ in asked]
+        # beside: put_many skips a block written meanwhile, the commit fetches one a GC took
+        assert [n for n, _ in asked].count("exists") == 2 * 6, [n for n, _ in asked]
+        v = b.counters.values()
+        assert (v.remote_pulls, v.remote_errors, v.remote_deadline_misses) == (1, 0, 0), v

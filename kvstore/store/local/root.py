@@ -8,6 +8,7 @@ import os
 import shlex
 import stat
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,16 @@ _log = logging.getLogger("kvstore")
 _settings_dec = msgspec.msgpack.Decoder(TierSettings)
 
 
+@dataclass
+class Lacking:
+    """The blocks of an entry a root lacks (:meth:`Root.lacking`), their bytes as its
+    manifest gives them, and how many it holds already."""
+
+    digests: list[bytes] = field(default_factory=list)
+    size: int = 0
+    present: int = 0
+
+
 class Root(Tier):
     """The local tier, an open root: its path, settings, LMDB catalog and block files. What
     gc, verify and repair work on (never the Store)."""
@@ -62,24 +73,36 @@ class Root(Tier):
         """Every block file with its size and age (a file gone meanwhile is skipped)."""
         return self.blocks.iter_stats()
 
-    def take(self, rec: Records, source: BlockStore) -> Copied:
-        """Copy an entry in from another tier: the blocks this root lacks, downloaded and
-        verified before the commit (never inside its write transaction), then the records;
-        a block a local GC took meanwhile is fetched again in the commit.
+    def lacking(self, rec: Records) -> Lacking:
+        """The blocks of ``rec`` this root lacks, each block inspected once (what
+        :meth:`take` copies; a caller sizes its wait on it). A block here whose size is
+        not the one the manifest gives it refuses the entry with a ManifestError."""
+        out = Lacking()
+        for d in rec.blocks:
+            state, _, size = self.blocks.inspect(d, rec.blocks[d], read_data=False)
+            if state == "sized":
+                check_size(rec, d, size, self.blocks.where(d))
+            if state == "missing":
+                out.digests.append(d)
+                out.size += rec.blocks[d]
+            else:
+                out.present += 1
+        return out
+
+    def take(self, rec: Records, source: BlockStore, lacking: Lacking | None = None) -> Copied:
+        """Copy an entry in from another tier: the blocks this root lacks (``lacking``, as
+        :meth:`lacking` found them; None: found now), downloaded and verified before the
+        commit (never inside its write transaction), then the records; a block a local GC
+        took meanwhile is fetched again in the commit.
 
         A block whose size is not the one the manifest gives it (a download, or a file
         here, that hashes to its name) refuses the entry with a ManifestError (the block
         is good, the manifest lies). An entry that is not committed leaves none of the
         blocks it wrote behind: they are unlinked while no entry references them."""
-        need = list(rec.blocks)
-        missing = []
-        for d in need:
-            state, _, size = self.blocks.inspect(d, rec.blocks[d], read_data=False)
-            if state == "sized":
-                check_size(rec, d, size, self.blocks.where(d))
-            if state == "missing":
-                missing.append(d)
-        got = Copied(present=len(need) - len(missing))
+        if lacking is None:
+            lacking = self.lacking(rec)
+        missing = lacking.digests
+        got = Copied(present=lacking.present)
         wrote: list[bytes] = []
 
         def checked(ds: Sequence[bytes]) -> Iterator[tuple[bytes, list[bytes]]]:
