@@ -159,3 +159,50 @@ def test_a_stale_known_prefix_whose_blocks_went_is_written_whole(
     (r,), n = store.restore(a)
     assert n == 48 and same_bits(r.keys[..., :48, :], c.keys[..., :48, :])
     assert store.verify(read_data=True).sound
+
+
+
+def test_a_snapshot_whose_entry_another_writer_deleted_meanwhile_is_saved(
+    store: kvstore.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deferred snapshot found stored when it was queued, its entry deleted by another
+    handle on the root (another process) before it is written: the write-behind save
+    confirms the entry, finds it gone, asks again and stores the snapshot."""
+    toks = list(range(40))
+    c = kv_cache(40, 1)
+    first = store.save(toks, [c])
+    wb = WriteBehind(store, queue_bytes=1 << 30, reuse_prefix=True, defer_seconds=300.0)
+    counted = Counted(store, monkeypatch)
+    assert wb.submit(NS, toks, [c], "assistant") == "deferred"  # stored: nothing new
+    assert counted.take() == (1, 1, 1)
+    with kvstore.Store.open(store.root, namespace=NS) as other:
+        assert other.delete(first.id)
+    assert wb.drain(30)
+    # the confirmation (a get of the exact key), then the lookup again
+    assert counted.take() == (1, 1, 2)
+    wb.close(30)
+    assert wb.counters()["saved"] == 1
+    (r,), n = store.restore(toks)
+    assert n == 40 and same_bits(r.keys[..., :40, :], c.keys[..., :40, :])
+    assert store.lookup(toks).digest.hex() != first.id  # type: ignore[union-attr]
+
+
+def test_a_queue_that_saved_meanwhile_asks_again(
+    store: kvstore.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a deferred snapshot's lookup found is not reused once its queue has saved
+    another snapshot (that save may hold more of its tokens): it is asked again."""
+    toks = list(range(40))
+    store.save(toks[:32], [kv_cache(32, 1)])
+    wb = WriteBehind(store, queue_bytes=1 << 30, reuse_prefix=True, defer_seconds=300.0)
+    counted = Counted(store, monkeypatch)
+    c = kv_cache(40, 2)
+    assert wb.submit(NS, toks, [c], "assistant") == "deferred"  # 8 more: not a block
+    assert wb.submit(NS, toks[:36], [kv_cache(36, 3)], "checkpoint") == "queued"
+    assert wb.drain(30)
+    wb.close(30)
+    assert wb.counters()["saved"] == 2
+    # the snapshot's lookup at submit, the checkpoint's at its save, the snapshot's again
+    assert counted.take()[:2] == (3, 3)
+    (r,), n = store.restore(toks)  # its own rows past the two blocks it referenced
+    assert n == 40 and same_bits(r.keys[..., 32:40, :], c.keys[..., 32:40, :])

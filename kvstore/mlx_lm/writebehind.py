@@ -23,6 +23,13 @@ bounded: at most one checkpoint waits in the queue (beside the one being written
 next :meth:`WriteBehind.submit` of a checkpoint blocks until the worker has taken the
 waiting one. :meth:`WriteBehind.pending` finds a snapshot still queued or being written,
 so a request that comes before its save still reuses it.
+
+**One lookup per snapshot.** What the root holds for a snapshot's tokens
+(:meth:`kvstore.Store.known`) is asked once, when it is decided whether to write it now
+(else when it is saved), and passed to :meth:`kvstore.Store.save` as ``known``; it is
+asked again only if this queue saved another snapshot meanwhile. What another writer
+changed meanwhile, ``Store.save`` checks where it matters (see
+:class:`kvstore.store.data.saving.Known`).
 """
 
 from __future__ import annotations
