@@ -23,6 +23,13 @@ bounded: at most one checkpoint waits in the queue (beside the one being written
 next :meth:`WriteBehind.submit` of a checkpoint blocks until the worker has taken the
 waiting one. :meth:`WriteBehind.pending` finds a snapshot still queued or being written,
 so a request that comes before its save still reuses it.
+
+**One lookup per snapshot.** What the root holds for a snapshot's tokens
+(:meth:`kvstore.Store.known`) is asked once, when it is decided whether to write it now
+(else when it is saved), and passed to :meth:`kvstore.Store.save` as ``known``; it is
+asked again only if this queue saved another snapshot meanwhile. What another writer
+changed meanwhile, ``Store.save`` checks where it matters (see
+:class:`kvstore.store.data.saving.Known`).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import cache as _cache
 
 from kvstore import Namespace, Store
+from kvstore.store import Known
 
 from .prefill import CHECKPOINT
 
@@ -93,6 +101,8 @@ class Job:
     since: float = 0.0  # time.monotonic() when it was deferred
     metadata: dict[str, str] | None = None  # stored instead of {"cache_type": cache_type}
     pin_ttl: float = 0.0  # a cache breakpoint's (seconds): saved pinned, never deferred
+    known: Known | None = None  # what the root held for its tokens (Store.known), asked once
+    asked: int = 0  # the queue's saves when ``known`` was asked (more since: asked again)
 
 
 @dataclass(frozen=True)
@@ -149,6 +159,7 @@ class WriteBehind:
         self._current: Job | None = None  # the job being saved
         self._closed = False
         self._worker: threading.Thread | None = None
+        self._saves = 0  # saves this queue made (a Job's ``known`` is stale after one)
         self.counts = collections.Counter[str]()  # guarded by _cond
 
     # --- what to do with a snapshot ---------------------------------------------------
@@ -210,8 +221,11 @@ class WriteBehind:
             for q in [*self._queue, *([self._current] if self._current else [])]:
                 if q.namespace == job.namespace and q.trimmable:
                     have = max(have, min(len(q.tokens), common_prefix(q.tokens, job.tokens)))
+            asked = self._saves
         try:
-            have = max(have, self.store.stored_prefix(job.tokens, namespace=job.namespace))
+            job.known = self.store.known(job.tokens, namespace=job.namespace)
+            job.asked = asked
+            have = max(have, job.known.stored)
         except Exception:  # noqa: BLE001 - the decision is advisory: write it
             logger.warning("kvstore: store lookup before a save failed", exc_info=True)
             return True
@@ -295,6 +309,7 @@ class WriteBehind:
             done = self._save(job)
             del job
             with self._cond:
+                self._saves += 1
                 self._current = None
                 if done.failed:
                     self.counts["failed"] += 1
@@ -314,7 +329,10 @@ class WriteBehind:
         t0 = time.perf_counter()
         n = len(job.tokens)
         try:
-            have = self.store.stored_prefix(job.tokens, namespace=job.namespace)
+            known = job.known
+            if known is None or job.asked != self._saves:  # none yet, or this queue saved since
+                known = self.store.known(job.tokens, namespace=job.namespace)
+            have = known.stored
             info = self.store.save(
                 job.tokens,
                 job.cache,
@@ -323,6 +341,7 @@ class WriteBehind:
                 namespace=job.namespace,
                 reuse_prefix=self.reuse_prefix,
                 pin_ttl=job.pin_ttl,
+                known=known,
             )
         except Exception:
             logger.warning("kvstore: background save of %d tokens failed", n, exc_info=True)

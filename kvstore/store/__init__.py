@@ -1,5 +1,5 @@
 """The composer: Store over the root (the local tier) and the tiers below it."""
 
-from .store import Entry, EntryInfo, Match, Stats, Store, default_root
+from .store import Entry, EntryInfo, Known, Match, Stats, Store, default_root
 
-__all__ = ["Entry", "EntryInfo", "Match", "Stats", "Store", "default_root"]
+__all__ = ["Entry", "EntryInfo", "Known", "Match", "Stats", "Store", "default_root"]

@@ -29,7 +29,7 @@ from ..index import Index, IndexRead, now_ms
 from ..schema import Manifest, Namespace, TensorSpec
 from .counters import StoreCounters
 from .data.restore import read_entry
-from .data.saving import CODEC_PROVIDER, PrefixGone, check_args, draft
+from .data.saving import CODEC_PROVIDER, Known, PrefixGone, ask, check_args, draft
 from .entries import Entry, EntryInfo, PullReport, Stats
 from .local.root import Root, default_root
 from .maintenance import Maintenance
@@ -190,6 +190,7 @@ class Store:
         reuse_prefix: bool = False,
         created_at: int | None = None,
         pin_ttl: float = 0,
+        known: Known | None = None,
     ) -> EntryInfo:
         """Store ``cache`` (a list of mlx-lm cache objects) as the state after ``tokens``.
 
@@ -212,6 +213,11 @@ class Store:
         eviction (the budget after a save, ``compact``) until ``pin_ttl`` has passed since
         its last use, within the pins' share of the budget (:mod:`kvstore.store.upkeep.gc`);
         an entry saved again with a pin gets it (the longer of the two) and a fresh use.
+
+        ``known`` (:meth:`known`, for the same tokens and namespace) is what the root held
+        for them when the caller asked, reused instead of asking again: one lookup per
+        snapshot. It may be stale; see :class:`~kvstore.store.data.saving.Known` for how
+        each part of it is checked where it is used.
         """
         self._check_writable("save")
         if not pin_ttl >= 0:  # NaN too
@@ -221,15 +227,25 @@ class Store:
         meta = check_args(cache, metadata, priority)
         tk = self._keys(tokens, ns)
         n = len(tk)
-        with self.index.read() as txn:
-            existing = self.index.find_exact(tk.exact_key(), txn)
-            rec = self.index.get_entry(existing, txn) if existing else None
-        if existing and rec is not None:
-            if pin_ms:
-                self.local.catalog.pin(existing, pin_ms, self.clock())
-            return EntryInfo(existing.hex(), n, rec.logical_bytes, 0, created=False)
+        key = tk.exact_key()
+        if known is not None and known.key != key:
+            raise ValueError("known was asked for other tokens, namespace or root settings")
+        fresh = known is None
+        if known is None:
+            known = ask(self.local, tk, prefix=reuse_prefix)
+        while known.exact is not None:  # stored already: confirm what was not just asked
+            digest, logical = known.exact
+            if pin_ms:  # its write transaction says whether the entry is still there
+                there = self.local.catalog.pin(digest, pin_ms, self.clock())
+            else:
+                there = fresh or self.local.catalog.exact(key) == digest
+            if there:
+                return EntryInfo(digest.hex(), n, logical, 0, created=False)
+            if fresh:  # removed since: save it anew
+                break
+            known, fresh = ask(self.local, tk, prefix=reuse_prefix), True
         d = draft(self.local, ns, tk, cache, attachments, meta, priority, created_at,
-                  reuse_prefix=reuse_prefix, pin_ttl=pin_ms)
+                  reuse=known if reuse_prefix else None, pin_ttl=pin_ms)
         r = d.records
         crash_point("before_commit")
         try:
@@ -491,6 +507,13 @@ class Store:
         self._check_writable("reset the request counts")
         return self.served.reset_usage()
 
+    def known(self, tokens: Any, *, namespace: Namespace | None = None) -> Known:
+        """What this root holds for ``tokens``, asked once to decide a save and make it
+        (pass it to :meth:`save` as ``known``): the entry that is exactly them, the
+        longest local prefix (``.stored`` tokens) and its leading token blocks. Local only,
+        not counted as a lookup."""
+        return ask(self.local, self._keys(tokens, self._ns(namespace)))
+
     def stored_prefix(self, tokens: Any, *, namespace: Namespace | None = None) -> int:
         """How many leading tokens of ``tokens`` a local entry can serve (0: none); neither
         counted as a lookup nor asked of a lower tier: for deciding what to save."""
@@ -525,4 +548,4 @@ class Store:
         return self.views.replay_reads(reads)
 
 
-__all__ = ["Entry", "EntryInfo", "Match", "Stats", "Store", "TensorSpec", "default_root"]
+__all__ = ["Entry", "EntryInfo", "Known", "Match", "Stats", "Store", "TensorSpec", "default_root"]

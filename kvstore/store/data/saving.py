@@ -10,7 +10,7 @@ from typing import Any
 
 from ...catalog import keys as P
 from ...catalog.base import Ensure
-from ...catalog.find import find
+from ...catalog.find import Match, find
 from ...catalog.records import PRIORITIES, Records, encoded, records_of
 from ...codecs import AttachmentData, RawCache, snapshot, stored_snapshot
 from ...codecs.layout import in_token_blocks
@@ -37,6 +37,54 @@ CODEC_PROVIDER = "kvstore-mlx/1"
 
 class PrefixGone(Exception):
     """A reused prefix block vanished before the commit (its entry was collected)."""
+
+
+@dataclass(frozen=True)
+class Known:
+    """What a root held for one snapshot's tokens, asked once in one read transaction of
+    its catalog (:func:`ask`) and then shared by everything a save decides: whether to
+    write it now (the write-behind queue), how much of it was stored before, whether it
+    is stored already, which leading token blocks it may reference.
+
+    It may be stale when it is used (another writer, in this process or another, may
+    have saved or removed entries since); each use is one a stale value cannot make
+    wrong: :meth:`kvstore.Store.save` confirms an ``exact`` entry it did not ask for
+    itself (``catalog.exact``, or the pin's own write transaction) and asks again when
+    it is gone; a reused block that was collected meanwhile aborts the commit
+    (:class:`PrefixGone`) and the save writes its own bytes; a save of the same tokens
+    that won meanwhile makes the commit a no-op; ``stored`` is a figure and an
+    advisory decision, as of when it was asked.
+    """
+
+    key: bytes  # the query's exact key (namespace, root settings, tokens): whose it is
+    exact: tuple[bytes, int] | None  # the entry that is exactly the query: digest, bytes
+    match: Match | None  # the longest local prefix (None: none, or not asked)
+    blocks: tuple[bytes, ...] = ()  # the match's leading full token blocks
+    layout: tuple[tuple[str, int, tuple[int, ...]], ...] = ()  # their token tensors
+
+    @property
+    def stored(self) -> int:
+        """How many leading tokens of the query a local entry serves (0: none)."""
+        return self.match.length if self.match is not None else 0
+
+
+def ask(root: Root, tk: P.TokenKeys, *, prefix: bool = True) -> Known:
+    """What ``root`` holds for the query ``tk``: its exact entry and (``prefix``) its
+    longest local prefix with that entry's leading token blocks, in one read transaction
+    of the root's catalog."""
+    T = root.settings.block_tokens
+    match, m = None, None
+    with root.catalog.reader() as r:
+        exact = r.exact(tk.exact_key())
+        if prefix:
+            match = find(r, tk)
+            if match is not None and match.length >= T:
+                m = r.manifest(match.digest)
+    if m is None:
+        return Known(tk.exact_key(), exact, match)
+    assert match is not None
+    return Known(tk.exact_key(), exact, match, tuple(m.token_blocks[: match.length // T]),
+                 tuple(_token_layout(m.layers)))
 
 
 @dataclass(frozen=True)
@@ -77,14 +125,15 @@ def draft(
     priority: str,
     created_at: int | None,
     *,
-    reuse_prefix: bool,
+    reuse: Known | None,
     pin_ttl: int = 0,
 ) -> Draft:
     """Write the blocks of ``cache`` that are not stored yet and make its records.
 
-    With ``reuse_prefix`` the leading full token blocks a stored entry holds for the
-    same tokens are referenced instead of hashed (their bytes must then be there at
-    the commit: :class:`PrefixGone` when they went meanwhile).
+    With ``reuse`` (what the root held for these tokens, :func:`ask`) the leading full
+    token blocks a stored entry holds for the same tokens are referenced instead of
+    hashed (their bytes must then be there at the commit: :class:`PrefixGone` when they
+    went meanwhile).
     """
     s = root.settings
     n, T = len(tk), s.block_tokens
@@ -99,7 +148,7 @@ def draft(
         for block in (*blockset.token_pieces, *blockset.window_pieces,
                       *blockset.state_pieces):
             block.append(memoryview(salt))
-    known = reusable_prefix(root, tk, layers[:n_layers]) if reuse_prefix else []
+    known = reusable_prefix(reuse, layers[:n_layers]) if reuse is not None else []
     new_bytes = write_blocks(root.blocks, blockset, known)
     manifest = Manifest(
         namespace=ns,
@@ -140,22 +189,12 @@ def draft(
     return Draft(rec, ensure, new_bytes)
 
 
-def reusable_prefix(root: Root, tk: P.TokenKeys, layers: tuple[Layer, ...]) -> list[bytes]:
-    """Digests of the leading full token blocks a stored entry holds for these tokens.
-
-    Resolves the match and its manifest in one read transaction.
-    """
-    T = root.settings.block_tokens
-    with root.catalog.reader() as r:
-        match = find(r, tk)
-        if match is None or match.length < T:
-            return []
-        m = r.manifest(match.digest)
-    if m is None:
+def reusable_prefix(known: Known, layers: tuple[Layer, ...]) -> list[bytes]:
+    """Digests of the leading full token blocks a stored entry holds for these tokens
+    (``known``: its match), when its token tensors are laid out as ``layers``'."""
+    if not known.blocks or known.layout != tuple(_token_layout(layers)):
         return []
-    if _token_layout(m.layers) != _token_layout(layers):
-        return []
-    return list(m.token_blocks[: match.length // T])
+    return list(known.blocks)
 
 
 def _token_layout(layers: Sequence[Layer]) -> list[tuple[str, int, tuple[int, ...]]]:

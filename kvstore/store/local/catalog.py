@@ -86,6 +86,13 @@ class LocalReader(DepthReader):
         raw = self.index.get_manifest(digest, self.txn)
         return None if raw is None else open_manifest(raw, digest)
 
+    def exact(self, exact_key: bytes) -> tuple[bytes, int] | None:
+        """The entry whose tokens are exactly a query's (``exact_key``) and its logical
+        bytes; None when there is none or its record is gone."""
+        digest = self.index.find_exact(exact_key, self.txn)
+        rec = self.index.get_entry(digest, self.txn) if digest is not None else None
+        return None if digest is None or rec is None else (digest, rec.logical_bytes)
+
     def _judged(self, digest: bytes) -> Manifest | None:
         """An entry's manifest for judging a match; None when it is gone or fails
         validation (a lying manifest is no match: ``verify`` reports it, and a lookup, a
