@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -103,7 +104,7 @@ class ServeMetrics(CacheObserver):
         ``server_close()`` it when done. ``port`` 0 picks a free one
         (``server_address``)."""
         import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from http.server import ThreadingHTTPServer
 
         metrics = self
 
@@ -112,12 +113,7 @@ class ServeMetrics(CacheObserver):
                 if urlsplit(self.path).path != "/metrics":
                     self.send_error(404)
                     return
-                body, content_type = metrics.exposition(self.headers.get("Accept"))
-                self.send_response(200)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                metrics.answer(self)
 
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
                 pass  # a scrape every few seconds is not news
@@ -128,6 +124,15 @@ class ServeMetrics(CacheObserver):
                          daemon=True).start()
         return httpd
 
+    def answer(self, handler: BaseHTTPRequestHandler) -> None:
+        """Answer ``GET /metrics`` on ``handler``: the exposition its scraper asked for."""
+        body, content_type = self.exposition(handler.headers.get("Accept"))
+        handler.send_response(200)
+        handler.send_header("Content-Type", content_type)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
     def handler(self, base: type[Any]) -> type[Any]:
         """``base`` (mlx-lm's ``APIHandler``) answering ``GET /metrics`` too."""
         metrics = self
@@ -137,12 +142,7 @@ class ServeMetrics(CacheObserver):
                 if urlsplit(self.path).path != "/metrics":
                     super().do_GET()
                     return
-                body, content_type = metrics.exposition(self.headers.get("Accept"))
-                self.send_response(200)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                metrics.answer(self)
 
         return MetricsHandler
 
