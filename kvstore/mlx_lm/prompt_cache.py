@@ -567,10 +567,13 @@ class PersistentPromptCache:
             t = time.perf_counter()
             cache = self.store.load(match)
             # a usable match may still be shorter than what the store shares with the
-            # prompt (a checkpoint before the parting): say why (``shallow``)
+            # prompt (a checkpoint before the parting): say why (``shallow``); nothing
+            # else is a reason for a hit (a remote that was slow to answer held no more
+            # that anyone knows of: its own counters say it was slow)
             why = None
             if match.length < len(query):
                 why = self.store.miss_reason(query, namespace=namespace, reused=match.length)
+                why = why if why == "shallow" else None
             self.throughputs.note_restore(match.where, namespace, cache_nbytes(cache),
                                           match.length, time.perf_counter() - t)
         except Exception as e:
