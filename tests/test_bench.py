@@ -371,7 +371,7 @@ def test_the_gpu_group_says_in_one_line_why_it_is_skipped(tmp_path: Path) -> Non
     from kvstore.bench.common import SMOKE
 
     if mx.is_available(mx.gpu):
-        pytest.skip("this machine's MLX has a GPU")
+        pytest.skip(reason="only on a machine whose MLX has no GPU (this one has one)")
     lines: list[str] = []
     assert run(SMOKE, tmp_path, ("gpu",), log=lines.append) == []
     assert len(lines) == 1 and lines[0].startswith("[gpu] skipped: MLX "), lines
