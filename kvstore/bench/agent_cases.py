@@ -30,19 +30,14 @@ import contextlib
 import json
 import random
 import secrets
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from .common import Row
+from .servers import server
 
 Log = Callable[[str], None]
 
@@ -291,41 +286,6 @@ def replay(driver: Driver, requests: Sequence[AgentRequest]) -> list[Sent]:
 
 
 # --- servers ---------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def server(module: str, args: Sequence[str], log_file: Path, *, timeout: float = 300
-           ) -> Iterator[int]:
-    """``python -m MODULE ARGS`` on 127.0.0.1 (its output appended to ``log_file``, kept);
-    yields its port once ``/health`` answers, then stops it with SIGTERM."""
-    port = _free_port()
-    argv = [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(port)]
-    with log_file.open("a") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                    break
-                except (urllib.error.URLError, ConnectionError) as e:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"{module} did not start (see {log_file})") from e
-                    time.sleep(0.2)
-            yield port
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def serve_args(model_dir: Path, root: Path | None, extra: Sequence[str] = ()) -> list[str]:

@@ -15,15 +15,6 @@ deterministic: greedy decoding, the same tokens every run.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -31,16 +22,11 @@ from typing import Any
 
 from ..store import Store
 from .common import Row
+from .servers import server
 
 Log = Callable[[str], None]
 MODES: dict[str, list[str]] = {"deferred (default)": [],
                                "every snapshot at once": ["--defer-seconds", "0"]}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _post(port: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -51,55 +37,23 @@ def _post(port: int, body: dict[str, Any]) -> dict[str, Any]:
         return dict(json.loads(r.read()))
 
 
-def _kept(log_file: Path) -> Path:
-    """A copy of a failed child's log outside the bench's scratch folder (which is deleted
-    when the bench ends): in the temp dir, named so that it is found."""
-    fd, name = tempfile.mkstemp(prefix="kvstore-bench-serve-", suffix=".log")
-    with os.fdopen(fd, "wb") as out, log_file.open("rb") as src:
-        shutil.copyfileobj(src, out)
-    return Path(name)
-
-
 def serve_chat(model_dir: Path, root: Path, extra: list[str], system: str,
                turns: tuple[str, ...], reply_tokens: int, log_file: Path) -> list[dict[str, int]]:
     """Run the conversation through a fresh ``kvstore serve`` on ``root``; each turn's usage."""
-    port = _free_port()
-    # -P: run from the folder that holds a clone, that clone must not hide the package
-    argv = [sys.executable, "-P", "-m", "kvstore.serve", "--root", str(root), "--model",
-            str(model_dir), "--min-tokens", "32", "--host", "127.0.0.1", "--port", str(port),
+    args = ["--root", str(root), "--model", str(model_dir), "--min-tokens", "32",
             "--log-level", "INFO", *extra]
     usage = []
-    with log_file.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                    break
-                except (urllib.error.URLError, ConnectionError) as e:
-                    if (code := proc.poll()) is not None or time.monotonic() > deadline:
-                        how = f"exit code {code}" if code is not None else "no answer in 300 s"
-                        raise RuntimeError(f"kvstore serve did not start ({how}); its log: "
-                                           f"{_kept(log_file)}") from e
-                    time.sleep(0.3)
-            history = [{"role": "system", "content": system}]
-            for user in turns:
-                history.append({"role": "user", "content": user})
-                r = _post(port, {"messages": history, "max_tokens": reply_tokens,
-                                 "temperature": 0.0})
-                history.append({"role": "assistant",
-                                "content": r["choices"][0]["message"]["content"]})
-                u = r["usage"]
-                usage.append({"prompt": int(u["prompt_tokens"]), "cached": int(
-                    (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)})
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(300)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with server("kvstore.serve", args, log_file) as port:
+        history = [{"role": "system", "content": system}]
+        for user in turns:
+            history.append({"role": "user", "content": user})
+            r = _post(port, {"messages": history, "max_tokens": reply_tokens,
+                             "temperature": 0.0})
+            history.append({"role": "assistant",
+                            "content": r["choices"][0]["message"]["content"]})
+            u = r["usage"]
+            usage.append({"prompt": int(u["prompt_tokens"]), "cached": int(
+                (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)})
     return usage
 
 
