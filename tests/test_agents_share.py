@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx_lm
+from helpers.kv import common_prefix
 from helpers.serving import server_process
 
 import kvstore
@@ -28,15 +29,6 @@ def _turn(client: Any, tok: Any, messages: list[dict[str, str]]) -> tuple[list[i
     d = r.usage.prompt_tokens_details
     assert r.usage.prompt_tokens == len(prompt)
     return prompt, (d.cached_tokens or 0) if d else 0
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def test_two_interleaved_agents_keep_their_own_prefix_and_share_the_system_prompt(
@@ -64,7 +56,7 @@ def test_two_interleaved_agents_keep_their_own_prefix_and_share_the_system_promp
     assert got[1][0][1] >= system_end - 8  # agent 1's first request: agent 0's system prompt
     for a in (0, 1):  # each turn: all it shares with its previous prompt (the reply after
         for turn in range(1, TURNS):  # it is rendered anew), or more
-            shared = _common(got[a][turn - 1][0], got[a][turn][0])
+            shared = common_prefix(got[a][turn - 1][0], got[a][turn][0])
             assert got[a][turn][1] >= shared > len(got[a][turn - 1][0]) - 8, (
                 a, turn, [[(len(p), c) for p, c in g] for g in got], log[-3000:])
     with kvstore.Store.open(root, create=False) as store:

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from factories import prefix_cache
+from helpers.kv import common_prefix
 from helpers.serving import server_process
 
 import kvstore
@@ -56,15 +57,6 @@ def ask(client: Any, messages: list[dict[str, Any]]) -> tuple[int, int]:
     return r.usage.prompt_tokens, (details.cached_tokens or 0) if details else 0
 
 
-def common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def pinned_entries(root: Path) -> dict[int, tuple[str, int]]:
     """n_tokens -> (priority, pin_ttl ms) of the root's pinned entries."""
     with kvstore.Store.open(root, create=False) as store:
@@ -88,8 +80,8 @@ def test_a_breakpoint_on_the_system_block_is_an_entry_of_exactly_its_length(
     _, tok = mlx_lm.load(str(model))
     prompts = [tok.apply_chat_template(plain(q), add_generation_prompt=True) for q in QUESTIONS]
     system_only = tok.apply_chat_template(plain("")[:1], add_generation_prompt=False)
-    at = common(system_only, prompts[0])
-    assert 200 < at < common(prompts[0], prompts[1]) + 1 and at % 256 != 0
+    at = common_prefix(system_only, prompts[0])
+    assert 200 < at < common_prefix(prompts[0], prompts[1]) + 1 and at % 256 != 0
     root = tmp_path / "root"
     with serve(model, root, tmp_path / "a.log") as (_, client):
         first = ask(client, marked(QUESTIONS[0]))
@@ -99,7 +91,7 @@ def test_a_breakpoint_on_the_system_block_is_an_entry_of_exactly_its_length(
     assert pinned_entries(root) == {at: ("system", 300_000)}
     with serve(model, root, tmp_path / "b.log") as (_, client):  # nothing in memory
         third = ask(client, marked(QUESTIONS[2]))
-    shared = max(common(prompts[2], p) for p in prompts[:2])
+    shared = max(common_prefix(prompts[2], p) for p in prompts[:2])
     assert third[0] == len(prompts[2])
     if kind == "llama":
         assert third[1] == shared
@@ -206,7 +198,7 @@ def test_a_top_level_mark_pins_the_conversation_up_to_its_last_message(tmp_path:
     _, tok = mlx_lm.load(str(model))
     messages = plain(QUESTIONS[0])
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
-    at = common(tok.apply_chat_template(messages, add_generation_prompt=False), prompt)
+    at = common_prefix(tok.apply_chat_template(messages, add_generation_prompt=False), prompt)
     assert 300 < at < len(prompt)
     root = tmp_path / "root"
     with serve(model, root, tmp_path / "a.log") as (_, client):
@@ -229,7 +221,7 @@ def test_a_messages_breakpoint_is_pinned_as_a_chat_one_is(tmp_path: Path) -> Non
     _, tok = mlx_lm.load(str(model))
     system_only = tok.apply_chat_template(plain("")[:1], add_generation_prompt=False)
     prompt = tok.apply_chat_template(plain(QUESTIONS[0]), add_generation_prompt=True)
-    at = common(system_only, prompt)
+    at = common_prefix(system_only, prompt)
     root = tmp_path / "root"
     system = [{"type": "text", "text": SYSTEM,
                "cache_control": {"type": "ephemeral", "ttl": "1h"}}]

@@ -10,10 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import pytest
 from factories import arrays_cache
-from mlx_lm.models.cache import KVCache
+from helpers.kv import two_layer_kv
 
 import kvstore
 from kvstore.mlx_lm import PersistentPromptCache
@@ -23,19 +22,6 @@ from kvstore.tiny import make_tiny_model
 
 T = 16  # block_tokens of the roots here
 BPT = 2 * 2 * 2 * 8 * 4  # bytes per token of _kv: 2 layers, keys+values, 2 heads, dim 8, fp32
-
-
-def _kv(tokens: list[int]) -> list[Any]:
-    """A two-layer KVCache whose rows are a function of their token alone."""
-    layers = []
-    for layer in range(2):
-        c = KVCache()
-        t = mx.array(tokens, dtype=mx.float32).reshape(1, 1, len(tokens), 1)
-        k = mx.broadcast_to(t * (layer + 1), (1, 2, len(tokens), 8))
-        c.update_and_fetch(k, -k)
-        layers.append(c)
-    mx.eval([c.state for c in layers])
-    return layers
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +74,7 @@ def test_each_request_counts_the_tier_that_gave_its_tokens(
     seen = _seen(ppc)
     cache, rest = ppc.fetch_nearest_cache(key, a)  # nothing anywhere
     assert cache is None and rest == a
-    ppc.insert_cache(key, a + reply, _kv(a + reply))  # the reply: queued (new blocks)
+    ppc.insert_cache(key, a + reply, two_layer_kv(a + reply))  # the reply: queued (new blocks)
     assert ppc.drain(30)
     cache, rest = ppc.fetch_nearest_cache(key, b)  # memory holds a + reply
     assert len(b) - len(rest) == 110
@@ -129,14 +115,14 @@ def test_segment_ends_count_for_their_request_and_short_replies_are_named(
     ppc = PersistentPromptCache(store, min_tokens=45, defer_seconds=0)
     seen = _seen(ppc)
     ppc.fetch_nearest_cache(key, prompt)
-    ppc.insert_cache(key, system, _kv(system), cache_type="system")  # under min_tokens
-    ppc.insert_cache(key, prompt[:48], _kv(prompt[:48]), cache_type="user")
+    ppc.insert_cache(key, system, two_layer_kv(system), cache_type="system")  # under min_tokens
+    ppc.insert_cache(key, prompt[:48], two_layer_kv(prompt[:48]), cache_type="user")
     assert seen.done == []
-    ppc.insert_cache(key, prompt + [7, 8], _kv(prompt + [7, 8]))
+    ppc.insert_cache(key, prompt + [7, 8], two_layer_kv(prompt + [7, 8]))
     (rec,) = seen.done
     assert (rec.saves_queued, rec.saves_deferred, rec.reply) == (2, 0, "queued")
     ppc.fetch_nearest_cache(key, list(range(2000, 2010)))
-    ppc.insert_cache(key, list(range(2000, 2012)), _kv(list(range(2000, 2012))))
+    ppc.insert_cache(key, list(range(2000, 2012)), two_layer_kv(list(range(2000, 2012))))
     assert seen.done[1].reply == "short" and seen.done[1].saves_queued == 0
     ppc.close()
 
@@ -158,7 +144,7 @@ def test_a_load_that_fails_verification_is_the_miss_reason(
 ) -> None:
     a = list(range(100, 140))
     ppc = PersistentPromptCache(store, min_tokens=16)
-    ppc.insert_cache(key, a, _kv(a))
+    ppc.insert_cache(key, a, two_layer_kv(a))
     assert ppc.drain(30)
     (e,) = store.entries()
     d = store.manifest(e.id).token_blocks[1].hex()
@@ -183,7 +169,7 @@ def _conversation(ppc: PersistentPromptCache, key: Any, lengths: list[int]) -> N
     """One conversation growing turn by turn: each snapshot extends the previous one."""
     toks = list(range(1000, 1000 + max(lengths)))
     for n in lengths:
-        ppc.insert_cache(key, toks[:n], _kv(toks[:n]))
+        ppc.insert_cache(key, toks[:n], two_layer_kv(toks[:n]))
 
 
 @pytest.mark.parametrize(("defer", "written", "saved", "superseded"),
@@ -245,14 +231,14 @@ class _SlowStore:
 def test_deferred_snapshots_count_against_the_queue_bytes_and_go_first(
     store: kvstore.Store, key: Any
 ) -> None:
-    one = sum(c.nbytes for c in _kv(list(range(45))))
+    one = sum(c.nbytes for c in two_layer_kv(list(range(45))))
     slow = _SlowStore(store)
     ppc = PersistentPromptCache(slow, min_tokens=16, queue_bytes=int(2.5 * one))  # type: ignore[arg-type]
     a, b = list(range(1000, 1045)), list(range(3000, 3045))
-    ppc.insert_cache(key, a[:40], _kv(a[:40]))  # the worker holds it, at the gate
-    ppc.insert_cache(key, a, _kv(a))  # deferred
-    ppc.insert_cache(key, b[:40], _kv(b[:40]))  # queued
-    ppc.insert_cache(key, b, _kv(b))  # deferred: over the cap, so a's deferred one goes
+    ppc.insert_cache(key, a[:40], two_layer_kv(a[:40]))  # the worker holds it, at the gate
+    ppc.insert_cache(key, a, two_layer_kv(a))  # deferred
+    ppc.insert_cache(key, b[:40], two_layer_kv(b[:40]))  # queued
+    ppc.insert_cache(key, b, two_layer_kv(b))  # deferred: over the cap, so a's deferred one goes
     st = ppc.persist_stats()
     assert (st.deferred, st.dropped, st.pending) == (1, 1, 2)
     slow.gate.set()
@@ -270,7 +256,7 @@ def test_caches_that_cannot_be_trimmed_are_never_deferred(
     ppc = PersistentPromptCache(store, min_tokens=16)
     toks = list(range(1000, 1050))
     for n in (40, 45):
-        ppc.insert_cache(key, toks[:n], _kv(toks[:n]) + [arrays_cache(n)])
+        ppc.insert_cache(key, toks[:n], two_layer_kv(toks[:n]) + [arrays_cache(n)])
     assert ppc.persist_stats().deferred == 0
     assert ppc.drain(30) and ppc.saved == 2
     ppc.close()
@@ -284,14 +270,14 @@ def test_a_reply_is_replaced_by_its_next_turn_but_not_by_another_user(
     user's request, sharing only the stored system prompt, replaces nothing."""
     system = list(range(1000, 1040))  # two blocks and 8: written at once
     ppc = PersistentPromptCache(store, min_tokens=16)
-    ppc.insert_cache(key, system, _kv(system), cache_type="system")
+    ppc.insert_cache(key, system, two_layer_kv(system), cache_type="system")
     p_a, p_b = system + [7, 8], system + [9, 10]
     for p in (p_a, p_b):
         ppc.fetch_nearest_cache(key, p)
-        ppc.insert_cache(key, p + [1, 2, 3], _kv(p + [1, 2, 3]))  # deferred replies
+        ppc.insert_cache(key, p + [1, 2, 3], two_layer_kv(p + [1, 2, 3]))  # deferred replies
     p_a2 = p_a + [4, 5] + [11]  # the reply as the template renders it, then the user
     ppc.fetch_nearest_cache(key, p_a2)
-    ppc.insert_cache(key, p_a2 + [6], _kv(p_a2 + [6]))
+    ppc.insert_cache(key, p_a2 + [6], two_layer_kv(p_a2 + [6]))
     st = ppc.persist_stats()
     assert (st.deferred, st.superseded) == (2, 1)
     assert ppc.close(30)

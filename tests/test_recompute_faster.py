@@ -9,9 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache
+from helpers.kv import two_layer_kv
 
 import kvstore
 from kvstore.mlx_lm import PersistentPromptCache, crossover
@@ -19,18 +18,6 @@ from kvstore.mlx_lm.requests import CacheObserver, RequestRecord
 from kvstore.tiny import make_tiny_model
 
 T = 16
-
-
-def _kv(tokens: list[int]) -> list[Any]:
-    layers = []
-    for layer in range(2):
-        c = KVCache()
-        t = mx.array(tokens, dtype=mx.float32).reshape(1, 1, len(tokens), 1)
-        k = mx.broadcast_to(t * (layer + 1), (1, 2, len(tokens), 8))
-        c.update_and_fetch(k, -k)
-        layers.append(c)
-    mx.eval([c.state for c in layers])
-    return layers
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +47,7 @@ B = A + REPLY + list(range(300, 320))
 
 def _stored(store: kvstore.Store, key: Any) -> None:
     ppc = PersistentPromptCache(store, min_tokens=16)
-    ppc.insert_cache(key, A + REPLY, _kv(A + REPLY))
+    ppc.insert_cache(key, A + REPLY, two_layer_kv(A + REPLY))
     assert ppc.drain(30)
 
 
@@ -125,9 +112,9 @@ def test_the_prefill_rate_is_measured_from_fetch_to_the_prompts_snapshot(
     cache, rest = ppc.fetch_nearest_cache(key, B)  # nothing stored: all computed
     assert cache is None
     time.sleep(0.2)
-    ppc.insert_cache(key, B[:-1], _kv(B[:-1]))  # the prompt's end, as serve hands it over
+    ppc.insert_cache(key, B[:-1], two_layer_kv(B[:-1]))  # the prompt's end, as serve hands it over
     tps = ppc.throughputs.prefill_tps
     assert tps is not None and 0 < tps <= (len(B) - 1) / 0.2
-    ppc.insert_cache(key, B + [1, 2], _kv(B + [1, 2]))  # the reply: not a prefill
+    ppc.insert_cache(key, B + [1, 2], two_layer_kv(B + [1, 2]))  # the reply: not a prefill
     assert ppc.throughputs.prefill_tps == tps
     assert ppc.drain(30)

@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx_lm
 import pytest
+from helpers.kv import common_prefix
 from helpers.serving import server_process
 
 import kvstore
@@ -58,15 +59,6 @@ def _doc_messages(question: str) -> list[dict[str, str]]:
             {"role": "user", "content": f"{DOCUMENT}\n\nQuestion: {question}"}]
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("models")
@@ -90,10 +82,10 @@ def test_shared_document_is_reused_to_the_last_checkpoint_then_from_disk(
         got.append(ask(client, _doc_messages(QUESTIONS[4])))
     assert [g[0] for g in got] == [len(p) for p in prompts]
     assert got[0][1] == 0
-    doc_end = _common(prompts[0], prompts[1])  # where the questions part
+    doc_end = common_prefix(prompts[0], prompts[1])  # where the questions part
     assert doc_end > 3000
     for i in range(1, 5):
-        shared = max(_common(prompts[i], p) for p in prompts[:i])  # the longest stored prefix
+        shared = max(common_prefix(prompts[i], p) for p in prompts[:i])  # the longest stored prefix
         cached = got[i][1]
         if kind == "llama":
             assert cached == shared  # a trimmable entry serves any prefix
@@ -105,7 +97,7 @@ def test_shared_document_is_reused_to_the_last_checkpoint_then_from_disk(
              for log in ("a.log", "b.log")
              for m in re.finditer(r"kvstore request (.*)", (tmp_path / log).read_text())]
     for i in range(1, 5):
-        shared = max(_common(prompts[i], p) for p in prompts[:i])
+        shared = max(common_prefix(prompts[i], p) for p in prompts[:i])
         want = "-" if kind == "llama" else "shallow"
         assert (lines[i]["miss"], lines[i]["shared"], lines[i]["part"]) == (
             want, str(shared), str(shared)), (i, lines[i])
@@ -188,7 +180,7 @@ def test_an_edit_of_an_earlier_message_reuses_up_to_the_last_checkpoint_before_i
         after_live = ask(client, edited)
     last = tok.apply_chat_template(history[:-1], add_generation_prompt=True)
     new = tok.apply_chat_template(edited, add_generation_prompt=True)
-    edit_at = _common(last, new)
+    edit_at = common_prefix(last, new)
     # the checkpoints the six prefills left at or before the edit
     before = [m for a, b in prefilled for m in range(every, b, every) if a < m <= edit_at]
     assert before and max(before) > edit_at - 2 * every

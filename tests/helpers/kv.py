@@ -123,3 +123,29 @@ def sound_store(s: kvstore.Store, *, read_data: bool = True) -> None:
             m = decode_manifest(raw)
             for d in (*m.token_blocks, *m.state_blocks):
                 assert s.blocks.exists(d), f"manifest references missing block {d.hex()}"
+
+
+def two_layer_kv(tokens: Sequence[int]) -> list[Any]:
+    """A two-layer mlx-lm KVCache whose rows are a function of their token (and layer)
+    alone, evaluated: what a prompt cache is handed by the server."""
+    from mlx_lm.models.cache import KVCache
+
+    layers = []
+    for layer in range(2):
+        c = KVCache()
+        t = mx.array(list(tokens), dtype=mx.float32).reshape(1, 1, len(tokens), 1)
+        k = mx.broadcast_to(t * (layer + 1), (1, 2, len(tokens), 8))
+        c.update_and_fetch(k, -k)
+        layers.append(c)
+    mx.eval([c.state for c in layers])
+    return layers
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
