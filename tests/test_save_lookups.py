@@ -56,7 +56,7 @@ class Counted:
 
         monkeypatch.setattr(catalog, "reader", reader)
         monkeypatch.setattr(index, "read", read)
-        for module in (saving, store_mod):  # the save's lookups and Store.stored_prefix's
+        for module in (saving, store_mod):  # the save's lookups and Store's own
             monkeypatch.setattr(module, "find", counting_find(module))
 
     def take(self) -> tuple[int, int, int]:

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ..catalog import keys as P
-from ..catalog.find import Match
 from ..schema import Namespace
 from .diagnose import Diagnosis
 from .local.root import Root
@@ -21,12 +20,10 @@ class Served:
     """The request counts and miss reasons of one store."""
 
     def __init__(self, root: Root, access: AccessLog, tiers: Tiers,
-                 keys_for: Callable[[Any, Namespace], P.TokenKeys],
-                 find_local: Callable[[Any, Namespace | None], Match | None]) -> None:
+                 keys_for: Callable[[Any, Namespace], P.TokenKeys]) -> None:
         self.root = root
         self.access = access
         self.tiers = tiers
-        self.find_local = find_local
         self.diagnosis = Diagnosis(root.catalog, keys_for)
 
     def note_request(self, prompt_tokens: int, reused_tokens: int, tier: str | None,
@@ -45,11 +42,6 @@ class Served:
         """Start the root's since-reset request counts anew; returns them as they were."""
         self.access.flush()
         return reset_usage(self.root.index)
-
-    def stored_prefix(self, tokens: Any, namespace: Namespace | None) -> int:
-        """How many leading tokens of ``tokens`` a local entry can serve (0: none)."""
-        match = self.find_local(tokens, namespace)
-        return match.length if match is not None else 0
 
     def miss_reason(self, tokens: Any, ns: Namespace, reused: int) -> str | None:
         """Why the store gave no more than ``reused`` leading tokens of ``tokens``

@@ -96,8 +96,7 @@ class Store:
         #: ms since the epoch: the time pins are judged by (a test moves it)
         self.clock: Callable[[], int] = now_ms
         self.tiers.counters = self.counters
-        self.served = Served(local, self._access, self.tiers, self._keys,
-                             lambda t, ns: self._find(t, ns, lower=False))
+        self.served = Served(local, self._access, self.tiers, self._keys)
 
     @property
     def remote(self) -> Remote | None:
@@ -513,11 +512,6 @@ class Store:
         longest local prefix (``.stored`` tokens) and its leading token blocks. Local only,
         not counted as a lookup."""
         return ask(self.local, self._keys(tokens, self._ns(namespace)))
-
-    def stored_prefix(self, tokens: Any, *, namespace: Namespace | None = None) -> int:
-        """How many leading tokens of ``tokens`` a local entry can serve (0: none); neither
-        counted as a lookup nor asked of a lower tier: for deciding what to save."""
-        return self.served.stored_prefix(tokens, namespace)
 
     def miss_reason(self, tokens: Any, *, namespace: Namespace | None = None,
                     reused: int = 0) -> str | None:
