@@ -236,7 +236,7 @@ def _first_process(root: Path, model_dir: Path, say: Callable[[str], None], quie
             f"store: {st.entries} entries, {st.logical_bytes / 1024:.0f} KiB logical, "
             f"{st.physical_bytes / 1024:.0f} KiB on disk (dedup x{st.dedup_ratio:.2f})"
         )
-        say(_shared_line(firsts, store.settings.block_tokens, st.dedup_ratio))
+        say(_shared_line(firsts, store.local.settings.block_tokens, st.dedup_ratio))
 
 
 def _second_process(root: Path, model_dir: Path, say: Callable[[str], None],

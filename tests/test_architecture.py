@@ -26,27 +26,28 @@ TIERS: dict[str, set[str]] = {
     "kvstore._crash": set(),
     "kvstore._wyhash": set(),
     "kvstore.schema": {"errors"},
-    "kvstore.blocks": {"errors", "_vio", "_crash"},
-    "kvstore.index": {"errors"},
+    "kvstore.blocks": {"errors"},
     "kvstore.codecs": {"errors", "schema"},
     "kvstore.formats": {"errors", "_vio", "_wyhash", "schema", "codecs/"},
     "kvstore.catalog": {"errors", "schema", "blocks/", "codecs/"},
+    # the local tier, one package; its index (local/index/) is imported by it alone
+    "kvstore.local": {"errors", "_vio", "_crash", "schema", "blocks/", "codecs/", "catalog/"},
     "kvstore.remote": {"errors", "_crash", "schema", "blocks/", "codecs/", "catalog/"},
-    "kvstore.store": {"errors", "_vio", "_crash", "schema", "blocks/", "index/", "codecs/",
-                      "formats/", "catalog/", "remote/"},
+    "kvstore.store": {"errors", "_crash", "schema", "blocks/", "codecs/", "formats/",
+                      "catalog/", "remote/", "local", "local.gc", "local.restore",
+                      "local.saving", "local.sweep", "local.verify", "local.views"},
     # the agent APIs' adapters (wire types and conversions) and the prefix-stability rules,
     # knowing nothing of mlx-lm
     "kvstore.serving": {"errors"},
     "kvstore.mlx_lm": {"kvstore", "errors", "_crash", "_human", "schema", "codecs/",
                        "formats.errors", "serving/", "store", "store.tenants", "store.tiers",
-                       "store.upkeep.usage"},
+                       "store.usage"},
     "kvstore.cli": {"kvstore", "errors", "_human", "schema", "codecs.layout", "catalog.keys",
-                    "formats.errors", "formats.v3", "remote", "store", "store.local.modes",
-                    "store.upkeep.gc", "store.upkeep.usage", "mlx_lm/", "bench/", "demo"},
+                    "formats.errors", "formats.v3", "remote", "store", "store.usage",
+                    "local.gc", "local.modes", "mlx_lm/", "bench/", "demo"},
     "kvstore.bench": {"kvstore", "errors", "_vio", "schema", "blocks/", "codecs/",
-                      "catalog.settings", "remote", "remote.s3", "store",
-                      "store.data.writer", "store.local.filesystem", "mlx_lm/", "demo",
-                      "tiny"},
+                      "catalog.settings", "remote", "remote.s3", "store", "local",
+                      "local.filesystem", "local.writer", "mlx_lm/", "demo", "tiny"},
     "kvstore._human": {"errors"},
     "kvstore.tiny": set(),
     "kvstore.demo": {"kvstore", "errors", "mlx_lm/", "tiny"},
@@ -62,11 +63,11 @@ DOC = PKG.parent / "docs" / "ARCHITECTURE.md"
 #: Modules that open files, and which files; no other module opens one (so the block
 #: files of a root are opened by blocks/ alone).
 OPENS_FILES = {
-    "kvstore.blocks": "block files and the root's block directories",
-    "kvstore.index": "the LMDB environment, its write gate's lock file, /proc/locks",
-    "kvstore.store.local.modes": "the index's files, without following a link, to fchmod",
+    "kvstore.local.blocks": "block files and the root's block directories",
+    "kvstore.local.index": "the LMDB environment, its write gate's lock file, /proc/locks",
+    "kvstore.local.modes": "the index's files, without following a link, to fchmod",
     "kvstore.formats": "mlx-bun v3/v4/v5 files the user names",
-    "kvstore.store.local.filesystem": "/proc/mounts, to name the root's filesystem",
+    "kvstore.local.filesystem": "/proc/mounts, to name the root's filesystem",
     "kvstore.mlx_lm.gguf": "the GGUF file it converts and the model directory it writes",
     "kvstore.mlx_lm.prompt_cache": "the model's own files, for its fingerprint",
     "kvstore.mlx_lm.fingerprint": "the model's own files, for its fingerprint",
@@ -145,7 +146,7 @@ def _owner(name: str, table: dict[str, str] | set[str]) -> bool:
 
 def test_the_walk_sees_every_kind_of_import() -> None:
     got = {t for t, _ in _imports("kvstore.store.store")}
-    assert "kvstore.store.upkeep.gc" in got and "kvstore.blocks" in got  # relative, from-imports
+    assert "kvstore.local.gc" in got and "kvstore.blocks" in got  # relative, from-imports
     assert "kvstore.formats.bunhash" in MODULES and "kvstore._wyhash" in MODULES
     lazy = {t for t, _ in _imports("kvstore.cli.main")}
     assert "click" in lazy
@@ -218,23 +219,28 @@ def _tier_errors(name: str, target: str, table: dict[str, set[str]] | None = Non
 
 
 def test_the_tier_check_can_fail() -> None:
-    assert _tier_errors("kvstore.blocks.local", "kvstore.store.store")
+    assert _tier_errors("kvstore.local.blocks", "kvstore.store.store")
+    assert _tier_errors("kvstore.local.root", "kvstore.store.errors")
     assert _tier_errors("kvstore.codecs.base", "kvstore.formats.v3")
-    assert _tier_errors("kvstore.cli.main", "kvstore.index")
-    assert _tier_errors("kvstore.cli.main", "kvstore.index.lmdb_index")
+    assert _tier_errors("kvstore.cli.main", "kvstore.local.index")
+    assert _tier_errors("kvstore.cli.main", "kvstore.local.index.lmdb_index")
+    assert _tier_errors("kvstore.store.store", "kvstore.local.index")
+    assert _tier_errors("kvstore.store.tiers", "kvstore.local.catalog")
+    assert _tier_errors("kvstore.store.tiers", "kvstore.local") is None
+    assert _tier_errors("kvstore.local.gc", "kvstore.local.index") is None  # its own part
     assert _tier_errors("kvstore.mlx_lm.serve", "kvstore.cli.render")
-    assert _tier_errors("kvstore.store.upkeep.gc", "kvstore")
-    assert _tier_errors("kvstore.store.upkeep.gc", "kvstore.blocks") is None
+    assert _tier_errors("kvstore.local.gc", "kvstore")
+    assert _tier_errors("kvstore.local.gc", "kvstore.blocks") is None
     # above the store: a module the row names, not its siblings; a package's own names
-    assert _tier_errors("kvstore.mlx_lm.metrics", "kvstore.store.upkeep.usage") is None
-    assert _tier_errors("kvstore.mlx_lm.metrics", "kvstore.store.upkeep.gc")
+    assert _tier_errors("kvstore.mlx_lm.metrics", "kvstore.store.usage") is None
+    assert _tier_errors("kvstore.mlx_lm.metrics", "kvstore.local.gc")
     assert _tier_errors("kvstore.mlx_lm.metrics", "kvstore.store") is None
     assert _tier_errors("kvstore.mlx_lm.metrics", "kvstore.store.store")
     assert _tier_errors("kvstore.demo", "kvstore.cli.main")
     assert _tier_errors("kvstore.serve", "kvstore.store")
     assert _tier_errors("kvstore.tiny", "kvstore")
-    assert _tier_errors("kvstore.bench.limits", "kvstore.store.data.writer") is None
-    assert _tier_errors("kvstore.bench.limits", "kvstore.store.data.reader")
+    assert _tier_errors("kvstore.bench.limits", "kvstore.local.writer") is None
+    assert _tier_errors("kvstore.bench.limits", "kvstore.local.reader")
     # a list changed in the table is a list changed in the check
     changed = {**TIERS, "kvstore.demo": {"kvstore", "tiny"}}
     assert _tier_errors("kvstore.demo", "kvstore.mlx_lm.serve", changed)
@@ -289,30 +295,52 @@ def test_each_tier_imports_only_the_tiers_below() -> None:
     assert not bad, "\n".join(bad)
 
 
-#: The store's parts, lowest first (docs/ARCHITECTURE.md): a part imports only itself and the
-#: parts before it; the facade (``store.py``, ``tiers.py``, ``maintenance.py``, ``views.py``
-#: and the rest of ``kvstore.store``) may import them all.
-STORE_PARTS = ["kvstore.store.errors", "kvstore.store.local", "kvstore.store.upkeep",
-               "kvstore.store.data"]
+#: The local tier's parts, lowest first (docs/ARCHITECTURE.md): a part imports only itself
+#: and the parts before it; the rest of ``kvstore.local`` (the data path, the upkeep, the
+#: views) may import them all.
+LOCAL_PARTS = ["kvstore.local.errors", "kvstore.local.index", "kvstore.local.blocks",
+               "kvstore.local.filesystem", "kvstore.local.modes", "kvstore.local.catalog",
+               "kvstore.local.root"]
 
 
-def _store_part(name: str) -> int:
-    for i, part in enumerate(STORE_PARTS):
+def _local_part(name: str) -> int:
+    for i, part in enumerate(LOCAL_PARTS):
         if name == part or name.startswith(part + "."):
             return i
-    return len(STORE_PARTS)
+    return len(LOCAL_PARTS)
 
 
-def test_the_store_part_check_can_fail() -> None:
-    assert _store_part("kvstore.store.local.root") < _store_part("kvstore.store.data.saving")
-    assert _store_part("kvstore.store.tiers") == len(STORE_PARTS)
+def test_the_local_part_check_can_fail() -> None:
+    assert _local_part("kvstore.local.index.records") < _local_part("kvstore.local.catalog")
+    assert _local_part("kvstore.local.root") < _local_part("kvstore.local.saving")
+    assert _local_part("kvstore.local.gc") == len(LOCAL_PARTS)
 
 
-def test_the_store_parts_depend_one_way() -> None:
-    bad = [f"{m}:{line} imports {t}" for m in sorted(MODULES) if m.startswith("kvstore.store.")
+def test_the_local_parts_depend_one_way() -> None:
+    bad = [f"{m}:{line} imports {t}" for m in sorted(MODULES) if m.startswith("kvstore.local.")
            for t, line in _imports(m)
-           if t.startswith("kvstore.store.") and _store_part(t) > _store_part(m)]
+           if t.startswith("kvstore.local.") and _local_part(t) > _local_part(m)]
     assert not bad, "\n".join(bad)
+
+
+def _index_users(edges: dict[str, set[str]]) -> list[str]:
+    """The modules outside ``kvstore.local`` that import its index (``edges``: module ->
+    the modules it imports)."""
+    return sorted(m for m, ts in edges.items()
+                  if m != "kvstore.local" and not m.startswith("kvstore.local.")
+                  and any(t == "kvstore.local.index" or t.startswith("kvstore.local.index.")
+                          for t in ts))
+
+
+def test_nothing_outside_the_local_tier_imports_its_index() -> None:
+    """Issue 35: the local tier reaches its index through its own catalog and root; its
+    package exports the index's record types (``EntryRecord``, ``now_ms``), never ``Index``."""
+    assert _index_users({m: {t for t, _ in _imports(m)} for m in MODULES}) == []
+    assert _index_users({"kvstore.store.store": {"kvstore.local.index.lmdb_index"},
+                         "kvstore.local.root": {"kvstore.local.index"}}) == ["kvstore.store.store"]
+    import kvstore.local
+
+    assert "Index" not in kvstore.local.__all__ and not hasattr(kvstore.local, "Index")
 
 
 def test_tiers_import_only_the_libraries_they_may() -> None:
@@ -327,7 +355,7 @@ def test_tiers_import_only_the_libraries_they_may() -> None:
 
 def test_lmdb_is_imported_by_the_index_alone() -> None:
     bad = [f"{m}:{line}" for m in MODULES for t, line in _imports(m)
-           if t.split(".")[0] == "lmdb" and not m.startswith("kvstore.index")]
+           if t.split(".")[0] == "lmdb" and not m.startswith("kvstore.local.index")]
     assert not bad, bad
 
 
@@ -352,7 +380,7 @@ def _calls(name: str) -> Iterator[tuple[str, int]]:
 
 
 #: ``X.open(...)`` calls that open no file (or ask the owner to open one).
-NOT_FILE_OPENS = ("Store.open", "kvstore.Store.open", "Index.open", "blocks.open")
+NOT_FILE_OPENS = ("Store.open", "kvstore.Store.open", "Root.open", "Index.open", "blocks.open")
 FILE_CALLS = ("open", "os.open", "io.open", "os.fdopen", "tempfile.mkstemp",
               "tempfile.NamedTemporaryFile")
 FILE_METHODS = (".open", ".read_bytes", ".write_bytes", ".read_text", ".write_text")
@@ -424,12 +452,12 @@ def _private_error(importer: str, target: str) -> str | None:
 
 
 def test_the_private_check_can_fail() -> None:
-    assert _private_error("kvstore.store.data.reader", "kvstore.codecs._pieces")
-    assert _private_error("kvstore.bench.limits", "kvstore.blocks.local._write_all")
+    assert _private_error("kvstore.local.reader", "kvstore.codecs._pieces")
+    assert _private_error("kvstore.bench.limits", "kvstore.local.blocks._write_all")
     assert _private_error("tools.probe", "kvstore.bench.limits._balanced")
     assert _private_error("tools.probe", "kvstore._vio.pwritev_all")
     assert _private_error("kvstore.formats.v3", "kvstore.formats._v3json") is None
-    assert _private_error("kvstore.blocks.local", "kvstore._vio.pwritev_all") is None
+    assert _private_error("kvstore.local.blocks", "kvstore._vio.pwritev_all") is None
     assert _private_error("kvstore.bench.remote_cases", "kvstore.bench.io_cases._label") is None
 
 
@@ -480,7 +508,7 @@ def test_every_module_of_the_tiers_below_the_top_is_named_in_the_architecture() 
     repo = Path(__file__).resolve().parents[1]
     doc = (repo / "docs" / "ARCHITECTURE.md").read_text()
     missing = [str(p.relative_to(repo))
-               for pkg in ("catalog", "remote", "store", "blocks", "index", "codecs")
+               for pkg in ("catalog", "remote", "store", "blocks", "local", "codecs")
                for p in sorted((repo / "kvstore" / pkg).rglob("*.py"))
                if p.name != "__init__.py" and f"{p.name}`" not in doc]
     assert missing == []

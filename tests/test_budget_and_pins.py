@@ -13,8 +13,8 @@ from helpers.kv import hybrid_cache, make_cache, matches, open_store, sound_stor
 
 import kvstore
 from kvstore.cli.main import cli
-from kvstore.index import now_ms
-from kvstore.store.upkeep.gc import PIN_SHARE
+from kvstore.local.gc import PIN_SHARE
+from kvstore.local.index import now_ms
 
 BLOCK = 16 * 2 * 2 * 8 * 2  # one full token block of make_cache: 16 tokens, K+V, H2 D8 fp16
 
@@ -121,7 +121,7 @@ def test_pins_alone_never_take_the_root_over_its_budget(tmp_path: Path) -> None:
         s.save(toks, make_cache(toks), priority="system", pin_ttl=3600)
         saved.append(toks)
         time.sleep(0.002)
-        live = s.index.totals().live_bytes
+        live = s.local.index.totals().live_bytes
         assert live == min(i + 1, 6) * 4 * BLOCK  # the live entries: 6 fit
         assert on_disk(root) == min((i + 1) * 4 * BLOCK, budget)  # the rest: grace, pressed
     assert [t for t in saved if s.lookup([*t, 1]) is not None] == saved[-6:]

@@ -61,9 +61,9 @@ def pinned_entries(root: Path) -> dict[int, tuple[str, int]]:
     """n_tokens -> (priority, pin_ttl ms) of the root's pinned entries."""
     with kvstore.Store.open(root, create=False) as store:
         names = {e.id: (e.n_tokens, e.priority) for e in store.entries()}
-        with store.index.read() as txn:
+        with store.local.index.read() as txn:
             return {names[d.hex()][0]: (names[d.hex()][1], rec.pin_ttl)
-                    for d, rec in store.index.iter_entries(txn) if rec.pin_ttl}
+                    for d, rec in store.local.index.iter_entries(txn) if rec.pin_ttl}
 
 
 @pytest.mark.parametrize("kind", ["llama", "lfm2", pytest.param("qwen3_5",

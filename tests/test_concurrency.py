@@ -23,9 +23,9 @@ from helpers.kv import (
 )
 
 import kvstore
-import kvstore.store.local.filesystem
+import kvstore.local.filesystem
 from kvstore.errors import StoreFullError
-from kvstore.store.errors import UnsupportedFilesystemError
+from kvstore.local.errors import UnsupportedFilesystemError
 
 
 def _lock_holders(lockfile: Path) -> set[int]:
@@ -60,8 +60,8 @@ def test_fork_reopens_the_environment(tmp_path: Path) -> None:
 
             assert s.lookup(parent_toks) is not None
             assert s.lookup(child_toks) is None
-            with s.index.write() as txn:  # a write through the child's own environment
-                txn.put(b"child-was-here", b"1", db=s.index.db("meta"))
+            with s.local.index.write() as txn:  # a write through the child's own environment
+                txn.put(b"child-was-here", b"1", db=s.local.index.db("meta"))
             gc.collect()  # the inherited environment must not be closed by this
             ok = os.getpid() in _lock_holders(root / "index" / "lock.mdb")
             os.write(w, b"ok" if ok else b"no lock")
@@ -74,7 +74,7 @@ def test_fork_reopens_the_environment(tmp_path: Path) -> None:
     msg = os.read(r, 1000)
     _, status = os.waitpid(pid, 0)
     assert status == 0 and msg == b"ok", msg
-    assert s.index.get_meta(b"child-was-here") == b"1"
+    assert s.local.index.get_meta(b"child-was-here") == b"1"
     s.save(child_toks, make_cache(child_toks))  # the parent's environment still works
     cache, n = s.restore(child_toks)
     assert cache is not None and matches(cache, child_toks, n)
@@ -97,10 +97,10 @@ def test_concurrent_saves_of_one_prefix_store_each_block_once(tmp_path: Path) ->
         assert p.returncode == 0, err
     with open_store(root) as s:
         assert s.stats().entries == 4
-        with s.index.read() as txn:
-            refs = dict(s.index.iter_refs(txn))
+        with s.local.index.read() as txn:
+            refs = dict(s.local.index.iter_refs(txn))
         assert sum(1 for r in refs.values() if r.refcount == 4) == 10  # 160 tokens, T=16
-        assert sorted(s.blocks) == sorted(refs)  # one file per distinct block
+        assert sorted(s.local.blocks) == sorted(refs)  # one file per distinct block
         assert s.stats().physical_bytes == sum(r.size for r in refs.values())
         sound_store(s)
 
@@ -165,8 +165,8 @@ def test_network_filesystems_are_refused(tmp_path: Path, monkeypatch: pytest.Mon
             return io.StringIO("/dev/sda1 / ext4 rw 0 0\n" + mounts)
         return real_open(path, *a, **kw)  # type: ignore[call-overload]
 
-    monkeypatch.setattr(kvstore.store.local.filesystem, "open", fake_open, raising=False)
-    assert kvstore.store.local.filesystem.filesystem_type(root) == "nfs4"
+    monkeypatch.setattr(kvstore.local.filesystem, "open", fake_open, raising=False)
+    assert kvstore.local.filesystem.filesystem_type(root) == "nfs4"
     with pytest.raises(UnsupportedFilesystemError, match="nfs4"):
         open_store(root)
 
@@ -263,8 +263,8 @@ def test_soak_many_processes_small_budget(tmp_path: Path) -> None:
     with open_store(root) as s:
         r = s.verify(read_data=True)
         assert r.sound, r
-        with s.index.read() as txn:
-            stored = {d: ref.refcount for d, ref in s.index.iter_refs(txn) if ref.refcount}
+        with s.local.index.read() as txn:
+            stored = {d: ref.refcount for d, ref in s.local.index.iter_refs(txn) if ref.refcount}
         assert stored == recount(s)
         assert s.stats().physical_bytes <= budget
         sound_store(s)

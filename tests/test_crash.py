@@ -44,7 +44,7 @@ def setup(root: Path, *, delete_a: bool = False, orphan: bool = False) -> str:
         if delete_a:
             s.delete(m.entry_id)
         if orphan:
-            s.blocks.put(kvstore.blocks.hash_bytes("blake3", b"orphan"), [b"orphan"])
+            s.local.blocks.put(kvstore.blocks.hash_bytes("blake3", b"orphan"), [b"orphan"])
         return m.entry_id
 
 

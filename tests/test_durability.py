@@ -13,7 +13,7 @@ from helpers.kv import NS, T, make_cache, tokens_for
 
 import kvstore
 from kvstore import _vio
-from kvstore.blocks import local
+from kvstore.local import blocks as local
 
 F_FULLFSYNC = 51  # <sys/fcntl.h> on macOS
 
@@ -78,10 +78,10 @@ def test_a_durable_save_flushes_every_new_block_through_it(
 ) -> None:
     toks = tokens_for(4, 3 * T)
     with kvstore.Store.open(tmp_path / "r", namespace=NS, block_tokens=T, durable=True) as s:
-        new_blocks = len(list(s.blocks.iter()))
+        new_blocks = len(list(s.local.blocks.iter()))
         calls.clear()
         s.save(toks, make_cache(toks))
-        new_blocks = len(list(s.blocks.iter())) - new_blocks
+        new_blocks = len(list(s.local.blocks.iter())) - new_blocks
     assert new_blocks == 3
     # each block file, then its fan-out directory (one per distinct directory): all full
     assert calls and set(calls) == {"F_FULLFSYNC"}

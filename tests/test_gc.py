@@ -12,9 +12,9 @@ from helpers.kv import make_cache, matches, open_store, recount, sound_store, to
 from mlx_lm.models.cache import LRUPromptCache
 
 import kvstore
-from kvstore.index import EntryRecord, RefInfo
-from kvstore.store.local.catalog import delete_plan
-from kvstore.store.upkeep.gc import EvictionOrder, plan_budget, plan_compact
+from kvstore.local.catalog import delete_plan
+from kvstore.local.gc import EvictionOrder, plan_budget, plan_compact
+from kvstore.local.index import EntryRecord, RefInfo
 
 BLOCK = 16 * 2 * 2 * 8 * 2  # one full token block: 16 tokens, K+V, H2 D8 fp16
 
@@ -27,8 +27,8 @@ def save(s: kvstore.Store, seed: int, n: int, shared: int = 0, **kw: object) -> 
 
 
 def stored_refs(s: kvstore.Store) -> dict[bytes, RefInfo]:
-    with s.index.read() as txn:
-        return dict(s.index.iter_refs(txn))
+    with s.local.index.read() as txn:
+        return dict(s.local.index.iter_refs(txn))
 
 
 def test_refcounts_and_totals_stay_exact(tmp_path: Path) -> None:
@@ -45,7 +45,7 @@ def test_refcounts_and_totals_stay_exact(tmp_path: Path) -> None:
     refs = stored_refs(s)
     live = {d: r.refcount for d, r in refs.items() if r.refcount}
     assert live == recount(s)
-    t = s.index.totals()
+    t = s.local.index.totals()
     assert t.entries == 3
     assert t.physical_bytes == sum(r.size for r in refs.values())
     assert t.zero_bytes == sum(r.size for r in refs.values() if r.refcount == 0) > 0
@@ -62,11 +62,11 @@ def test_remove_entry_twice_does_not_drop_refs_twice(tmp_path: Path) -> None:
     got = s.local.catalog.manifest(digest)
     assert got is not None
     plan = delete_plan(got[1], got[0], digest)
-    with s.index.write() as txn:
-        s.index.remove_entry(txn, digest, plan)
+    with s.local.index.write() as txn:
+        s.local.index.remove_entry(txn, digest, plan)
     before = stored_refs(s)
-    with s.index.write() as txn:
-        assert s.index.remove_entry(txn, digest, plan) == []
+    with s.local.index.write() as txn:
+        assert s.local.index.remove_entry(txn, digest, plan) == []
     assert stored_refs(s) == before
     sound_store(s)
 
@@ -79,7 +79,7 @@ def test_compact_honours_the_grace(tmp_path: Path) -> None:
     m = s.lookup(gone)
     assert m is not None and m.length == 90
     s.delete(m.entry_id)
-    zero = s.index.totals().zero_bytes
+    zero = s.local.index.totals().zero_bytes
     assert zero > 0
     r = s.compact(grace=600)
     assert (r.freed_blocks, r.freed_bytes, r.evicted) == (0, 0, [])
@@ -87,7 +87,7 @@ def test_compact_honours_the_grace(tmp_path: Path) -> None:
     r = s.compact(grace=0)
     assert r.freed_bytes == zero and r.physical_before == phys
     assert r.physical_after == phys - zero == s.stats().physical_bytes
-    assert s.index.totals().zero_bytes == 0
+    assert s.local.index.totals().zero_bytes == 0
     cache, n = s.restore(keep)
     assert cache is not None and matches(cache, keep, n) and n == 90
     cache, n = s.restore(gone)
@@ -99,24 +99,24 @@ def test_orphans_and_stale_temp_files(tmp_path: Path) -> None:
     s = open_store(tmp_path / "r")
     save(s, 1, 40)
     orphan = kvstore.blocks.hash_bytes("blake3", b"orphan bytes")
-    s.blocks.put(orphan, [b"orphan bytes"])
-    dead = s.blocks.tmp_dir / "999999999-0-dead.tmp"
+    s.local.blocks.put(orphan, [b"orphan bytes"])
+    dead = s.local.blocks.tmp_dir / "999999999-0-dead.tmp"
     dead.write_bytes(b"x")
-    mine = s.blocks.tmp_dir / f"{os.getpid()}-0-live.tmp"  # a writer that is still running
+    mine = s.local.blocks.tmp_dir / f"{os.getpid()}-0-live.tmp"  # a writer that is still running
     mine.write_bytes(b"y")
     old = time.time() - 3600
     for p in (dead, mine):
         os.utime(p, (old, old))
     r = s.compact(grace=600)  # the orphan is young: kept
     assert (r.orphans_removed, r.tmp_removed) == (0, 1)
-    assert s.blocks.exists(orphan) and not dead.exists() and mine.exists()
+    assert s.local.blocks.exists(orphan) and not dead.exists() and mine.exists()
     v = s.verify()
     assert v.sound and not v.clean and v.orphans == [orphan.hex()]
     r = s.compact(grace=0, dry_run=True)
-    assert r.orphans_removed == 1 and s.blocks.exists(orphan)
+    assert r.orphans_removed == 1 and s.local.blocks.exists(orphan)
     r = s.compact(grace=0)
     assert (r.orphans_removed, r.orphan_bytes) == (1, 12)
-    assert not s.blocks.exists(orphan) and mine.exists()
+    assert not s.local.blocks.exists(orphan) and mine.exists()
     assert s.verify(read_data=True).clean
 
 
@@ -190,7 +190,7 @@ def test_budget_with_a_grace_defers_the_unlink(tmp_path: Path) -> None:
         save(s, i, 64)
     r = s.compact(max_bytes=8 * BLOCK, grace=600)
     assert len(r.evicted) == 2 and r.freed_bytes == 0
-    t = s.index.totals()
+    t = s.local.index.totals()
     assert t.live_bytes == 8 * BLOCK and t.physical_bytes == 16 * BLOCK
     r = s.compact(max_bytes=8 * BLOCK, grace=600)  # pending garbage forces no new eviction
     assert r.evicted == []
@@ -243,10 +243,10 @@ def test_dry_run_changes_nothing(tmp_path: Path) -> None:
     s = open_store(tmp_path / "r")
     for i in range(4):
         save(s, i, 64)
-    before = (s.stats(), stored_refs(s), sorted(s.blocks))
+    before = (s.stats(), stored_refs(s), sorted(s.local.blocks))
     r = s.compact(max_bytes=8 * BLOCK, grace=0, dry_run=True)
     assert r.dry_run and len(r.evicted) == 2 and r.physical_after == 8 * BLOCK
-    assert (s.stats(), stored_refs(s), sorted(s.blocks)) == before
+    assert (s.stats(), stored_refs(s), sorted(s.local.blocks)) == before
 
 
 def test_a_plan_does_exactly_what_it_reports_once(tmp_path: Path) -> None:
@@ -313,7 +313,7 @@ def test_save_survives_a_gc_between_its_block_writes_and_its_commit(tmp_path: Pa
     m = s.lookup(old)
     assert m is not None
     s.delete(m.entry_id)  # its blocks are at refcount zero now
-    real = s.index.commit_save
+    real = s.local.index.commit_save
     removed: list[int] = []
 
     def commit_after_gc(plan, **kw):  # type: ignore[no-untyped-def]
@@ -322,7 +322,7 @@ def test_save_survives_a_gc_between_its_block_writes_and_its_commit(tmp_path: Pa
         removed.append(r.freed_blocks + r.orphans_removed)
         return real(plan, **kw)
 
-    s.index.commit_save = commit_after_gc  # type: ignore[method-assign]
+    s.local.index.commit_save = commit_after_gc  # type: ignore[method-assign]
     again = tokens_for(1, 100, 64)  # reuses the zero-ref blocks
     s.save(again, make_cache(again))
     fresh = tokens_for(7, 90, 64)  # new blocks: orphans until the commit
@@ -342,7 +342,7 @@ def test_save_rewrites_a_zero_ref_block_whose_file_a_killed_gc_unlinked(tmp_path
     s.delete(m.entry_id)
     zero = [d for d, r in stored_refs(s).items() if r.refcount == 0]
     for d in zero:  # what a GC killed between its unlink and its commit leaves
-        s.blocks.delete(d)
+        s.local.blocks.delete(d)
     v = s.verify()
     assert v.sound and sorted(v.dangling_refs) == sorted(d.hex() for d in zero)
     s.save(toks, make_cache(toks))

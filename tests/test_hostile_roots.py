@@ -197,7 +197,7 @@ _INIT_RACE = textwrap.dedent(
         except RootSettingsError:
             out.append(None)
             continue
-        out.append(s.settings.block_tokens)
+        out.append(s.local.settings.block_tokens)
         s.close()
     print(json.dumps(out))
     """
@@ -223,7 +223,7 @@ def test_two_racing_opens_of_a_new_root_exactly_one_wins(tmp_path: Path) -> None
     both = 0
     for i, (a, b) in enumerate(zip(*outs, strict=True)):
         with kvstore.Store.open(roots[i], create=False) as s:
-            stored = s.settings.block_tokens
+            stored = s.local.settings.block_tokens
         if a is not None and b is not None:
             both += 1
         else:
@@ -239,7 +239,7 @@ def test_two_threads_creating_one_root_exactly_one_wins(
     no settings before either has written its own."""
     import threading
 
-    import kvstore.store.local.root as root_mod
+    import kvstore.local.root as root_mod
 
     real = root_mod.now_ms
 
@@ -256,7 +256,7 @@ def test_two_threads_creating_one_root_exactly_one_wins(
         except RootSettingsError:
             got[bt] = None
             return
-        got[bt] = s.settings.block_tokens
+        got[bt] = s.local.settings.block_tokens
         s.close()
 
     threads = [threading.Thread(target=open_with, args=(bt,), daemon=True) for bt in (16, 32)]
@@ -270,7 +270,7 @@ def test_two_threads_creating_one_root_exactly_one_wins(
     assert got[winners[0]] == winners[0]
     monkeypatch.undo()
     with kvstore.Store.open(tmp_path / "r", create=False) as s:
-        assert s.settings.block_tokens == winners[0]
+        assert s.local.settings.block_tokens == winners[0]
 
 
 def test_an_existing_root_keeps_its_settings_through_the_cli(tmp_path: Path) -> None:
@@ -465,7 +465,7 @@ def test_read_only_true_changes_nothing_on_a_writable_root(tmp_path: Path) -> No
 
     before = snapshot()
     with kvstore.Store.open(root, namespace=NS, read_only=True) as s:
-        assert s.read_only and s.settings.block_tokens == T
+        assert s.read_only and s.local.settings.block_tokens == T
         cache, n = s.restore(toks[0])
         assert cache is not None and matches(cache, toks[0], n)
         t = tokens_for(50, 40)

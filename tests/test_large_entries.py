@@ -17,7 +17,7 @@ from factories import prefix_cache, token_rows
 
 import kvstore
 from kvstore.errors import BlockNotFoundError
-from kvstore.store.data import reader
+from kvstore.local import reader
 
 NS = kvstore.Namespace(model_id="tiny-big", config_fingerprint="cfg", tokenizer_hash="tok")
 H, D = 1, 2  # tiny rows: 600k tokens are a few MB

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 import kvstore
 from kvstore import schema
 from kvstore.catalog import base as catalog_base
+from kvstore.local import catalog as lookup_mod
 from kvstore.store import store as store_mod
-from kvstore.store.local import catalog as lookup_mod
 
 NS = kvstore.Namespace(model_id="lookup")
 seqs = st.lists(st.integers(0, 2), min_size=1, max_size=14)
@@ -123,8 +123,8 @@ def test_an_exact_prefix_among_many_entries_tied_past_the_value_cap_is_found(
 
 
 def _prefix_keys(s: kvstore.Store, suffix: bytes) -> list[bytes]:
-    with s.index.read() as txn:
-        cur = txn.cursor(db=s.index.db("prefix"))
+    with s.local.index.read() as txn:
+        cur = txn.cursor(db=s.local.index.db("prefix"))
         return [bytes(k) for k in cur.iternext_nodup(keys=True, values=False)
                 if len(k) == 33 and k.endswith(suffix)]
 
@@ -137,14 +137,14 @@ def test_lookup_probes_logarithmically_many_depths(
         s.save(list(range(40)), [prefix_cache(list(range(40)))])
         s.save(list(range(50)), [arrays_cache(50)])  # a non-trimmable entry, deeper
         probes = 0
-        real = s.index.has_prefix
+        real = s.local.index.has_prefix
 
         def counting(key: bytes, txn: object) -> bool:
             nonlocal probes
             probes += 1
             return real(key, txn)
 
-        monkeypatch.setattr(s.index, "has_prefix", counting)
+        monkeypatch.setattr(s.local.index, "has_prefix", counting)
         q = list(range(50)) + [9] * (4096 - 50)
         m = s.lookup(q)
         assert m is not None and (m.length, m.trimmable) == (50, False)
@@ -174,10 +174,10 @@ def test_a_root_without_reach_markers_gets_them_on_open(tmp_path: Path) -> None:
         s.save(list(range(20)), [prefix_cache(list(range(20)))])
         info = s.save(deep, [arrays_cache(70)])
         s.save(list(range(100, 140)), [arrays_cache(40)])
-        with s.index.write() as txn:  # back to the old layout
+        with s.local.index.write() as txn:  # back to the old layout
             for k in _prefix_keys(s, b"r"):
-                txn.delete(k, db=s.index.db("prefix"))
-            txn.delete(lookup_mod.REACH_META, db=s.index.db("meta"))
+                txn.delete(k, db=s.local.index.db("prefix"))
+            txn.delete(lookup_mod.REACH_META, db=s.local.index.db("meta"))
         assert _prefix_keys(s, b"r") == []
         s.local.catalog.bisect = True  # what bisecting an old root would get wrong
         wrong = s.lookup(deep + [1, 2])

@@ -16,7 +16,7 @@ from helpers.hostile import assert_nothing_good_lost, halved
 from helpers.kv import T, make_cache, matches, open_store, tokens_for
 
 from kvstore.catalog.records import records_of
-from kvstore.store.upkeep import verify as local_verify
+from kvstore.local import verify as local_verify
 
 SYSTEM = 3 * T  # a system prompt the entries share: its 3 blocks are shared
 

@@ -42,8 +42,8 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], byt
     with open_store(root) as s:
         info = s.save(toks, make_cache(toks))
         digest = bytes.fromhex(info.id)
-        with s.index.read() as txn:
-            raw = s.index.get_manifest(digest, txn)
+        with s.local.index.read() as txn:
+            raw = s.local.index.get_manifest(digest, txn)
     assert raw is not None
     return root, toks, digest, raw
 
@@ -160,8 +160,8 @@ def test_settings_of_another_root_are_refused(good: tuple[Path, list[int], bytes
 
 
 def _put_manifest(root: Path, digest: bytes, raw: bytes) -> None:
-    with open_store(root) as s, s.index.write() as txn:
-        txn.put(digest, raw, db=s.index.db("manifests"))
+    with open_store(root) as s, s.local.index.write() as txn:
+        txn.put(digest, raw, db=s.local.index.db("manifests"))
 
 
 @pytest.mark.parametrize("what", ["block_tokens 0", "state_bytes 1e12, state blocks of 1 byte",
@@ -176,8 +176,8 @@ def test_restore_never_raises_on_a_lying_manifest_in_the_root(
     with open_store(root) as s:
         bad = bytes.fromhex(s.save(toks, make_cache(toks)).id)
         s.save(other, make_cache(other))
-        with s.index.read() as txn:
-            raw = s.index.get_manifest(bad, txn)
+        with s.local.index.read() as txn:
+            raw = s.local.index.get_manifest(bad, txn)
     assert raw is not None
     make = next(h[1] for h in HOSTILE if h[0] == what)
     _put_manifest(root, bad, encode_manifest(make(decode_manifest(raw))))
@@ -198,8 +198,8 @@ def test_a_repair_beside_a_manifest_nested_100k_deep_never_raises(tmp_path: Path
     with open_store(root) as s:
         eid = bytes.fromhex(s.save(toks, make_cache(toks)).id)
         m = s.manifest(eid.hex())
-        with s.index.read() as txn:
-            raw = s.index.get_manifest(eid, txn)
+        with s.local.index.read() as txn:
+            raw = s.local.index.get_manifest(eid, txn)
         assert raw is not None
         bad = bytes(m.token_blocks[1])
         path = s.local.blocks.path(bad)

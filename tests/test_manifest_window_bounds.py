@@ -55,8 +55,8 @@ def rings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
         for i, (name, (build, n, _, _)) in enumerate(RINGS.items()):
             toks = list(range(1000 * i + 1, 1000 * i + n + 1))  # an entry of its own each
             digest = bytes.fromhex(s.save(toks, build()).id)
-            with s.index.read() as txn:
-                raw = s.index.get_manifest(digest, txn)
+            with s.local.index.read() as txn:
+                raw = s.local.index.get_manifest(digest, txn)
             assert raw is not None
             out[name] = bytes(raw)
     return out
@@ -184,12 +184,12 @@ def test_restore_never_raises_on_a_lying_window_manifest(tmp_path: Path) -> None
     with open_store(root) as s:
         bad = bytes.fromhex(s.save(toks, [rotating_cache(75, 32, 6)]).id)
         s.save(other, [rotating_cache(75, 32, 7)])
-        with s.index.read() as txn:
-            raw = s.index.get_manifest(bad, txn)
+        with s.local.index.read() as txn:
+            raw = s.local.index.get_manifest(bad, txn)
         assert raw is not None
         lie = encode_manifest(_rows(decode_manifest(raw), 20))
-        with s.index.write() as txn:
-            txn.put(bad, lie, db=s.index.db("manifests"))
+        with s.local.index.write() as txn:
+            txn.put(bad, lie, db=s.local.index.db("manifests"))
     with open_store(root) as s:
         assert s.restore(toks) == (None, 0)
         cache, n = s.restore(other)

@@ -9,8 +9,8 @@ import pytest
 from factories import prefix_cache
 
 import kvstore
+from kvstore.local import gc, sweep
 from kvstore.store import maintenance
-from kvstore.store.upkeep import gc, sweep
 
 NS = kvstore.Namespace(model_id="tiny-many", config_fingerprint="cfg", tokenizer_hash="tok")
 OTHER = kvstore.Namespace(model_id="tiny-other", config_fingerprint="cfg", tokenizer_hash="tok")
@@ -64,7 +64,7 @@ def test_a_compact_plan_reads_the_refs_of_its_victims_blocks_alone(
         for i in range(5):
             data = b"orphan %d" % i
             orphans.append(kvstore.blocks.hash_bytes("blake3", data))
-            s.blocks.put(orphans[-1], [data])
+            s.local.blocks.put(orphans[-1], [data])
         per_entry = s.stats().physical_bytes // 12
         r = s.compact(max_bytes=per_entry * 10, grace=0, dry_run=True)
         assert r.evicted == ids[:2]  # saved first: least recently used
@@ -73,4 +73,4 @@ def test_a_compact_plan_reads_the_refs_of_its_victims_blocks_alone(
         r = s.compact(max_bytes=per_entry * 10, grace=0)
         assert r.evicted == ids[:2] and r.orphans_removed == 5
         assert [e.id for e in s.entries()] == sorted(ids[2:])
-        assert not any(s.blocks.exists(d) for d in orphans)
+        assert not any(s.local.blocks.exists(d) for d in orphans)

@@ -393,7 +393,7 @@ def test_insert_saves_only_the_tokens_the_cache_holds(
 def test_next_turn_references_the_stored_prefix_blocks(
     models: dict[str, Path], store: kvstore.Store, monkeypatch: pytest.MonkeyPatch, reuse: bool
 ) -> None:
-    import kvstore.store.data.writer as W
+    import kvstore.local.writer as W
 
     T = store.block_tokens
     turn1 = list(range(2 * T + 40))

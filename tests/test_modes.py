@@ -25,7 +25,7 @@ from cli.cli_helpers import run_here
 from helpers.kv import make_cache, open_store, tokens_for
 
 from kvstore.errors import RootSettingsError
-from kvstore.store.local.modes import world_readable
+from kvstore.local.modes import world_readable
 
 AS_USER = Path(__file__).resolve().parent / "helpers" / "as_user.py"
 _needs_root = pytest.mark.skipif(
@@ -312,7 +312,7 @@ def test_compact_names_a_directory_a_member_left_without_group_write(users: User
 _HOLD = """
 import json, os, sys, time
 from pathlib import Path
-from kvstore.index import Index
+from kvstore.local.index import Index
 u = json.loads(sys.argv[2])  # imported as root (the interpreter may be root's alone)
 os.setgroups(u["groups"]); os.setgid(u["gid"]); os.setuid(u["uid"])
 idx = Index(Path(sys.argv[1]), durable=False, mode=0o660)

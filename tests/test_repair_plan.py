@@ -11,7 +11,7 @@ import pytest
 from test_integrity import block_file, exact_refcounts, make_cache, open_store, quarantined, toks
 from test_repair import entries, spoil, tree
 
-from kvstore.store.upkeep.verify import plan_repair
+from kvstore.local.verify import plan_repair
 
 
 def _two(root: Path) -> tuple[str, str, bytes, bytes]:

@@ -12,7 +12,7 @@ import pytest
 from factories import kv_cache, kv_pair, same_bits
 
 import kvstore
-import kvstore.store.data.saving as saving
+import kvstore.local.saving as saving
 import kvstore.store.store as store_mod
 from kvstore.mlx_lm.writebehind import WriteBehind
 

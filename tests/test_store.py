@@ -97,7 +97,7 @@ def test_restoring_a_prefix_reads_only_its_blocks(store: kvstore.Store) -> None:
     man = store.manifest(store.lookup(toks).entry_id)  # type: ignore[union-attr]
     assert len(man.token_blocks) == 5
     for d in man.token_blocks[2:]:
-        os.unlink(store.blocks.path(d))  # blocks 3.. are gone
+        os.unlink(store.local.blocks.path(d))  # blocks 3.. are gone
     (c,), n = store.restore(toks[:32] + [5000])
     assert n == 32
     assert same_bits(c.keys[..., :32, :], prefix_cache(toks).keys[..., :32, :])
@@ -115,7 +115,7 @@ def test_truncated_or_flipped_block_gives_the_intact_prefix_and_is_quarantined(
     match = store.lookup(toks)
     assert match is not None
     man = store.manifest(match.entry_id)
-    p = store.blocks.path(man.token_blocks[1])
+    p = store.local.blocks.path(man.token_blocks[1])
     data = bytearray(p.read_bytes())
     os.chmod(p, 0o644)
     p.write_bytes(data[:-1])
@@ -124,7 +124,7 @@ def test_truncated_or_flipped_block_gives_the_intact_prefix_and_is_quarantined(
     assert e.value.digest == man.token_blocks[1].hex() and e.value.expected != e.value.actual
     (c,), n = store.restore(toks)  # the entry was cut back to its intact first block
     assert n == 16 and same_bits(c.keys[..., :16, :], kv_cache(40, 3).keys[..., :16, :])
-    assert (store.blocks.quarantine_dir / man.token_blocks[1].hex()).exists()
+    assert (store.local.blocks.quarantine_dir / man.token_blocks[1].hex()).exists()
     store.save(toks, [kv_cache(40, 3)])  # saving again writes good bytes
     match = store.lookup(toks)
     assert match is not None and match.length == 40
@@ -207,7 +207,7 @@ def test_malformed_digest(store: kvstore.Store) -> None:
         with pytest.raises(InvalidDigestError):
             store.delete(bad)
         with pytest.raises(InvalidDigestError):
-            store.blocks.path(bad.encode())
+            store.local.blocks.path(bad.encode())
     with pytest.raises(kvstore.EntryNotFoundError):
         store.manifest("ab" * 32)
 
@@ -238,14 +238,14 @@ def test_not_a_root_and_settings_mismatch(tmp_path: Path) -> None:
     with pytest.raises(kvstore.RootSettingsError, match="block_tokens=32, not 64"):
         kvstore.Store.open(root, block_tokens=64)
     with kvstore.Store.open(root, namespace=NS) as s:  # its own settings are fine
-        assert s.settings.hash == "sha256" and s.block_tokens == 32
+        assert s.local.settings.hash == "sha256" and s.block_tokens == 32
         s.save(list(range(40)), [kv_cache(40, 2)])
         m = s.manifest(next(s.entries()).id)
         assert m.hash == "sha256"
         d = m.token_blocks[0]
         import hashlib
 
-        assert hashlib.sha256(s.blocks.path(d).read_bytes()).digest() == d
+        assert hashlib.sha256(s.local.blocks.path(d).read_bytes()).digest() == d
 
 
 def test_block_files_are_content_addressed_and_immutable(store: kvstore.Store) -> None:
@@ -255,16 +255,16 @@ def test_block_files_are_content_addressed_and_immutable(store: kvstore.Store) -
     store.save(toks, [kv_cache(20, 9)])
     m = store.manifest(next(store.entries()).id)
     for d in (*m.token_blocks, *m.state_blocks):
-        p = store.blocks.path(d)
+        p = store.local.blocks.path(d)
         assert p.parent.name == d.hex()[:2] and p.name == d.hex()
         assert blake3.blake3(p.read_bytes()).digest() == d
     # a second entry reusing the first block does not rewrite it
-    p0 = store.blocks.path(m.token_blocks[0])
+    p0 = store.local.blocks.path(m.token_blocks[0])
     ino = p0.stat().st_ino
     toks2 = toks[:16] + [777]
     store.save(toks2, [kv_cache(17, 9)])
     assert p0.stat().st_ino == ino
-    assert not any(store.blocks.tmp_dir.iterdir())
+    assert not any(store.local.blocks.tmp_dir.iterdir())
 
 
 def test_token_block_layout_is_per_token_rows_of_every_tensor(store: kvstore.Store) -> None:
@@ -272,7 +272,7 @@ def test_token_block_layout_is_per_token_rows_of_every_tensor(store: kvstore.Sto
     c = kv_cache(20, 4)
     store.save(toks, [c])
     m = store.manifest(next(store.entries()).id)
-    block1 = store.blocks.path(m.token_blocks[1]).read_bytes()
+    block1 = store.local.blocks.path(m.token_blocks[1]).read_bytes()
     k = c.keys[..., 16:20, :]
     v = c.values[..., 16:20, :]
     mx.eval(k, v)
@@ -330,7 +330,7 @@ def _extend(c: object, n_new: int, seed: int) -> None:
 def test_reuse_prefix_references_the_previous_turn_without_rehashing(
     store: kvstore.Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvstore.store.data.writer as W
+    import kvstore.local.writer as W
 
     turn1 = list(range(40))  # two full blocks of 16 and a partial one
     c = kv_cache(40, 1)
@@ -365,9 +365,9 @@ def test_reuse_prefix_falls_back_when_the_blocks_were_collected(
     gone = list(store.manifest(old.id).token_blocks[:2])
     store.delete(old.id)
     store.compact(grace=0)
-    assert not store.blocks.exists(gone[0])
+    assert not store.local.blocks.exists(gone[0])
     # as if the entry vanished between the lookup and the commit
-    import kvstore.store.data.saving as saving
+    import kvstore.local.saving as saving
 
     monkeypatch.setattr(saving, "reusable_prefix", lambda *a, **kw: gone)
     c = kv_cache(48, 5)
@@ -385,11 +385,11 @@ def test_access_stamps_that_cannot_be_written_never_fail_a_restore(
     store.save(toks, [kv_cache(40, 1)])
 
     def refuse(*a: object, **k: object) -> None:
-        raise kvstore.index.errors.IndexStoreError("read-only index")
+        raise kvstore.local.index.errors.IndexStoreError("read-only index")
 
-    monkeypatch.setattr(store.index, "record_access", refuse)
+    monkeypatch.setattr(store.local.index, "record_access", refuse)
     # flush on every restore
-    monkeypatch.setattr(kvstore.store.upkeep.access, "ACCESS_FLUSH_SECONDS", 0.0)
+    monkeypatch.setattr(kvstore.store.access, "ACCESS_FLUSH_SECONDS", 0.0)
     (c,), n = store.restore(toks)
     assert n == 40 and c.offset == 40
     store.close()

@@ -11,7 +11,7 @@ from helpers.kv import hybrid_cache
 
 import kvstore
 from kvstore.catalog.thinning import checkpoint_order, level
-from kvstore.index import EntryRecord
+from kvstore.local.index import EntryRecord
 
 NS = kvstore.Namespace(model_id="thin")
 T = 16
@@ -105,9 +105,9 @@ def test_a_record_rebuilt_from_the_manifest_is_still_a_checkpoint(tmp_path: Path
                       metadata={"cache_type": "checkpoint"}).id
         user = s.save(toks + [1], hybrid_cache(toks + [1]), priority="user",
                       metadata={"cache_type": "user"}).id
-        with s.index.write() as txn:
+        with s.local.index.write() as txn:
             for eid in (ckpt, user):
-                s.index.delete_entry(txn, bytes.fromhex(eid))
+                s.local.index.delete_entry(txn, bytes.fromhex(eid))
         assert sorted(s.verify(repair=True).missing_entry_records) == sorted([ckpt, user])
         got = {e.id: e.priority for e in s.entries()}
         # every entry by its manifest's cache type (catalog.records.priority_of)

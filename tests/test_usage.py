@@ -12,7 +12,7 @@ from factories import arrays_cache, prefix_cache
 from helpers.kv import T, make_cache, open_store
 
 import kvstore
-from kvstore.store.upkeep.usage import MISS_REASONS, TIERS
+from kvstore.store.usage import MISS_REASONS, TIERS
 
 OTHER_MODEL = kvstore.Namespace(model_id="tiny-gc", config_fingerprint="cfg2",
                                 tokenizer_hash="tok")
@@ -91,11 +91,11 @@ def test_note_request_refuses_figures_that_contradict_each_other(
 def test_a_damaged_usage_record_starts_afresh(tmp_path: Path,
                                               caplog: pytest.LogCaptureFixture) -> None:
     with open_store(tmp_path / "root") as s:
-        s.index.put_meta(b"usage", b"\xc1 not msgpack")
+        s.local.index.put_meta(b"usage", b"\xc1 not msgpack")
         assert s.usage().lifetime.requests == 0
         s.note_request(5, 5, "local")
         assert s.usage().lifetime.local_tokens == 5
-        s.index.put_meta(b"usage", b"\x81\xa8lifetime\x81\xa8requests\xff")  # -1 is refused
+        s.local.index.put_meta(b"usage", b"\x81\xa8lifetime\x81\xa8requests\xff")  # -1 is refused
         assert s.usage().lifetime.requests == 0
     assert "request counts are unreadable" in caplog.text
 
@@ -217,7 +217,7 @@ def test_every_request_that_reused_nothing_has_a_reason_and_they_add_up(tmp_path
 
 
 def test_a_partial_reuse_keeps_its_reason_apart_from_the_misses() -> None:
-    from kvstore.store.upkeep.usage import Counts
+    from kvstore.store.usage import Counts
 
     c = Counts()
     c.note(100, 0, None, "no_entry")

@@ -8,7 +8,7 @@ import pytest
 from helpers.kv import make_cache, matches, open_store, sound_store, tokens_for
 
 import kvstore
-from kvstore.index import RefInfo
+from kvstore.local.index import RefInfo
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def test_corruption_is_caught_quarantined_and_dependents_stop_matching(
     s, a, b = two
     d = own_block(s, a)
     s_id = s.lookup(a).entry_id  # type: ignore[union-attr]
-    path = s.blocks.path(d)
+    path = s.local.blocks.path(d)
     data = bytearray(path.read_bytes())
     if damage == "flip":
         data[5] ^= 0x01
@@ -55,7 +55,7 @@ def test_corruption_is_caught_quarantined_and_dependents_stop_matching(
     r = s.verify(read_data=True, repair=True)
     assert r.repaired and r.quarantined == [d.hex()] and r.dropped_entries == []
     assert [(old, n) for old, _, n in r.cut_entries] == [(s_id, 48)]  # blocks 0-2 intact
-    assert (s.blocks.quarantine_dir / d.hex()).exists() and not path.exists()
+    assert (s.local.blocks.quarantine_dir / d.hex()).exists() and not path.exists()
     m = s.lookup(a)
     assert m is not None and m.length == 48  # the entry was cut back, not dropped
     cache, n = s.restore(b, verify=True)
@@ -70,7 +70,7 @@ def test_corruption_is_caught_quarantined_and_dependents_stop_matching(
 def test_a_missing_block_drops_its_entries(two: tuple[kvstore.Store, list[int], list[int]]) -> None:
     s, a, b = two
     d = own_block(s, a)
-    s.blocks.delete(d)
+    s.local.blocks.delete(d)
     r = s.verify()
     assert not r.sound and r.missing_blocks == [d.hex()]
     assert s.restore(a) == (None, 0)
@@ -86,14 +86,14 @@ def test_refcount_and_totals_drift_are_found_and_fixed(
 ) -> None:
     s, a, _ = two
     d = own_block(s, a)
-    with s.index.write() as txn:
-        ref = s.index.get_ref(d, txn)
+    with s.local.index.write() as txn:
+        ref = s.local.index.get_ref(d, txn)
         assert ref is not None
-        s.index.put_ref(txn, d, RefInfo(ref.refcount + 2, ref.size, 0))
-        t = s.index.totals(txn)
+        s.local.index.put_ref(txn, d, RefInfo(ref.refcount + 2, ref.size, 0))
+        t = s.local.index.totals(txn)
         t.physical_bytes += 999
         t.entries += 1
-        s.index.put_totals(txn, t)
+        s.local.index.put_totals(txn, t)
     r = s.verify()
     assert not r.sound
     assert r.refcount_drift == [(d.hex(), 3, 1)]
@@ -111,9 +111,9 @@ def test_dangling_keys_and_missing_refs_records(
     assert m is not None
     digest = bytes.fromhex(m.entry_id)
     d = own_block(s, a)
-    with s.index.write() as txn:  # a manifest gone without its keys; a refs record gone
-        txn.delete(digest, db=s.index.db("manifests"))
-        txn.delete(d, db=s.index.db("refs"))
+    with s.local.index.write() as txn:  # a manifest gone without its keys; a refs record gone
+        txn.delete(digest, db=s.local.index.db("manifests"))
+        txn.delete(d, db=s.local.index.db("refs"))
     r = s.verify()
     assert not r.sound and r.dangling_keys > 0
     assert any(blk == d.hex() and stored == -1 for blk, stored, _ in r.refcount_drift)
@@ -130,9 +130,9 @@ def test_leftovers_do_not_make_a_store_unsound(
 ) -> None:
     s, a, _ = two
     orphan = kvstore.blocks.hash_bytes("blake3", b"left behind")
-    s.blocks.put(orphan, [b"left behind"])
+    s.local.blocks.put(orphan, [b"left behind"])
     r = s.verify(read_data=True)
     assert r.sound and not r.clean and r.orphans == [orphan.hex()]
     r = s.verify(repair=True)
-    assert r.orphans_removed == 1 and not s.blocks.exists(orphan)
+    assert r.orphans_removed == 1 and not s.local.blocks.exists(orphan)
     assert s.verify(read_data=True).clean

@@ -38,7 +38,7 @@ from mlx_lm.models.cache import KVCache
 
 from kvstore import Namespace, Store
 from kvstore.catalog.records import records_of
-from kvstore.index import now_ms
+from kvstore.local import now_ms
 from kvstore.schema import Manifest, encode_manifest
 
 VOCAB = 32000
@@ -71,7 +71,7 @@ class _Committer:
     @contextlib.contextmanager
     def batched(self, every: int = 20_000) -> Iterator[None]:
         """Let ``every`` commits share one write transaction (``Index.write`` yields it)."""
-        index = self.store.index
+        index = self.store.local.index
         orig = index.write
 
         @contextlib.contextmanager

@@ -2,7 +2,7 @@
 
     python tools/probe_onepass_save.py [TOKENS]
 
-Takes the real block pieces of the benchmark's cache (``kvstore.store.data.writer.place``)
+Takes the real block pieces of the benchmark's cache (``kvstore.local.writer.place``)
 and, on kvstore's own I/O pool, times writing every block to a new file two ways, in
 alternating rounds: as a save does today (BLAKE3 of the whole block, then ``writev``),
 and in one pass (each 256 KiB piece hashed, then written while it is in cache). Prints
@@ -24,7 +24,7 @@ from kvstore.bench.common import QUICK, make_cache
 from kvstore.blocks import new_hasher
 from kvstore.blocks.pools import io_pool
 from kvstore.codecs import snapshot
-from kvstore.store.data.writer import place
+from kvstore.local.writer import place
 
 CHUNK = 256 << 10
 

@@ -331,7 +331,7 @@ def machine(scratch: Path) -> dict[str, Any]:
     """What the figures were measured on (no paths of the machine)."""
     import mlx_lm
 
-    from ..store.local.filesystem import filesystem_type
+    from ..local.filesystem import filesystem_type
 
     return {
         "nproc": os.cpu_count(),

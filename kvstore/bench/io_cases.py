@@ -14,13 +14,14 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 
-from ..blocks import LocalBlockStore, hash_bytes
+from ..blocks import hash_bytes
 from ..blocks.pools import io_pool
 from ..catalog.settings import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK
 from ..codecs import snapshot, warm
+from ..local import LocalBlockStore
+from ..local.writer import place
 from ..schema import Namespace
 from ..store import Store
-from ..store.data.writer import place
 from .common import (
     Config,
     Row,

@@ -157,7 +157,7 @@ def lookup_limit_rows(store: Store, queries: Sequence[np.ndarray], label: str) -
     hashes that are its keys, so the three sides share the machine's noise.
     """
     traces = [store.lookup_reads(q) for q in queries]
-    algo, width = store.settings.hash, 4 * store.block_tokens
+    algo, width = store.local.settings.hash, 4 * store.block_tokens
     seed = bytes(32)  # any c_0: the chain costs the same
     kv: list[float] = []
     raw: list[float] = []

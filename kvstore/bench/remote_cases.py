@@ -43,7 +43,7 @@ def _wipe(url: str) -> None:
 
 def _block_bytes(root: Path) -> list[bytes]:
     with Store.open(root) as s:
-        return [s.blocks.get(d, verify=False) for d in s.blocks.iter()]
+        return [s.local.blocks.get(d, verify=False) for d in s.local.blocks.iter()]
 
 
 def remote_rows(cfg: Config, scratch: Path, url: str) -> list[Row]:

@@ -1,4 +1,5 @@
-"""The block-store seam (:class:`base.BlockStore`) and its backends: local files, S3.
+"""The block-store seam (:class:`base.BlockStore`) and what its backends share (the local
+files are ``kvstore.local.blocks``, the S3 objects ``kvstore.remote.blocks``).
 
 Blocks are bytes named by their digest; nothing here knows of tokens or caches.
 """
@@ -16,20 +17,17 @@ from .hashing import (
     new_hasher,
     to_hex,
 )
-from .local import LocalBlockStore, open_real_dir
 
 __all__ = [
     "ALGORITHMS",
     "BlockStat",
     "BlockCheck",
     "BlockStore",
-    "LocalBlockStore",
     "Digest",
     "HexDigest",
     "check_digest",
     "from_hex",
     "hash_bytes",
     "new_hasher",
-    "open_real_dir",
     "to_hex",
 ]

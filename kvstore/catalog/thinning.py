@@ -1,5 +1,5 @@
 """The order in which compaction evicts checkpoints (issue 26), in every tier (the local
-root's compaction, kvstore.store.upkeep.gc; the remote's, kvstore.remote.gc): before
+root's compaction, kvstore.local.gc; the remote's, kvstore.remote.gc): before
 every other entry, the intermediate ones thinned out first, the deepest of each
 conversation last.
 

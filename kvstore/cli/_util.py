@@ -27,12 +27,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _GraceDefault:
-    """compact's ``--grace`` default, kvstore.store.upkeep.gc.DEFAULT_GRACE, read when click needs
+    """compact's ``--grace`` default, kvstore.local.gc.DEFAULT_GRACE, read when click needs
     it (to run compact, or to show ``[default: …]``): importing the store when the command
     line is built would load mlx for every ``kvstore --help``."""
 
     def __call__(self) -> float:
-        from ..store.upkeep.gc import DEFAULT_GRACE
+        from ..local.gc import DEFAULT_GRACE
 
         return DEFAULT_GRACE
 

@@ -46,13 +46,13 @@ def init(algo: str | None, block_tokens: int | None, shared_group: str | None,
     --shared-group every member of GROUP can save to it, restore from it and compact it.
     On an existing root, checks that --hash, --block-tokens and --shared-group match it.
     """
-    from ..store.local.modes import group_name, modes_of
+    from ..local.modes import group_name, modes_of
 
     root = opts().resolved_root()
     existed = (root / "index" / "data.mdb").exists()
     with open_store(create=True, hash=algo, block_tokens=block_tokens,
                     shared_group=shared_group) as store:
-        s = store.settings
+        s = store.local.settings
     modes = modes_of(root)
     group = group_name(modes.group) if modes.group is not None else None
     if as_json:
@@ -79,11 +79,11 @@ def stats(reset: bool, as_json: bool) -> None:
     Store.restore): the share of their prompt tokens reused, by the tier that gave them
     (memory, this root, the remote), over the root's lifetime and since the last --reset.
     """
-    from ..store.upkeep.gc import DEFAULT_GRACE
+    from ..local.gc import DEFAULT_GRACE
 
     with open_store() as store:
         st = store.stats()
-        s = store.settings
+        s = store.local.settings
         zero = store.views.unreferenced_blocks()
         tmp = store.temp_files()
         usage = store.reset_usage() if reset else store.usage()
@@ -281,7 +281,7 @@ def verify(read_data: bool, repair: bool, dry_run: bool, as_json: bool) -> None:
         if repair and not dry_run and not report.sound:  # what the repair left: checked again
             after = store.verify(read_data=False, repair=False, dry_run=False)
         tmp = store.temp_files()
-    from ..store.local.modes import world_readable
+    from ..local.modes import world_readable
 
     exposed = world_readable(store.root)
     data = H.report_dict(report)

@@ -112,7 +112,7 @@ def remote_init(as_json: bool) -> None:
 
     url = remote_url()
     with open_store(create=True) as store:
-        s = store.settings
+        s = store.local.settings
     r = Remote(url)
     try:
         got, created = r.init(s)  # the root's settings, as the remote's

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from . import render as H
 
 if TYPE_CHECKING:
-    from ..store.upkeep.usage import Counts, Usage
+    from ..store.usage import Counts, Usage
 
 TIER_LABELS = (("memory", "from memory"), ("local", "from local"), ("remote", "from remote"))
 

@@ -25,7 +25,7 @@ request, as a request's salt does (:mod:`kvstore.mlx_lm.tenants`):
 
 The prompt cache keeps the entry in memory beside mlx-lm's LRU and saves it to the store
 with its TTL (``Store.save(pin_ttl=...)``): see :class:`~kvstore.mlx_lm.PersistentPromptCache`
-and :mod:`kvstore.store.upkeep.gc` for how long and within which share of the budgets.
+and :mod:`kvstore.local.gc` for how long and within which share of the budgets.
 """
 
 from __future__ import annotations

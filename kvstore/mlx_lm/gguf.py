@@ -18,7 +18,7 @@ and kept, with the converted directory, in a model cache of its own
 downloads nothing. The model cache is never inside a cache root: kvstore 0.1.0 kept
 it in ``<user cache dir>/kvstore/models``, inside the default root, where it made
 ``kvstore init`` refuse that root; such a folder is left alone (the root opens with
-it, see :func:`kvstore.store.local.root.open_root`), and its wheel is copied from there
+it, see :func:`kvstore.local.root.open_root`), and its wheel is copied from there
 instead of downloaded again.
 
 The one fact a converter must not miss: llama.cpp stores the Q and K projections

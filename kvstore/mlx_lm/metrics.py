@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 
 from kvstore import Store
 from kvstore.serving.rules import names as rule_names
-from kvstore.store.upkeep.usage import MISS_REASONS
+from kvstore.store.usage import MISS_REASONS
 
 from .requests import CacheObserver, RequestRecord
 from .writebehind import SaveDone
@@ -235,7 +235,7 @@ class _Figures(Collector):
                                     "evicted to (--max-bytes)", value=store.max_bytes)
         yield GaugeMetricFamily("kvstore_quarantined_blocks", "Blocks in the root's "
                                 "quarantine/ (moved aside as corrupt)",
-                                value=store.blocks.quarantined())
+                                value=store.local.blocks.quarantined())
         v = store.counters.values()
         for name, doc, value in (
             ("kvstore_evictions", "Entries the byte budget evicted", v.evicted_entries),

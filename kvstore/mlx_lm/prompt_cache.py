@@ -31,7 +31,7 @@ from mlx_lm.models import cache as _cache
 
 from kvstore import Namespace, Store
 from kvstore.store.tenants import salt_tag, tenant_key, tenant_namespace
-from kvstore.store.upkeep.usage import Counts, failure_reason
+from kvstore.store.usage import Counts, failure_reason
 
 from .cache_control import parse_pin_type
 from .crossover import Throughputs, cache_nbytes

@@ -78,7 +78,7 @@ class RequestRecord:
     tier: str | None  # "memory", "local", "remote"; None when nothing was reused
     reused_tokens: int
     restore_seconds: float  # the fetch: memory copy, store lookup and load
-    miss: str | None  # kvstore.store.upkeep.usage.MISS_REASONS, or None
+    miss: str | None  # kvstore.store.usage.MISS_REASONS, or None
     prompt: list[int] = field(repr=False, default_factory=list)
     started: float = field(repr=False, default_factory=time.monotonic)
     saves_queued: int = 0  # snapshots of this request written at once

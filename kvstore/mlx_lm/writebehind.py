@@ -29,7 +29,7 @@ so a request that comes before its save still reuses it.
 (else when it is saved), and passed to :meth:`kvstore.Store.save` as ``known``; it is
 asked again only if this queue saved another snapshot meanwhile. What another writer
 changed meanwhile, ``Store.save`` checks where it matters (see
-:class:`kvstore.store.data.saving.Known`).
+:class:`kvstore.local.saving.Known`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Why a request reused less than it might have: the ``miss`` of the request log.
 
 Asked only after a lookup gave nothing (or nothing deeper than what memory gave), so a
-hit costs nothing more. The answer is one of :data:`~kvstore.store.upkeep.usage.MISS_REASONS`
+hit costs nothing more. The answer is one of :data:`~kvstore.store.usage.MISS_REASONS`
 that the index alone can tell; the ones only a load can tell (a digest that failed, an
 entry gone meanwhile) are the caller's.
 """
@@ -18,8 +18,8 @@ import msgspec
 from ..catalog import keys as P
 from ..catalog.find import deepest_reached, find
 from ..errors import ManifestError
+from ..local import LocalCatalog, LocalReader
 from ..schema import Namespace
-from .local.catalog import LocalCatalog, LocalReader
 
 NAMESPACES_TTL = 60.0  # seconds a listing of the root's namespaces is reused
 PARTING_CANDIDATES = 8  # entries at the deepest shared block whose tokens a parting reads
@@ -97,10 +97,9 @@ class Diagnosis:
                 return 0, None
             base = k * tk.block_tokens
             probe = P.encode_tail(tk.tokens[base: base + P.TAIL])
-            before, after = r.index.neighbors(tk.chain[k], probe, PARTING_CANDIDATES, r.txn)
+            before, after = r.neighbors(tk.chain[k], probe, PARTING_CANDIDATES)
             digests = [v[-32:] for v in after + before]
-            _, reach = r.index.neighbors(P.reach_key(tk.chain[k]), b"\0", PARTING_CANDIDATES,
-                                         r.txn)
+            _, reach = r.neighbors(P.reach_key(tk.chain[k]), b"\0", PARTING_CANDIDATES)
             for digest in digests[:PARTING_CANDIDATES] + reach[:PARTING_CANDIDATES]:
                 try:
                     m = r.manifest(digest)
@@ -122,9 +121,7 @@ class Diagnosis:
         with self._lock:
             if self._namespaces is not None and now - self._namespaces[0] < NAMESPACES_TTL:
                 return self._namespaces[1]
-        index = self.catalog.index
-        with index.read() as txn:
-            names = {rec.namespace for _, rec in index.iter_entries(txn)}
+        names = self.catalog.namespace_names()
         found = []
         for name in sorted(names):
             try:

@@ -10,7 +10,7 @@ import msgspec
 from ..blocks import from_hex
 from ..catalog.records import PRIORITY_NAMES
 from ..errors import EntryNotFoundError
-from ..index import EntryRecord
+from ..local import EntryRecord
 from ..schema import Namespace
 
 MIN_ID_PREFIX = 4  # hex chars of an entry id that resolve() accepts

@@ -5,9 +5,5 @@ from __future__ import annotations
 from ..errors import KVStoreError
 
 
-class UnsupportedFilesystemError(KVStoreError, OSError):
-    """The root lies on a filesystem where LMDB locking is unsafe (NFS, CIFS)."""
-
-
 class TierTimeoutError(KVStoreError, TimeoutError):
     """A tier below this machine's root did not answer within its bound (a lookup, a pull)."""

@@ -3,16 +3,15 @@ the totals, delegating the work to the modules that own it (gc, verify, entries)
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 
+from ..local import Root
+from ..local.gc import DEFAULT_GRACE, CompactReport, plan_compact
+from ..local.sweep import TempFiles, temp_files
+from ..local.verify import Progress, VerifyReport, verify
 from ..schema import Namespace
+from .access import AccessLog
 from .entries import Entry, Stats, entries_of, resolve_id
-from .local.root import Root
-from .upkeep.access import AccessLog
-from .upkeep.gc import DEFAULT_GRACE, CompactReport, plan_compact
-from .upkeep.sweep import TempFiles, temp_files
-from .upkeep.verify import Progress, VerifyReport, verify
 
 _BATCH = 2048  # entry records read per read transaction
 
@@ -36,8 +35,7 @@ class Maintenance:
         after: bytes | None = None
         namespaces: dict[str, Namespace] = {}
         while True:
-            with self.root.index.read() as txn:
-                rows = list(itertools.islice(self.root.index.iter_entries(txn, after), _BATCH))
+            rows = self.root.catalog.entry_records(after, _BATCH)
             yield from entries_of(rows, namespace, namespaces)
             if len(rows) < _BATCH:
                 return
@@ -84,7 +82,7 @@ class Maintenance:
         1.0 when no entry references any block, as on a fresh root.
         """
         self.access.flush()
-        t = self.root.index.totals()
+        t = self.root.totals()
         ratio = t.logical_bytes / t.live_bytes if t.live_bytes > 0 else 1.0
         return Stats(
             t.entries, t.blocks, t.logical_bytes, t.physical_bytes, ratio, t.lookups, t.hits

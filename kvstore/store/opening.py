@@ -7,11 +7,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypedDict, TypeVar
 
-from ..blocks import LocalBlockStore
+from ..local import Root, default_root, has_root
 from ..schema import Namespace
 from .counters import StoreCounters
-from .local.modes import modes_of
-from .local.root import Root, default_root, has_root, open_root
 from .tiers import Tiers
 
 if TYPE_CHECKING:
@@ -86,7 +84,7 @@ def open_store(
     ``hash`` and ``block_tokens`` are fixed when a root is created; passing
     other values for an existing root is a :class:`RootSettingsError`.
     With ``max_bytes`` every save that takes the live bytes over it evicts
-    least-recently-used entries until they fit (see :mod:`kvstore.store.upkeep.gc`);
+    least-recently-used entries until they fit (see :mod:`kvstore.local.gc`);
     ``gc_grace`` (default 600 s) is the grace that eviction honours.
 
     ``verify_reads`` (the default) checks every block a restore, load or
@@ -108,7 +106,7 @@ def open_store(
     umask); ``shared_group`` (a group name or gid) creates it shared with that group
     instead: setgid directories of that group, group-writable files, nothing for
     others. Every later writer keeps the root's modes; see
-    :mod:`kvstore.store.local.modes`.
+    :mod:`kvstore.local.modes`.
 
     ``signing_key`` (default ``$KVSTORE_SIGNING_KEY``, or the file
     ``$KVSTORE_SIGNING_KEY_FILE`` names; ``""`` for none; at least 16 bytes) signs every
@@ -135,20 +133,15 @@ def open_store(
             if theirs is not None:
                 hash, block_tokens = theirs.hash, theirs.block_tokens
                 state_block_bytes = state_block_bytes or theirs.state_block_bytes
-        index, settings, ro = open_root(path, hash=hash, block_tokens=block_tokens,
-                                        state_block_bytes=state_block_bytes,
-                                        durable=durable, create=create,
-                                        map_size=map_size, read_only=read_only,
-                                        shared_group=shared_group)
+        local = Root.open(path, hash=hash, block_tokens=block_tokens,
+                          state_block_bytes=state_block_bytes, durable=durable,
+                          create=create, map_size=map_size, read_only=read_only,
+                          shared_group=shared_group)
     except BaseException:
         if rem is not None:
             rem.close()
         raise
-    modes = modes_of(path)
-    local = Root(path, settings, index,
-                 LocalBlockStore(path, settings.hash, durable=durable, read_only=ro,
-                                 file_mode=modes.files, dir_mode=modes.dirs))
-    local.catalog.migrate(writable=not ro)
+    ro, settings = local.read_only, local.settings
     store = cls(local, namespace=namespace, verify_reads=verify_reads, read_only=ro,
                 remote=rem, push=push)
     store.max_bytes = max_bytes

@@ -1,5 +1,5 @@
 """What the store says of the requests it serves: their per-tier counts
-(:mod:`.upkeep.usage`), why one missed (:mod:`.diagnose`), and how much of a prompt the
+(:mod:`.usage`), why one missed (:mod:`.diagnose`), and how much of a prompt the
 root already holds. A part of :class:`~kvstore.store.Store` (``store.served``)."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ..catalog import keys as P
+from ..local import Root
 from ..schema import Namespace
+from .access import AccessLog
 from .diagnose import Diagnosis
-from .local.root import Root
 from .tiers import Tiers
-from .upkeep.access import AccessLog
-from .upkeep.usage import Usage, check_request, read_usage, reset_usage
+from .usage import Usage, check_request, read_usage, reset_usage
 
 
 class Served:
@@ -36,12 +36,12 @@ class Served:
     def usage(self) -> Usage:
         """The root's request counts, over its lifetime and since the last reset."""
         self.access.flush()
-        return read_usage(self.root.index)
+        return read_usage(self.root)
 
     def reset_usage(self) -> Usage:
         """Start the root's since-reset request counts anew; returns them as they were."""
         self.access.flush()
-        return reset_usage(self.root.index)
+        return reset_usage(self.root)
 
     def miss_reason(self, tokens: Any, ns: Namespace, reused: int) -> str | None:
         """Why the store gave no more than ``reused`` leading tokens of ``tokens``

@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 from .._crash import crash_point
-from ..blocks import LocalBlockStore, from_hex
+from ..blocks import from_hex
 from ..catalog import keys as P
 from ..catalog.find import Match, find
 from ..catalog.records import Priority
-from ..catalog.settings import TierSettings
 from ..codecs import AttachmentData
 from ..errors import (
     BlockNotFoundError,
@@ -25,23 +24,22 @@ from ..errors import (
     NamespaceRequiredError,
     ReadOnlyStoreError,
 )
-from ..index import Index, IndexRead, now_ms
+from ..local import IndexRead, Root, default_root, now_ms
+from ..local.gc import DEFAULT_GRACE, CompactReport, plan_budget
+from ..local.restore import read_entry
+from ..local.saving import CODEC_PROVIDER, Known, PrefixGone, ask, check_args, draft
+from ..local.sweep import TempFiles
+from ..local.verify import Progress, VerifyReport
+from ..local.views import IndexViews
 from ..schema import Manifest, Namespace, TensorSpec
+from .access import AccessLog
 from .counters import StoreCounters
-from .data.restore import read_entry
-from .data.saving import CODEC_PROVIDER, Known, PrefixGone, ask, check_args, draft
 from .entries import Entry, EntryInfo, PullReport, Stats
-from .local.root import Root, default_root
 from .maintenance import Maintenance
 from .opening import OpenOptions, open_store
 from .served import Served
 from .tiers import Tiers
-from .upkeep.access import AccessLog
-from .upkeep.gc import DEFAULT_GRACE, CompactReport, plan_budget
-from .upkeep.sweep import TempFiles
-from .upkeep.usage import Usage, failure_reason
-from .upkeep.verify import Progress, VerifyReport
-from .views import IndexViews
+from .usage import Usage, failure_reason
 
 if TYPE_CHECKING:  # the remote tier is imported when a store has one (issue 27, item 15)
     from ..catalog.base import PushStats
@@ -81,13 +79,10 @@ class Store:
     ) -> None:
         self.local = local
         self.root: Path = local.path  # the root's directory
-        self.index: Index = local.index
-        self.blocks: LocalBlockStore = local.blocks
-        self.settings: TierSettings = local.settings
         self.namespace = namespace
         self.verify_reads = verify_reads
         self.read_only = read_only
-        self._access = AccessLog(local.index, read_only=read_only)
+        self._access = AccessLog(local, read_only=read_only)
         self.tiers = Tiers(local, [remote] if remote is not None else [], write_behind=push)
         self._remote = remote
         self.maintenance = Maintenance(local, self._access)
@@ -115,7 +110,7 @@ class Store:
 
     def flush_access(self) -> None:
         """Write pending access stamps and lookup counts to the index now (see
-        :mod:`kvstore.store.upkeep.access`: they are also written a second after the first
+        :mod:`kvstore.store.access`: they are also written a second after the first
         one, by :meth:`close` and at interpreter exit)."""
         self._access.flush()
 
@@ -123,7 +118,7 @@ class Store:
         """Push what is queued for the lower tiers (bounded), write the pending access stamps
         and close the index (a second close does nothing)."""
         self.tiers.close()
-        self._access.close(self.index.close)
+        self._access.close(self.local.close)
 
     def push(self, timeout: float | None = None, *, everything: bool = False,
              sign_pulled: bool = False) -> PushStats:
@@ -153,7 +148,7 @@ class Store:
 
     @property
     def block_tokens(self) -> int:
-        return self.settings.block_tokens
+        return self.local.settings.block_tokens
 
     def _ns(self, namespace: Namespace | None) -> Namespace:
         ns = namespace or self.namespace
@@ -164,8 +159,8 @@ class Store:
         return ns
 
     def _keys(self, tokens: Any, ns: Namespace) -> P.TokenKeys:
-        c0 = P.root_key(ns, CODEC_PROVIDER, self.block_tokens, self.settings.hash)
-        return P.TokenKeys.of(tokens, c0, self.block_tokens, self.settings.hash)
+        c0 = P.root_key(ns, CODEC_PROVIDER, self.block_tokens, self.local.settings.hash)
+        return P.TokenKeys.of(tokens, c0, self.block_tokens, self.local.settings.hash)
 
     @staticmethod
     def _digest(entry_id: str | bytes) -> bytes:
@@ -210,12 +205,12 @@ class Store:
 
         ``pin_ttl`` (seconds; 0: none) pins the entry, a cache breakpoint's: it is kept from
         eviction (the budget after a save, ``compact``) until ``pin_ttl`` has passed since
-        its last use, within the pins' share of the budget (:mod:`kvstore.store.upkeep.gc`);
+        its last use, within the pins' share of the budget (:mod:`kvstore.local.gc`);
         an entry saved again with a pin gets it (the longer of the two) and a fresh use.
 
         ``known`` (:meth:`known`, for the same tokens and namespace) is what the root held
         for them when the caller asked, reused instead of asking again: one lookup per
-        snapshot. It may be stale; see :class:`~kvstore.store.data.saving.Known` for how
+        snapshot. It may be stale; see :class:`~kvstore.local.saving.Known` for how
         each part of it is checked where it is used.
         """
         self._check_writable("save")
@@ -316,7 +311,7 @@ class Store:
         block's digest over the bytes read. A missing block raises
         :class:`BlockNotFoundError`; a corrupt one (the wrong digest, the wrong
         size, not a regular file) is quarantined, the entries that need it are
-        cut back or dropped (see :mod:`kvstore.store.upkeep.repair`), and
+        cut back or dropped (see :mod:`kvstore.local.repair`), and
         :class:`CorruptBlockError` names it: a new lookup then finds the
         longest intact prefix. A match of a lower tier is first written back
         into this root (:meth:`Tiers.fetch`).
@@ -460,7 +455,7 @@ class Store:
     def compact(self, *, max_bytes: int | None = None, namespace_max_bytes: int | None = None,
                 grace: float = DEFAULT_GRACE, dry_run: bool = False,
                 progress: Progress | None = None) -> CompactReport:
-        """Evict above the byte budgets, delete expired garbage (:mod:`kvstore.store.upkeep.gc`);
+        """Evict above the byte budgets, delete expired garbage (:mod:`kvstore.local.gc`);
         ``dry_run``: the plan's report, nothing done; ``progress(phase, done, total)``
         follows the work."""
         if not dry_run:
@@ -472,7 +467,7 @@ class Store:
                progress: Progress | None = None) -> VerifyReport:
         """Check refcounts, blocks and keys (and, with ``read_data``, every block's
         bytes); ``repair`` fixes what it finds, ``dry_run`` only says how. See
-        :func:`kvstore.store.upkeep.verify.verify`."""
+        :func:`kvstore.local.verify.verify`."""
         if repair:
             self._check_writable("repair")
         return self.maintenance.verify(read_data, repair, dry_run, progress)
@@ -490,7 +485,7 @@ class Store:
 
         ``tier`` (``memory``, ``local`` or ``remote``) gave the ``reused_tokens`` leading
         tokens of a prompt of ``prompt_tokens``; ``miss`` is why it reused nothing or
-        less than it might have (:data:`kvstore.store.upkeep.usage.MISS_REASONS`).
+        less than it might have (:data:`kvstore.store.usage.MISS_REASONS`).
         :meth:`restore` and :class:`~kvstore.mlx_lm.PersistentPromptCache` count their own
         requests; a caller that serves prompts through :meth:`lookup` and :meth:`load`
         reports its own here. The counts are written within a second (``kvstore stats``).
@@ -530,7 +525,7 @@ class Store:
         """Entries, blocks, logical vs physical bytes and the dedup ratio."""
         return self.maintenance.stats()
 
-    # --- views (kvstore.store.views) ---------------------------------------------------
+    # --- views (kvstore.local.views) ---------------------------------------------------
 
     def lookup_reads(self, tokens: Any, *, namespace: Namespace | None = None
                      ) -> list[IndexRead]:

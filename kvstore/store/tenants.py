@@ -39,13 +39,12 @@ def tenant_key(store: Store) -> bytes:
     env = os.environ.get(SALT_KEY_ENV)
     if env:
         return env.encode()
-    index = store.local.index
-    have = index.get_meta(_META_KEY)
+    have = store.local.meta(_META_KEY)
     if have is not None:
         return have
     if store.read_only:
         return secrets.token_bytes(32)
-    return index.put_meta_if_absent(_META_KEY, secrets.token_bytes(32))
+    return store.local.meta_if_absent(_META_KEY, secrets.token_bytes(32))
 
 
 def salt_tag(key: bytes, salt: str) -> str:

@@ -6,8 +6,8 @@ found above it, within the tier's ``timeout``; a tier that failed or was slow is
 alone for a while (one warning; :class:`~.health.Health` keeps each tier's state), so a
 dead gateway costs a lookup nothing. A hit in a lower tier is **written back**, always
 by :meth:`Tiers.fetch`: the blocks its prefix needs and its records (priority included)
-are copied into the root (:meth:`Root.take <kvstore.store.local.root.Root.take>`, with
-the blocks :meth:`~kvstore.store.local.root.Root.lacking` found), so the next restore of
+are copied into the root (:meth:`Root.take <kvstore.local.root.Root.take>`, with
+the blocks :meth:`~kvstore.local.root.Root.lacking` found), so the next restore of
 it on this machine is local. A save is **written behind**: queued, then copied into each
 lower tier by worker threads, never on the caller's thread. Every copy between tiers
 goes through :meth:`Tier.take`, with the records of :func:`records_of`.
@@ -42,13 +42,13 @@ from ..catalog.keys import TokenKeys
 from ..catalog.records import Records, cut_manifest, encoded, records_of
 from ..catalog.signing import UnsignedManifestError
 from ..errors import DigestMismatchError, EntryNotFoundError, KVStoreError, ManifestError
+from ..local import Root
 from .background import Background
 from .counters import StoreCounters
 from .entries import Pulled, PullReport, resolve_id
 from .errors import TierTimeoutError
 from .health import DEFAULT_DEADLINE as DEFAULT_DEADLINE  # kvstore serve's
 from .health import Health
-from .local.root import Root
 from .retry import PushRetry, Retries
 
 _log = logging.getLogger("kvstore")
@@ -360,7 +360,7 @@ class Tiers:
         reader with the signing key refuses), or these ids (unique prefixes). An entry that
         cannot be copied (a lying manifest, a bad or missing block, a refused signature) is
         reported and the others are pulled; it leaves no block behind
-        (:meth:`Root.take <kvstore.store.local.root.Root.take>`)."""
+        (:meth:`Root.take <kvstore.local.root.Root.take>`)."""
         tier = self._first()
         self._ready(tier)
         listed = {d.hex(): d for d in tier.catalog}

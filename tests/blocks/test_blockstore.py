@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.blocks import LocalBlockStore, from_hex, hash_bytes
+from kvstore.blocks import from_hex, hash_bytes
 from kvstore.errors import BlockNotFoundError, CorruptBlockError, InvalidDigestError
+from kvstore.local.blocks import LocalBlockStore
 
 
 @pytest.fixture(params=["blake3", "sha256"])

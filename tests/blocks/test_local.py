@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from blocks.blockstore_suite import BlockStoreTests
 
-from kvstore.blocks import LocalBlockStore
 from kvstore.blocks.base import BlockStore
+from kvstore.local.blocks import LocalBlockStore
 
 
 class TestLocalBlockStore(BlockStoreTests):

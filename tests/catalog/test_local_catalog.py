@@ -9,24 +9,20 @@ from pathlib import Path
 import pytest
 from catalog.catalog_suite import CatalogTests, Entry, T, commit, lookup
 
-from kvstore.blocks import LocalBlockStore
 from kvstore.catalog.base import Catalog, Tier
-from kvstore.index import Index
-from kvstore.store.local.catalog import LocalCatalog
-from kvstore.store.local.root import Root, open_root
+from kvstore.local import Root
+from kvstore.local.catalog import LocalCatalog
+from kvstore.local.index import Index
 
 
 @pytest.fixture
 def root(tmp_path: Path) -> Iterator[Root]:
-    index, settings, _ = open_root(tmp_path / "r", hash="blake3", block_tokens=T,
-                                   state_block_bytes=None, durable=False, create=True,
-                                   map_size=1 << 26)
-    r = Root(tmp_path / "r", settings, index, LocalBlockStore(tmp_path / "r", "blake3",
-                                                              durable=False))
+    r = Root.open(tmp_path / "r", hash="blake3", block_tokens=T, durable=False,
+                  map_size=1 << 26)
     try:
         yield r
     finally:
-        index.close()
+        r.close()
 
 
 class TestLocalCatalog(CatalogTests):
@@ -59,7 +55,7 @@ def test_the_root_remembers_an_entry_pulled_unsigned(root: Root) -> None:
 
     import msgspec
 
-    from kvstore.index.records import EntryRecord, decode_entry
+    from kvstore.local.index.records import EntryRecord, decode_entry
 
     pulled, mine = Entry(list(range(1, 11))), Entry(list(range(20, 31)))
     assert root.catalog.commit(dataclasses.replace(pulled.records, pulled_unsigned=True),

@@ -20,13 +20,13 @@ from kvstore.catalog.records import records_of
 
 
 def _prefix_values(s: kvstore.Store, key: bytes) -> list[bytes]:
-    with s.index.read() as txn:
-        return s.index.prefix_values(key, txn)
+    with s.local.index.read() as txn:
+        return s.local.index.prefix_values(key, txn)
 
 
 def _stored_bytes(s: kvstore.Store, digests: list[bytes]) -> dict[bytes, int]:
     """Each distinct block's size, read from its file on disk (not from any record)."""
-    return {d: s.blocks.path(d).stat().st_size for d in dict.fromkeys(digests)}
+    return {d: s.local.blocks.path(d).stat().st_size for d in dict.fromkeys(digests)}
 
 
 def test_a_saved_entry_is_recorded_as_records_of_its_manifest(tmp_path: Path) -> None:
@@ -40,9 +40,9 @@ def test_a_saved_entry_is_recorded_as_records_of_its_manifest(tmp_path: Path) ->
         got = s.local.catalog.records(d)
         assert got is not None
         m = s.manifest(d)
-        with s.index.read() as txn:
-            raw = s.index.get_manifest(d, txn)
-            entry = s.index.get_entry(d, txn)
+        with s.local.index.read() as txn:
+            raw = s.local.index.get_manifest(d, txn)
+            entry = s.local.index.get_entry(d, txn)
         assert raw is not None and entry is not None
         keys = P.TokenKeys.of(toks, P.root_key(NS, m.codec, T, m.hash), T, m.hash)
         sizes = _stored_bytes(s, [bytes(b) for b in m.all_blocks()])
@@ -74,17 +74,17 @@ def test_a_lost_record_is_rebuilt_from_the_manifest_alone(tmp_path: Path) -> Non
         toks = tokens_for(2, 2 * T + 3)
         info = s.save(toks, make_cache(toks), priority="user", metadata={"cache_type": "user"})
         d = bytes.fromhex(info.id)
-        with s.index.read() as txn:
-            before = s.index.get_entry(d, txn)
-        with s.index.write() as txn:
-            s.index.delete_entry(txn, d)
-        with s.index.read() as txn:
-            assert s.index.get_entry(d, txn) is None
+        with s.local.index.read() as txn:
+            before = s.local.index.get_entry(d, txn)
+        with s.local.index.write() as txn:
+            s.local.index.delete_entry(txn, d)
+        with s.local.index.read() as txn:
+            assert s.local.index.get_entry(d, txn) is None
         rep = s.verify(repair=True)
         assert rep.repaired and s.verify().sound
         m = s.manifest(d)
-        with s.index.read() as txn:
-            entry = s.index.get_entry(d, txn)
+        with s.local.index.read() as txn:
+            entry = s.local.index.get_entry(d, txn)
         assert entry is not None and before is not None
         assert (entry.priority, entry.last_access, entry.hits) == (1, m.created_at, 0)
         assert (entry.n_tokens, entry.logical_bytes, entry.created_at) == (
@@ -102,7 +102,7 @@ def test_a_cut_keeps_the_entrys_own_bookkeeping(tmp_path: Path) -> None:
         d = bytes.fromhex(info.id)
         before = s.local.catalog.records(d)
         m = s.manifest(d)
-        s.blocks.path(m.token_blocks[2]).write_bytes(b"\0" * 10)  # the third block goes bad
+        s.local.blocks.path(m.token_blocks[2]).write_bytes(b"\0" * 10)  # the third block goes bad
         rep = s.verify(read_data=True, repair=True)
         assert len(rep.cut_entries) == 1
         _, new, n = rep.cut_entries[0]

@@ -70,7 +70,7 @@ def test_the_shared_group_hint_names_the_root(tmp_path: Path) -> None:
     """It printed a literal ``ROOT``."""
     import os
 
-    from kvstore.store.local.modes import group_name
+    from kvstore.local.modes import group_name
 
     root = tmp_path / "private"
     assert run("init", "--root", root).code == 0

@@ -20,7 +20,7 @@ _ABANDON = textwrap.dedent("""
     import os, sys
     from kvstore import Store
     with Store.open(sys.argv[1], create=False) as s:
-        s.blocks.stage([b"x" * int(sys.argv[2])])  # a block written, never published
+        s.local.blocks.stage([b"x" * int(sys.argv[2])])  # a block written, never published
     os._exit(0)  # the writer is gone, as after Ctrl-C or a kill in the middle of a save
 """)
 
@@ -31,7 +31,7 @@ def test_temp_files_of_a_writer_that_is_gone_are_counted_and_compacted(fresh_roo
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     with Store.open(root, create=False) as s:
-        live = s.blocks.stage([b"y" * 1000])  # this process's own: a save in progress
+        live = s.local.blocks.stage([b"y" * 1000])  # this process's own: a save in progress
     st = run_here("stats", "--json", "--root", root).json()
     assert (st["tmp_files"], st["tmp_bytes"]) == (2, (3 << 20) + 1000)
     assert (st["tmp_abandoned_files"], st["tmp_abandoned_bytes"]) == (1, 3 << 20)

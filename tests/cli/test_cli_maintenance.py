@@ -17,7 +17,7 @@ def test_init_creates_a_root_with_chosen_settings(tmp_path: Path) -> None:
     assert r.code == 0 and r.err == ""
     assert r.out == f"Created kvstore root at {root} (sha256, 32 tokens per block)\n"
     with Store.open(root, create=False) as s:
-        assert (s.settings.hash, s.settings.block_tokens) == ("sha256", 32)
+        assert (s.local.settings.hash, s.local.settings.block_tokens) == ("sha256", 32)
     again = run_here("init", "--root", root, "--json").json()
     assert again == {"root": str(root), "created": False, "hash": "sha256", "block_tokens": 32,
                      "state_block_bytes": 4 << 20, "shared_group": None}
@@ -99,7 +99,7 @@ def test_verify_sound_then_corrupt_exits_1(fresh_root: Root) -> None:
     assert ok["sound"] is True and ok["report"]["entries"] == 6
     with Store.open(root, create=False) as s:
         digest = s.manifest(fresh_root.ids["a40"]).token_blocks[-1]
-        path = s.blocks.path(digest)
+        path = s.local.blocks.path(digest)
     path.write_bytes(b"\0" * path.stat().st_size)  # same size, wrong bytes
     bad = run("verify", "--read-data", "--root", root)
     assert bad.code == 1
@@ -124,7 +124,7 @@ def test_the_command_verify_suggests_is_the_one_that_fixes_it(fresh_root: Root,
     root = fresh_root.path
     with Store.open(root, create=False) as s:
         digest = s.manifest(fresh_root.ids["a40"]).token_blocks[-1]
-        path = s.blocks.path(digest)
+        path = s.local.blocks.path(digest)
     if damage == "missing file":
         path.unlink()
         found = run_here("verify", "--root", root)
@@ -150,7 +150,7 @@ def test_a_repair_that_leaves_a_sound_store_exits_0_and_says_what_it_did(
     root = fresh_root.path
     with Store.open(root, create=False) as s:
         digest = s.manifest(fresh_root.ids["a40"]).token_blocks[-1]
-        path = s.blocks.path(digest)
+        path = s.local.blocks.path(digest)
     path.write_bytes(b"\0" * path.stat().st_size)
     r = run("verify", "--read-data", "--repair", "--root", root)
     assert (r.code, r.err) == (0, ""), r
@@ -169,7 +169,7 @@ def test_a_repair_json_says_the_store_was_unsound_and_the_repair_left_it_sound(
         fresh_root: Root) -> None:
     root = fresh_root.path
     with Store.open(root, create=False) as s:
-        path = s.blocks.path(s.manifest(fresh_root.ids["a40"]).token_blocks[-1])
+        path = s.local.blocks.path(s.manifest(fresh_root.ids["a40"]).token_blocks[-1])
     path.unlink()
     r = run("verify", "--repair", "--json", "--root", root)
     assert (r.code, r.err) == (0, ""), r

@@ -106,8 +106,8 @@ def start_worker(cmd: str, args: dict[str, Any], *, crash_at: str | None = None)
 def recount(s: kvstore.Store) -> dict[bytes, int]:
     """References per block, counted from the manifests themselves (one per manifest)."""
     counts: dict[bytes, int] = {}
-    with s.index.read() as txn:
-        for _, raw in s.index.iter_manifests(txn):
+    with s.local.index.read() as txn:
+        for _, raw in s.local.index.iter_manifests(txn):
             m = decode_manifest(raw)
             for d in dict.fromkeys((*m.token_blocks, *m.state_blocks)):
                 counts[d] = counts.get(d, 0) + 1
@@ -118,11 +118,11 @@ def sound_store(s: kvstore.Store, *, read_data: bool = True) -> None:
     """Assert verify passes and no manifest references a missing block."""
     r = s.verify(read_data=read_data)
     assert r.sound, r
-    with s.index.read() as txn:
-        for _, raw in s.index.iter_manifests(txn):
+    with s.local.index.read() as txn:
+        for _, raw in s.local.index.iter_manifests(txn):
             m = decode_manifest(raw)
             for d in (*m.token_blocks, *m.state_blocks):
-                assert s.blocks.exists(d), f"manifest references missing block {d.hex()}"
+                assert s.local.blocks.exists(d), f"manifest references missing block {d.hex()}"
 
 
 def two_layer_kv(tokens: Sequence[int]) -> list[Any]:

@@ -36,7 +36,7 @@ def test_a_tenants_entry_travels_through_the_bucket(tmp_path: Path, url: str) ->
             cache, n = s.restore(toks)
             assert n == len(toks) and cache is not None and matches(cache, toks, n)
             for d in digests[ns.ns]:
-                assert s.blocks.path(d).read_bytes().endswith(block_salt(ns))
+                assert s.local.blocks.path(d).read_bytes().endswith(block_salt(ns))
             assert s.verify(read_data=True).sound
             assert s.remote is not None
             rep = s.remote.verify(read_data=True)

@@ -136,7 +136,7 @@ def test_settings_must_match(tmp_path: Path, url: str) -> None:
     with pytest.raises(RootSettingsError, match="block_tokens: local 32 vs remote 16"):
         kvstore.Store.open(tmp_path / "b", namespace=None, block_tokens=32, remote=url)
     with kvstore.Store.open(tmp_path / "c", remote=url) as s:  # a new root takes the remote's
-        assert s.settings.block_tokens == T
+        assert s.local.settings.block_tokens == T
 
 
 def test_verify_finds_and_repairs_a_corrupt_block(tmp_path: Path, url: str) -> None:

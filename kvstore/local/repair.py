@@ -21,15 +21,15 @@ from typing import Any
 
 import msgspec
 
-from ...catalog import keys as P
-from ...catalog.base import Plan, open_manifest
-from ...catalog.records import cut_manifest, encoded, records_of
-from ...codecs.layout import manifest_blocks
-from ...errors import KVStoreError
-from ...index import RefInfo, SavePlan, now_ms
-from ...schema import Manifest
-from ..local.catalog import entry_record, save_plan
-from ..local.root import Root
+from ..catalog import keys as P
+from ..catalog.base import Plan, open_manifest
+from ..catalog.records import cut_manifest, encoded, records_of
+from ..codecs.layout import manifest_blocks
+from ..errors import KVStoreError
+from ..schema import Manifest
+from .catalog import entry_record, save_plan
+from .index import RefInfo, SavePlan, now_ms
+from .root import Root
 
 
 class _Blocks(msgspec.Struct):
@@ -95,7 +95,7 @@ class RepairReport:
 @dataclass
 class RepairPlan(Plan[RepairReport]):
     """A repair of a root, read from one snapshot of its index (:func:`plan_for_blocks`,
-    :func:`kvstore.store.upkeep.verify.plan_repair`).
+    :func:`kvstore.local.verify.plan_repair`).
 
     :meth:`report` is the dry run (``verify --repair --dry-run`` prints it); :meth:`execute`
     does the planned steps, once, in one write transaction, each re-checked against what

@@ -8,15 +8,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...catalog import keys as P
-from ...catalog.base import Ensure
-from ...catalog.find import Match, find
-from ...catalog.records import PRIORITIES, Records, encoded, records_of
-from ...codecs import AttachmentData, RawCache, snapshot, stored_snapshot
-from ...codecs.layout import in_token_blocks
-from ...errors import CacheMismatchError, ManifestError
-from ...index import now_ms
-from ...schema import (
+from ..catalog import keys as P
+from ..catalog.base import Ensure
+from ..catalog.find import Match, find
+from ..catalog.records import PRIORITIES, Records, encoded, records_of
+from ..codecs import AttachmentData, RawCache, snapshot, stored_snapshot
+from ..codecs.layout import in_token_blocks
+from ..errors import CacheMismatchError, ManifestError
+from ..schema import (
     FORMAT_VERSION,
     MAX_TOKENS,
     SALT_KEY,
@@ -29,7 +28,8 @@ from ...schema import (
     iter_tensor_specs,
     validate_manifest,
 )
-from ..local.root import Root
+from .index import now_ms
+from .root import Root
 from .writer import place, write_blocks
 
 CODEC_PROVIDER = "kvstore-mlx/1"

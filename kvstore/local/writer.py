@@ -15,13 +15,13 @@ from typing import TypeVar
 import mlx.core as mx
 import msgspec
 
-from ..._crash import crash_point
-from ...blocks import BlockStore, Digest, new_hasher
-from ...blocks.base import Staged
-from ...blocks.pools import io_pool
-from ...codecs import Snapshot, TensorData
-from ...codecs.forksafe import mlx_guard
-from ...codecs.layout import (
+from .._crash import crash_point
+from ..blocks import BlockStore, Digest, new_hasher
+from ..blocks.base import Staged
+from ..blocks.pools import io_pool
+from ..codecs import Snapshot, TensorData
+from ..codecs.forksafe import mlx_guard
+from ..codecs.layout import (
     RESTORABLE_DTYPES,
     block_rows,
     dtype_name,
@@ -30,9 +30,9 @@ from ...codecs.layout import (
     window_first_block,
     window_rows,
 )
-from ...codecs.pieces import cut
-from ...errors import CacheMismatchError, UnsupportedDtypeError
-from ...schema import Layer, ListLayer, TensorSpec
+from ..codecs.pieces import cut
+from ..errors import CacheMismatchError, UnsupportedDtypeError
+from ..schema import Layer, ListLayer, TensorSpec
 
 Pieces = list[memoryview]
 _T = TypeVar("_T")

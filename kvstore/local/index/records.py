@@ -1,5 +1,5 @@
 """The index's records: what one entry, one block and the whole root count, and the plans
-that change them. Plain values, encoded here, stored by :class:`~kvstore.index.Index`.
+that change them. Plain values, encoded here, stored by :class:`~kvstore.local.index.Index`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class EntryRecord(msgspec.Struct, kw_only=True):
     #: False: saved here, pulled with the key, or recorded before this field existed.
     pulled_unsigned: bool = False
     #: a cache breakpoint's pin (ms; 0: none): kept from eviction while ``now`` is before
-    #: ``last_access + pin_ttl`` (kvstore.store.upkeep.gc caps what pins may hold)
+    #: ``last_access + pin_ttl`` (kvstore.local.gc caps what pins may hold)
     pin_ttl: int = 0
 
     def pinned(self, now: int) -> bool:

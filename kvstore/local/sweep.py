@@ -1,7 +1,7 @@
 """Sweeping a root's garbage: block files no record names, stale temp files.
 
 Each unlink re-checks, in the write transaction that could see a save commit,
-that what it removes is still garbage (see :mod:`kvstore.store.upkeep.gc`).
+that what it removes is still garbage (see :mod:`kvstore.local.gc`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..._crash import crash_point
-from ...blocks import open_real_dir
-from ...blocks.local import denied
-from ..local.root import Root
+from .._crash import crash_point
+from .blocks import denied, open_real_dir
+from .root import Root
 
 TMP_MAX_AGE = 24 * 3600.0  # a temp file this old is stale even if its pid looks alive
 BATCH = 256  # blocks or entries per write transaction: keeps the writer lock short

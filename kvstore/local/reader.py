@@ -16,10 +16,10 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from ..._vio import ShortReadError, preadv_all
-from ...blocks import BlockCheck
-from ...blocks.pools import READ_WORKERS, balanced, read_pool
-from ...codecs.layout import (
+from .._vio import ShortReadError, preadv_all
+from ..blocks import BlockCheck
+from ..blocks.pools import READ_WORKERS, balanced, read_pool
+from ..codecs.layout import (
     block_rows,
     geometry,
     in_token_blocks,
@@ -29,9 +29,9 @@ from ...codecs.layout import (
     window_first_block,
     window_rows,
 )
-from ...codecs.mxload import TensorStream, load_tensors
-from ...codecs.warm import restoring
-from ...schema import TensorSpec
+from ..codecs.mxload import TensorStream, load_tensors
+from ..codecs.warm import restoring
+from ..schema import TensorSpec
 
 _ZEROS = bytes(1 << 20)
 _IOV_MAX = 1024

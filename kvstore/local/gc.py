@@ -48,8 +48,8 @@ every other (:func:`_young`): what a request has just written (a new conversatio
 checkpoints, which the order above puts first) is not its first victim, and concurrent
 conversations each keep their latest entries.
 
-Verification and repair live in :mod:`kvstore.store.upkeep.verify` and
-:mod:`kvstore.store.upkeep.repair`.
+Verification and repair live in :mod:`kvstore.local.verify` and
+:mod:`kvstore.local.repair`.
 """
 
 from __future__ import annotations
@@ -59,11 +59,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..._crash import crash_point
-from ...catalog.base import Plan, open_manifest
-from ...catalog.thinning import EvictionOrder, checkpoint_order
-from ...index import EntryRecord, RefInfo, Totals, now_ms
-from ..local.root import Root
+from .._crash import crash_point
+from ..catalog.base import Plan, open_manifest
+from ..catalog.thinning import EvictionOrder, checkpoint_order
+from .index import EntryRecord, RefInfo, Totals, now_ms
+from .root import Root
 from .sweep import batches, orphan_files, stale_tmp_files, unlink_orphans, unlink_tmp
 from .verify import Progress
 

@@ -12,20 +12,21 @@ by the query, never by the number of entries.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..._crash import crash_point
-from ...blocks import Digest
-from ...catalog import keys as P
-from ...catalog.base import Catalog, Ensure, open_manifest
-from ...catalog.find import DepthReader, Match
-from ...catalog.records import Records, records_of, trimmable
-from ...errors import KVStoreError, ManifestError
-from ...index import DeletePlan, EntryRecord, Index, SavePlan
-from ...schema import Manifest
+from .._crash import crash_point
+from ..blocks import Digest
+from ..catalog import keys as P
+from ..catalog.base import Catalog, Ensure, open_manifest
+from ..catalog.find import DepthReader, Match
+from ..catalog.records import Records, records_of, trimmable
+from ..errors import KVStoreError, ManifestError
+from ..schema import Manifest
+from .index import DeletePlan, EntryRecord, Index, SavePlan
 
 _log = logging.getLogger("kvstore")
 SCAN = 8  # prefix values examined on each side of a lookup's probe
@@ -85,6 +86,11 @@ class LocalReader(DepthReader):
     def manifest(self, digest: bytes) -> Manifest | None:
         raw = self.index.get_manifest(digest, self.txn)
         return None if raw is None else open_manifest(raw, digest)
+
+    def neighbors(self, key: bytes, probe: bytes, n: int) -> tuple[list[bytes], list[bytes]]:
+        """The values listed under prefix key ``key`` nearest ``probe``: up to ``n`` before
+        it and ``n`` from it on (what a parting reads of the entries sharing a depth)."""
+        return self.index.neighbors(key, probe, n, self.txn)
 
     def exact(self, exact_key: bytes) -> tuple[bytes, int] | None:
         """The entry whose tokens are exactly a query's (``exact_key``) and its logical
@@ -231,6 +237,18 @@ class LocalCatalog(Catalog):
         with self.index.read() as txn:
             digests = [d for d, _ in self.index.iter_entries(txn)]
         return iter(digests)
+
+    def namespace_names(self) -> set[str]:
+        """The encoded namespace of every entry, each once (one read transaction)."""
+        with self.index.read() as txn:
+            return {rec.namespace for _, rec in self.index.iter_entries(txn)}
+
+    def entry_records(self, after: bytes | None = None,
+                      limit: int | None = None) -> list[tuple[bytes, EntryRecord]]:
+        """Up to ``limit`` (digest, entry record) pairs in digest order, past ``after``
+        when given, read in one read transaction (none held open after it)."""
+        with self.index.read() as txn:
+            return list(itertools.islice(self.index.iter_entries(txn, after), limit))
 
     def _commit(self, rec: Records, ensure: Ensure) -> bool:
         return self.index.commit_save(save_plan(rec, ensure))

@@ -20,6 +20,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from .._vio import full_fsync, pwritev_all
+from ..blocks import base
+from ..blocks.hashing import Digest, check_digest, new_hasher
+from ..blocks.pools import io_pool
 from ..errors import (
     BlockNotFoundError,
     CorruptBlockError,
@@ -27,9 +30,6 @@ from ..errors import (
     StoreFullError,
     UnsafeRootError,
 )
-from . import base
-from .hashing import Digest, check_digest, new_hasher
-from .pools import io_pool
 
 Buffer = bytes | memoryview
 _counter = itertools.count()
@@ -93,7 +93,7 @@ class LocalBlockStore(base.BlockStore):
         self.algo = algo
         self.durable = durable
         self.read_only = read_only
-        # the root's modes (kvstore.store.local.modes): private by default; bits for the
+        # the root's modes (kvstore.local.modes): private by default; bits for the
         # group (a shared root) are set again after the umask took them away
         self.file_mode = file_mode
         self.dir_mode = dir_mode

@@ -1,7 +1,7 @@
 """Access stamps, lookup counts and request counts: advisory, so batched off the caller's path.
 
 They order evictions (``last_access``) and feed ``kvstore stats`` (the lookups and hits,
-and the per-tier request counts of :mod:`kvstore.store.upkeep.usage`).
+and the per-tier request counts of :mod:`kvstore.store.usage`).
 A timer writes them ``ACCESS_FLUSH_SECONDS`` after the first one; ``close()`` and
 interpreter exit write what is left. A forked child drops its parent's pending
 counts (the parent writes them).
@@ -16,8 +16,8 @@ import threading
 import weakref
 from collections.abc import Callable
 
-from ...errors import KVStoreError
-from ...index import Index
+from ..errors import KVStoreError
+from ..local import Root
 from .usage import Counts, add_usage
 
 _log = logging.getLogger("kvstore")
@@ -28,8 +28,8 @@ ACCESS_FLUSH_SECONDS = 1.0  # how long access stamps may wait in memory before a
 class AccessLog:
     """The pending stamps of one open store, and the timer that writes them."""
 
-    def __init__(self, index: Index, *, read_only: bool) -> None:
-        self.index = index
+    def __init__(self, root: Root, *, read_only: bool) -> None:
+        self.root = root
         self.read_only = read_only
         self._lock = threading.Lock()  # guards the pending counts and the timer
         self._flush_lock = threading.Lock()  # one flush at a time, none after close
@@ -113,10 +113,10 @@ class AccessLog:
         if self.read_only:
             return
         try:
-            self.index.record_access(hits, lookups=lookups, found=found)
+            self.root.record_access(hits, lookups=lookups, found=found)
         except KVStoreError as e:
             _log.warning("kvstore: access stamps not recorded: %s", e)
-        add_usage(self.index, usage)
+        add_usage(self.root, usage)
 
     def _adopt_after_fork(self) -> None:
         if self._pid != os.getpid():

@@ -20,7 +20,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...errors import RootSettingsError, UnsafeRootError
+from ..errors import RootSettingsError, UnsafeRootError
 
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
 SHARED_DIR, SHARED_FILE = 0o2770, 0o660

@@ -2,7 +2,7 @@
 
 Without ``read_data`` the blocks are checked for presence, file type and size
 only; their contents are not read (as ``restic check`` without
-``--read-data``). The repair is a :class:`~kvstore.store.upkeep.repair.RepairPlan`
+``--read-data``). The repair is a :class:`~kvstore.local.repair.RepairPlan`
 (:func:`plan_repair`) read from one snapshot and executed in one write transaction that
 re-checks each step and recounts from the manifests under the writer lock, so it is safe
 while other processes save, restore and compact; ``dry_run`` reports the plan and
@@ -18,12 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...catalog.base import open_manifest
-from ...codecs.layout import manifest_blocks
-from ...errors import KVStoreError
-from ...index import RefInfo
-from ..local.root import Root
+from ..catalog.base import open_manifest
+from ..codecs.layout import manifest_blocks
+from ..errors import KVStoreError
+from .index import RefInfo
 from .repair import RepairPlan, RepairReport, plan_for_blocks, value_digest
+from .root import Root
 
 
 @dataclass
@@ -175,7 +175,7 @@ def verify(
 
     Repair (:func:`plan_repair`, then its execution) quarantines corrupt blocks, cuts back
     or drops the entries that need a missing or corrupt block (see
-    :mod:`kvstore.store.upkeep.repair`), rebuilds refcounts and totals from the surviving
+    :mod:`kvstore.local.repair`), rebuilds refcounts and totals from the surviving
     manifests, removes dangling keys, dangling zero records and orphan block files, all in
     one write transaction. With ``dry_run`` (only with ``repair``) the plan is made and
     nothing is changed. ``progress("blocks", done, total)`` is called as the blocks are

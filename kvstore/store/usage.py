@@ -9,7 +9,7 @@ reason it reused less than it might have (:data:`MISS_REASONS`).
 
 The root keeps two sets of counts in its index (the ``usage`` meta record): over its
 lifetime and since the last reset (``kvstore stats --reset``). Like access stamps they
-are advisory and written in batches (:mod:`kvstore.store.upkeep.access`): a process adds its
+are advisory and written in batches (:mod:`kvstore.store.access`): a process adds its
 pending counts within a second, at close and at exit.
 """
 
@@ -20,8 +20,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from ...errors import KVStoreError
-from ...index import Index, now_ms
+from ..errors import KVStoreError
+from ..local import Root, now_ms
 
 __all__ = ["MISS_REASONS", "TIERS", "Counts", "Usage", "add_usage", "read_usage", "reset_usage"]
 
@@ -185,43 +185,51 @@ def _decode(raw: bytes | None) -> Usage:
     return u
 
 
-def read_usage(index: Index) -> Usage:
+def read_usage(root: Root) -> Usage:
     """The root's request counts as stored."""
-    return _decode(index.get_meta(USAGE_META))
+    return _decode(root.meta(USAGE_META))
 
 
-def add_usage(index: Index, delta: Counts) -> None:
+def add_usage(root: Root, delta: Counts) -> None:
     """Add a batch of request counts to both sets, in one write transaction (best effort:
     a root that cannot be written drops them with a log line)."""
     if not delta.requests:
         return
+
+    def added(raw: bytes | None) -> bytes:
+        u = _decode(raw)
+        now = now_ms()
+        for c in (u.lifetime, u.since_reset):
+            c.since = c.since or now
+            c.add(delta)
+        return _enc.encode(u)
+
     try:
-        with index.write() as txn:
-            u = _decode(index.get_meta(USAGE_META, txn))
-            now = now_ms()
-            for c in (u.lifetime, u.since_reset):
-                c.since = c.since or now
-                c.add(delta)
-            index.put_meta(USAGE_META, _enc.encode(u), txn)
+        root.update_meta(USAGE_META, added)
     except KVStoreError as e:
         _log.warning("kvstore: request counts not recorded: %s", e)
 
 
-def reset_usage(index: Index) -> Usage:
+def reset_usage(root: Root) -> Usage:
     """Start the since-reset counts anew; returns the counts as they were."""
-    with index.write() as txn:
-        u = _decode(index.get_meta(USAGE_META, txn))
+    was: list[Usage] = []
+
+    def fresh(raw: bytes | None) -> bytes:
+        u = _decode(raw)
+        was.append(u)
         now = now_ms()
-        fresh = Usage(lifetime=u.lifetime, since_reset=Counts(since=now), reset_at=now)
-        index.put_meta(USAGE_META, _enc.encode(fresh), txn)
-    return u
+        return _enc.encode(Usage(lifetime=u.lifetime, since_reset=Counts(since=now),
+                                 reset_at=now))
+
+    root.update_meta(USAGE_META, fresh)
+    return was[-1]
 
 
 def failure_reason(e: BaseException) -> str:
     """The miss reason of a load that raised ``e``."""
-    from ...errors import BlockNotFoundError, DigestMismatchError, EntryNotFoundError
-    from ...remote.errors import RemoteError  # here: only a failed load asks
-    from ..errors import TierTimeoutError
+    from ..errors import BlockNotFoundError, DigestMismatchError, EntryNotFoundError
+    from ..remote.errors import RemoteError  # here: only a failed load asks
+    from .errors import TierTimeoutError
 
     if isinstance(e, DigestMismatchError):
         return "verify_failed"

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from ..catalog.base import open_manifest
 from ..catalog.find import find
 from ..catalog.keys import TokenKeys
-from ..index import IndexRead
 from ..schema import Manifest
-from .local.catalog import LocalReader
-from .local.root import Root
+from .catalog import LocalReader
+from .index import IndexRead
+from .root import Root
 
 
 class IndexViews:

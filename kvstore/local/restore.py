@@ -10,27 +10,27 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from ...blocks import BlockCheck, BlockStore
-from ...catalog.base import open_manifest
-from ...codecs import AttachmentData, codec_for_record
-from ...codecs.layout import (
+from ..blocks import BlockCheck, BlockStore
+from ..catalog.base import open_manifest
+from ..codecs import AttachmentData, codec_for_record
+from ..codecs.layout import (
     in_token_blocks,
     manifest_block_sizes,
     n_token_blocks,
     window_block_sizes,
 )
-from ...errors import (
+from ..errors import (
     CacheMismatchError,
     CorruptBlockError,
     EntryNotFoundError,
     KVStoreError,
     ManifestError,
 )
-from ...schema import Layer, ListLayer, Manifest, iter_tensor_specs
-from ..local.root import Root
-from ..upkeep.repair import plan_for_blocks
+from ..schema import Layer, ListLayer, Manifest, iter_tensor_specs
 from . import reader
 from .reader import Want, load_arrays, plan_runs
+from .repair import plan_for_blocks
+from .root import Root
 
 _log = logging.getLogger("kvstore")
 

@@ -7,7 +7,7 @@ import logging
 import os
 import shlex
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,14 +15,15 @@ from typing import Any
 import msgspec
 import platformdirs
 
-from ...blocks import ALGORITHMS, BlockStat, BlockStore, LocalBlockStore
-from ...catalog.base import Copied, Tier, check_size
-from ...catalog.records import Records
-from ...catalog.settings import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK, TierSettings
-from ...errors import KVStoreError, NotAStoreError, RootSettingsError, UnsafeRootError
-from ...index import Index, now_ms
+from ..blocks import ALGORITHMS, BlockStat, BlockStore
+from ..catalog.base import Copied, Tier, check_size
+from ..catalog.records import Records
+from ..catalog.settings import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK, TierSettings
+from ..errors import KVStoreError, NotAStoreError, RootSettingsError, UnsafeRootError
+from .blocks import LocalBlockStore
 from .catalog import LocalCatalog
 from .filesystem import check_filesystem
+from .index import Index, Totals, now_ms
 from .modes import (
     PRIVATE,
     RootModes,
@@ -68,6 +69,74 @@ class Root(Tier):
         self.index = index
         self.blocks: LocalBlockStore = blocks
         self.catalog: LocalCatalog = LocalCatalog(index)
+
+    @classmethod
+    def open(
+        cls,
+        path: Path,
+        *,
+        hash: str | None = None,
+        block_tokens: int | None = None,
+        state_block_bytes: int | None = None,
+        durable: bool = True,
+        create: bool = True,
+        map_size: int | None = None,
+        read_only: bool | None = None,
+        shared_group: str | int | None = None,
+    ) -> Root:
+        """The root at ``path``, opened whole (made first with ``create``; see
+        :func:`open_root` for the settings, modes and read-only rules): its index, its
+        block files with the root's modes, its catalog migrated when it can be written."""
+        index, settings, ro = open_root(path, hash=hash, block_tokens=block_tokens,
+                                        state_block_bytes=state_block_bytes, durable=durable,
+                                        create=create, map_size=map_size,
+                                        read_only=read_only, shared_group=shared_group)
+        try:
+            modes = modes_of(path)
+            root = cls(path, settings, index,
+                       LocalBlockStore(path, settings.hash, durable=durable, read_only=ro,
+                                       file_mode=modes.files, dir_mode=modes.dirs))
+            root.catalog.migrate(writable=not ro)
+        except BaseException:
+            index.close()
+            raise
+        return root
+
+    @property
+    def read_only(self) -> bool:
+        """Whether the root was opened read-only (no saves, deletes, compaction, repair)."""
+        return self.blocks.read_only
+
+    def close(self) -> None:
+        """Close the index (a second close does nothing)."""
+        self.index.close()
+
+    # --- the root's own records, beside its entries -------------------------------
+
+    def meta(self, key: bytes) -> bytes | None:
+        """The root's record named ``key`` (settings, usage counts, a tenant key), or None."""
+        return self.index.get_meta(key)
+
+    def meta_if_absent(self, key: bytes, value: bytes) -> bytes:
+        """Write ``value`` under ``key`` unless a record is there; the record that is (one
+        transaction: of two processes, both get the first one's)."""
+        return self.index.put_meta_if_absent(key, value)
+
+    def update_meta(self, key: bytes, update: Callable[[bytes | None], bytes]) -> bytes:
+        """Replace the record ``key`` by ``update(old)`` in one write transaction; the new
+        value."""
+        with self.index.write() as txn:
+            new = update(self.index.get_meta(key, txn))
+            self.index.put_meta(key, new, txn)
+        return new
+
+    def record_access(self, hits: dict[bytes, int], *, lookups: int, found: int) -> None:
+        """Stamp the entries served (``hits``: digest to ms) and add the lookup counts."""
+        self.index.record_access(hits, lookups=lookups, found=found)
+
+    def totals(self) -> Totals:
+        """Entries, blocks and bytes, as the index counts them."""
+        return self.index.totals()
 
     def block_files(self) -> Iterator[tuple[bytes, BlockStat]]:
         """Every block file with its size and age (a file gone meanwhile is skipped)."""
@@ -247,7 +316,7 @@ def open_root(
     ``read_only=None`` opens read-only when the root cannot be written (a
     read-only mount, another user's root), with one notice; a read-only root is
     never created. A new root is private to its owner, or with ``shared_group``
-    shared with that group (see :mod:`kvstore.store.local.modes`); an existing root
+    shared with that group (see :mod:`kvstore.local.modes`); an existing root
     keeps its modes, and naming a group it is not shared with is a
     :class:`RootSettingsError`.
     """
