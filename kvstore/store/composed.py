@@ -58,7 +58,7 @@ class Layers(Protocol):
         ...
 
 
-def _first(asked: Sequence[_I], ask: Callable[[_I], _T | None]) -> _T | None:
+def _first(asked: Iterable[_I], ask: Callable[[_I], _T | None]) -> _T | None:
     """The first answer that is not None, asking each in order (the root first)."""
     for t in asked:
         got = ask(t)
@@ -103,8 +103,11 @@ class ComposedCatalog(Catalog):
         self.name = root.name
         self.read_only = root.read_only
 
-    def _catalogs(self) -> list[Catalog]:
-        return [self.layers.root.catalog] + [t.catalog for t in self.layers.below()]
+    def _catalogs(self) -> Iterator[Catalog]:
+        """The root's catalog, then (asked for only when it does not answer) those below."""
+        yield self.layers.root.catalog
+        for t in self.layers.below():
+            yield t.catalog
 
     def _holder(self, digest: bytes) -> Catalog | None:
         return _first(self._catalogs(),

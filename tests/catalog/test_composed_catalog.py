@@ -130,3 +130,22 @@ def test_a_commit_whose_blocks_are_only_below_writes_them_back(tiers: Tiers,
     assert commit(tiers, e) is True
     assert sorted(tiers.root.blocks.iter()) == sorted(e.bytes)
     assert all(tiers.root.blocks.get(d) == data for d, data in e.bytes.items())
+
+
+def test_take_copies_into_the_root_and_writes_behind(opened: Opened, tmp_path: Path,
+                                                     tiers: Tiers, below: Root) -> None:
+    """An entry copied into the composed tier from another tier's blocks (how a store's
+    tiers copy entries between them) lands in the root, then, written behind, below."""
+    source = opened.root(tmp_path / "source", name="source", block_tokens=T)
+    e = Entry(list(range(140, 151)), priority=1)
+    commit(source, e)
+    got = tiers.take(e.records, source.blocks)
+    assert (got.created, got.blocks, got.present) == (True, len(e.bytes), 0)
+    assert tiers.root.catalog.exact(e.records.exact_key) == e.digest
+    tiers.flush()
+    for root in (tiers.root, below):
+        rec = root.catalog.records(e.digest)
+        assert rec is not None
+        same_records(rec, e.records)
+        assert {d: root.blocks.get(d) for d in e.records.blocks} == e.bytes
+    assert tiers.take(e.records, source.blocks).created is False
