@@ -222,8 +222,9 @@ class Tier(abc.ABC):
         """Write what the tier keeps in memory for a while (its access records)."""
         return None
 
-    def close(self) -> None:
-        """Release what the tier holds open (connections, threads)."""
+    def close(self) -> object:
+        """Release what the tier holds open (connections, threads); a tier may say what
+        closing it did (a store's ``Tiers``: what it pushed)."""
         return None
 
 

@@ -74,10 +74,12 @@ def delete_plan(m: Manifest, raw: bytes, digest: bytes) -> DeletePlan:
 class LocalReader(DepthReader):
     """One lookup's view of the index: a read transaction (or a traced one, for the bench)."""
 
-    def __init__(self, index: Index, txn: Any, *, bisect: bool = True) -> None:
+    def __init__(self, index: Index, txn: Any, *, bisect: bool = True,
+                 name: str = "local") -> None:
         self.index = index
         self.txn = txn
         self.bisect = bisect
+        self.name = name  # the tier's, as each Match's ``where`` says it
 
     def reaches(self, k: int, chain_key: bytes) -> bool:
         return (self.index.has_prefix(chain_key, self.txn)
@@ -161,7 +163,7 @@ class LocalReader(DepthReader):
                 continue
             exact = n_entry == n_q == length
             if best is None or (length, exact) > (best.length, best.exact):
-                best = Match(Digest(digest), length, exact, True, n_entry)
+                best = Match(Digest(digest), length, exact, True, n_entry, where=self.name)
         return best, crowded
 
     def _best_exact(self, tk: P.TokenKeys, k: int, best: Match | None) -> Match | None:
@@ -178,7 +180,8 @@ class LocalReader(DepthReader):
             m = self._judged(digest)
             if m is None:
                 continue
-            return Match(Digest(digest), length, length == n_q, trimmable(m.layers), length)
+            return Match(Digest(digest), length, length == n_q, trimmable(m.layers), length,
+                         where=self.name)
         return best
 
 
@@ -187,15 +190,16 @@ class LocalCatalog(Catalog):
 
     name = "local"
 
-    def __init__(self, index: Index, *, bisect: bool = True) -> None:
+    def __init__(self, index: Index, *, bisect: bool = True, name: str = "local") -> None:
         self.index = index
+        self.name = name  # another root's below this one is named otherwise (its Tiers')
         self.read_only = index.readonly
         self.bisect = bisect  # lookups bisect the chain (the root has its reach markers)
 
     @contextmanager
     def reader(self) -> Iterator[LocalReader]:
         with self.index.read() as txn:
-            yield LocalReader(self.index, txn, bisect=self.bisect)
+            yield LocalReader(self.index, txn, bisect=self.bisect, name=self.name)
 
     def exact(self, exact_key: bytes) -> bytes | None:
         with self.index.read() as txn:

@@ -7,7 +7,7 @@ import logging
 import os
 import shlex
 import stat
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,12 +63,15 @@ class Root(Tier):
     name = "local"
 
     def __init__(self, path: Path, settings: TierSettings, index: Index,
-                 blocks: LocalBlockStore) -> None:
+                 blocks: LocalBlockStore, *, name: str = "local") -> None:
         self.path = path
         self.settings = settings
         self.index = index
         self.blocks: LocalBlockStore = blocks
-        self.catalog: LocalCatalog = LocalCatalog(index)
+        #: "local" for a store's own root; another name for a root below it (a tier of
+        #: :class:`~kvstore.store.tiers.Tiers`, whose matches say which tier holds them)
+        self.name = name
+        self.catalog: LocalCatalog = LocalCatalog(index, name=name)
 
     @classmethod
     def open(
@@ -83,6 +86,7 @@ class Root(Tier):
         map_size: int | None = None,
         read_only: bool | None = None,
         shared_group: str | int | None = None,
+        name: str = "local",
     ) -> Root:
         """The root at ``path``, opened whole (made first with ``create``; see
         :func:`open_root` for the settings, modes and read-only rules): its index, its
@@ -95,7 +99,8 @@ class Root(Tier):
             modes = modes_of(path)
             root = cls(path, settings, index,
                        LocalBlockStore(path, settings.hash, durable=durable, read_only=ro,
-                                       file_mode=modes.files, dir_mode=modes.dirs))
+                                       file_mode=modes.files, dir_mode=modes.dirs),
+                       name=name)
             root.catalog.migrate(writable=not ro)
         except BaseException:
             index.close()
@@ -170,33 +175,46 @@ class Root(Tier):
         blocks it wrote behind: they are unlinked while no entry references them."""
         if lacking is None:
             lacking = self.lacking(rec)
-        missing = lacking.digests
         got = Copied(present=lacking.present)
         wrote: list[bytes] = []
 
-        def checked(ds: Sequence[bytes]) -> Iterator[tuple[bytes, list[bytes]]]:
-            for d, data in source.get_many(ds, rec.blocks):  # one block in memory at a time
-                check_size(rec, d, len(data), source.where(d))
-                wrote.append(d)
-                yield d, [data]
-
-        def fetched() -> Iterator[tuple[bytes, list[bytes]]]:
-            for d, data in checked(missing):
-                got.blocks += 1
-                got.bytes += len(data[0])
-                yield d, data
-
         def ensure(digests: Sequence[bytes]) -> None:
             again = [d for d in digests if not self.blocks.exists(d)]
-            self.blocks.put_many(checked(again))
+            self.copy_blocks(source, again, rec.blocks, rec=rec, wrote=wrote)
 
         since = now_ms()
         try:
-            self.blocks.put_many(fetched())
+            copied = self.copy_blocks(source, lacking.digests, rec.blocks, rec=rec, wrote=wrote)
+            got.blocks, got.bytes = copied.blocks, copied.bytes
             got.created = self.catalog.commit(rec, ensure)
         except BaseException:
             self._unlink_unreferenced(wrote, since)
             raise
+        return got
+
+    def copy_blocks(self, source: BlockStore, digests: Sequence[bytes],
+                    sizes: Mapping[bytes, int] | None = None, *, rec: Records | None = None,
+                    wrote: list[bytes] | None = None) -> Copied:
+        """Write blocks of ``source`` into this root: each read verified (``get_many``: one
+        larger than ``sizes`` gives it is refused unread) and written as it comes, one in
+        memory at a time; with ``rec``, one whose size is not the one its manifest gives
+        refuses the entry (a ManifestError). The one way blocks of another tier come in:
+        :meth:`take` (a pull) and a read of a block only a tier below holds
+        (:class:`~kvstore.store.composed.ComposedBlocks`). ``wrote``: each block is added
+        before it is written (a failed take unlinks them). The blocks (and bytes) read."""
+        got = Copied()
+
+        def fetched() -> Iterator[tuple[bytes, list[bytes]]]:
+            for d, data in source.get_many(digests, sizes):
+                if rec is not None:
+                    check_size(rec, d, len(data), source.where(d))
+                if wrote is not None:
+                    wrote.append(d)
+                got.blocks += 1
+                got.bytes += len(data)
+                yield d, [data]
+
+        self.blocks.put_many(fetched())
         return got
 
     def _unlink_unreferenced(self, digests: Sequence[bytes], since: int) -> None:

@@ -287,9 +287,10 @@ class Store:
     def _find(self, tokens: Any, namespace: Namespace | None, *, lower: bool = True
               ) -> Match | None:
         tk = self._keys(tokens, self._ns(namespace))
+        if lower:
+            return self.tiers.search(tk)
         with self.local.catalog.reader() as r:
-            match = find(r, tk)
-        return self.tiers.find(tk, match) if lower else match
+            return find(r, tk)
 
     # --- load --------------------------------------------------------------------------------
 

@@ -12,6 +12,10 @@ it on this machine is local. A save is **written behind**: queued, then copied i
 lower tier by worker threads, never on the caller's thread. Every copy between tiers
 goes through :meth:`Tier.take`, with the records of :func:`records_of`.
 
+``Tiers`` is itself a tier (:class:`~kvstore.catalog.base.Tier`): its ``catalog`` and
+``blocks`` present the root and the tiers below it as one (:mod:`.composed`), and pass the
+shared catalog and block-store suites.
+
 With a ``deadline`` (``Store.open(remote_deadline=...)``; ``kvstore serve`` sets one), a
 lookup and the pull of what it found in a lower tier together take at most that many
 seconds: what is not in the root by then is not used (the caller computes it), and the
@@ -35,8 +39,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from ..blocks import Digest
-from ..catalog.base import PushStats, Tier
+from ..blocks import BlockStore, Digest
+from ..catalog.base import Copied, PushStats, Tier
 from ..catalog.find import Match, find
 from ..catalog.keys import TokenKeys
 from ..catalog.records import Records, cut_manifest, encoded, records_of
@@ -44,6 +48,7 @@ from ..catalog.signing import UnsignedManifestError
 from ..errors import DigestMismatchError, EntryNotFoundError, KVStoreError, ManifestError
 from ..local import Root
 from .background import Background
+from .composed import ComposedBlocks, ComposedCatalog
 from .counters import StoreCounters
 from .entries import Pulled, PullReport, resolve_id
 from .errors import TierTimeoutError
@@ -58,14 +63,17 @@ DEFAULT_CLOSE_TIMEOUT = 10.0  # seconds close() waits for queued copies
 PULL_RATE = 10e6  # bytes/s a write-back is allowed at least, on top of the tier's timeout
 
 
-class Tiers:
+class Tiers(Tier):
     """The root and the tiers below it, owned by a :class:`~kvstore.store.Store`;
-    thread-safe."""
+    thread-safe. As a tier it is named as its root, and read-only when the root is."""
 
     def __init__(self, root: Root, lower: Sequence[Tier] = (), *, write_behind: bool = True,
                  queue_size: int = DEFAULT_QUEUE, workers: int = 2) -> None:
         self.root = root
         self.lower = list(lower)
+        self.name = root.name
+        self.blocks: ComposedBlocks = ComposedBlocks(self)
+        self.catalog: ComposedCatalog = ComposedCatalog(self, self.blocks)
         self.write_behind = write_behind and bool(self.lower)
         self._pending: dict[str, Callable[[], object]] = {}  # run before a tier's first use
         self._q: queue.Queue[bytes | None] = queue.Queue(maxsize=queue_size)
@@ -116,7 +124,32 @@ class Tiers:
                 return t
         raise ValueError(f"no tier {name!r} below this root")
 
+    def below(self, *, writing: bool = False) -> list[Tier]:
+        """The tiers below the root, in order, each ready for use: to read, those lookups
+        ask now (not benched; one whose first use fails is benched and left out); to
+        write, every one."""
+        out = []
+        for t in self.lower:
+            if not writing and self.health.benched(t.name):
+                continue
+            try:
+                self._ready(t)
+            except (KVStoreError, OSError) as e:
+                if writing:
+                    raise
+                self._failed_lookup(t, e)
+                continue
+            out.append(t)
+        return out
+
     # --- lookups -----------------------------------------------------------------------
+
+    def search(self, tk: TokenKeys) -> Match | None:
+        """The best match of ``tk`` in any tier: the root's, then :meth:`find` below it (the
+        store's lookup, and the composed catalog's)."""
+        with self.root.catalog.reader() as r:
+            best = find(r, tk)
+        return self.find(tk, best)
 
     def find(self, tk: TokenKeys, best: Match | None) -> Match | None:
         """The best match of ``tk`` given the root's ``best``: a lower tier's when longer.
@@ -387,6 +420,38 @@ class Tiers:
         if not self.lower:
             raise ValueError("this store has no remote: Store.open(..., remote='s3://...')")
         return self.lower[0]
+
+    # --- the composed tier (kvstore.catalog.base.Tier) ----------------------------------
+
+    def take(self, rec: Records, source: BlockStore) -> Copied:
+        """Copy an entry into the root (:meth:`Root.take
+        <kvstore.local.root.Root.take>`), then write it behind to the tiers below."""
+        got = self.root.take(rec, source)
+        if got.created:
+            self.written(rec.digest)
+        return got
+
+    def written(self, digest: bytes) -> None:
+        """An entry was committed to the root: queued for the tiers below (a save's
+        write-behind), when this store writes behind."""
+        if self.write_behind:
+            self.enqueue(digest)
+
+    def pushed(self, digest: bytes, timeout: float = DEFAULT_CLOSE_TIMEOUT) -> bool:
+        """Wait until no copy of ``digest`` to the tiers below is queued or running (False
+        on timeout)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: digest not in self._queued, timeout)
+
+    def note_access(self, digest: bytes) -> None:
+        self.root.note_access(digest)
+
+    def flush(self) -> None:
+        """Wait until what is written behind is on the tiers below (:meth:`push`, which
+        flushes them), and flush the root."""
+        self.root.flush()
+        if self.lower:
+            self.push()
 
     # --- write-behind ----------------------------------------------------------------
 
