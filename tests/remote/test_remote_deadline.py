@@ -228,3 +228,37 @@ def test_an_explicit_push_waits_for_the_tries_within_its_timeout(
         assert (st.entries, st.failed, st.given_up, st.pending) == (1, 0, 0, 0), st
         assert st.retried >= 3, st
     assert len(exact_keys(url)) == 1
+
+
+def test_each_prompt_cache_waits_by_its_own_deadline(
+        tmp_path: Path, url: str, endpoint: str) -> None:
+    """Issue 35: two prompt caches over one store (with no deadline of its own) each wait for
+    a slow gateway by their own ``remote_deadline``: the patient one gets its entry from the
+    remote, the quick one computes (one deadline miss); the store's stays None."""
+    from helpers.kv import two_layer_kv
+
+    from kvstore.mlx_lm import PersistentPromptCache
+    from kvstore.tiny import make_tiny_model
+
+    key = (str(make_tiny_model(tmp_path / "model" / "llama", "llama")), None, None)
+    first, second = tokens_for(21, 6 * T), tokens_for(22, 6 * T)
+    with open_store(tmp_path / "a", remote=url) as a:
+        with PersistentPromptCache(a, min_tokens=T) as ppc:
+            for t in (first, second):
+                ppc.insert_cache(key, t, two_layer_kv(t))
+            assert ppc.drain(60)
+        assert a.push(60).entries == 2
+    with SlowProxy(endpoint, delay=0.4) as proxy, through(proxy), \
+            open_store(tmp_path / "b", remote=url) as b, \
+            PersistentPromptCache(b, remote_deadline=60.0) as patient, \
+            PersistentPromptCache(b, remote_deadline=0.2) as quick:
+        cache, rest = patient.fetch_nearest_cache(key, first + [1])
+        assert cache is not None and rest == [1]  # waited for: pulled from the remote
+        assert patient.request_counts().remote_tokens == len(first)
+        t0 = time.monotonic()
+        cache, rest = quick.fetch_nearest_cache(key, second + [1])
+        assert time.monotonic() - t0 < 0.2 + MARGIN
+        assert cache is None and rest == second + [1]  # cut by its own deadline: computed
+        assert b.counters.values().remote_deadline_misses == 1
+        assert b.tiers.deadline is None
+        assert b.tiers.settle(120)
