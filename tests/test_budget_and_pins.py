@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from click.testing import CliRunner
 from helpers.kv import (
-    NS,
-    T,
     hybrid_cache,
     make_cache,
     matches,
+    open_built,
     open_store,
     sound_store,
     tokens_for,
@@ -25,8 +23,6 @@ from helpers.kv import (
 import kvstore
 from kvstore.cli.main import cli
 from kvstore.index import now_ms
-from kvstore.store.local.root import Root
-from kvstore.store.opening import StoreOptions
 from kvstore.store.upkeep.gc import PIN_SHARE
 
 BLOCK = 16 * 2 * 2 * 8 * 2  # one full token block of make_cache: 16 tokens, K+V, H2 D8 fp16
@@ -67,16 +63,9 @@ def test_the_budget_bounds_the_blocks_on_disk_and_keeps_the_latest_conversation(
 
 def _skewed_store(root: Path, **kw: Any) -> tuple[kvstore.Store, list[int]]:
     """A store (as ``open_store`` opens it) that judges pins by a clock the test moves:
-    the list's one item, in ms, added to the real time. The clock is one of the options
-    the store is built with (``StoreOptions.clock``)."""
+    the list's one item, in ms, added to the real time (``StoreOptions.clock``)."""
     skew = [0]
-
-    class Skewed(kvstore.Store):
-        def __init__(self, local: Root, options: StoreOptions, **parts: Any) -> None:
-            super().__init__(local, replace(options, clock=lambda: now_ms() + skew[0]),
-                             **parts)
-
-    return Skewed.open(root, namespace=NS, block_tokens=T, durable=False, **kw), skew
+    return open_built(root, {"clock": lambda: now_ms() + skew[0]}, **kw), skew
 
 
 def test_a_pinned_entry_outlives_a_flood_within_its_ttl_then_is_evicted(tmp_path: Path) -> None:

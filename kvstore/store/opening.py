@@ -21,6 +21,7 @@ from ..schema import Namespace
 from .counters import StoreCounters
 from .local.modes import modes_of
 from .local.root import Root, default_root, has_root, open_root
+from .retry import PushRetry
 from .tiers import Tiers
 from .upkeep.gc import DEFAULT_GRACE
 
@@ -34,8 +35,9 @@ class StoreOptions:
     (``Store.open``'s options of the same names say what each does): the default
     ``namespace``, ``verify_reads``, ``read_only`` (the root's, as opened), ``push`` (saves
     written behind to the remote), the byte budget ``max_bytes`` with the ``gc_grace`` its
-    evictions honour, the ``remote_deadline``, and ``clock``: the time pins are judged by
-    (ms since the epoch; a test gives its own)."""
+    evictions honour, the ``remote_deadline``, ``push_retry`` (how a failed push is tried
+    again), and ``clock``: the time pins are judged by (ms since the epoch; a test gives
+    its own)."""
 
     namespace: Namespace | None = None
     verify_reads: bool = True
@@ -44,6 +46,7 @@ class StoreOptions:
     max_bytes: int | None = None
     gc_grace: float = DEFAULT_GRACE
     remote_deadline: float | None = None
+    push_retry: PushRetry = PushRetry()
     clock: Callable[[], int] = now_ms
 
     def __post_init__(self) -> None:

@@ -89,7 +89,7 @@ class Store:
         self._access = AccessLog(local.index, read_only=options.read_only)
         self.tiers = Tiers(local, [remote] if remote is not None else [],
                            write_behind=options.push, deadline=options.remote_deadline,
-                           counters=self.counters)
+                           counters=self.counters, retry=options.push_retry)
         self._remote = remote
         self.maintenance = Maintenance(local, self._access)
         self.views = IndexViews(local)

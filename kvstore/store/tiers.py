@@ -64,9 +64,11 @@ class Tiers:
 
     def __init__(self, root: Root, lower: Sequence[Tier] = (), *, write_behind: bool = True,
                  deadline: float | None = None, counters: StoreCounters | None = None,
-                 queue_size: int = DEFAULT_QUEUE, workers: int = 2) -> None:
+                 retry: PushRetry | None = None, queue_size: int = DEFAULT_QUEUE,
+                 workers: int = 2) -> None:
         """``deadline``: :attr:`deadline`; ``counters``: the store's (what the tiers did is
-        counted there; None: their own). Both are fixed for the tiers' life."""
+        counted there; None: their own); ``retry``: :attr:`retry` (None: the default
+        schedule). All are fixed for the tiers' life."""
         self.root = root
         self.lower = list(lower)
         self.write_behind = write_behind and bool(self.lower)
@@ -76,7 +78,7 @@ class Tiers:
         self._outstanding = 0
         self._stats = PushStats()
         self._failed = Retries()  # pushes waiting to be tried again, or given up
-        self.retry = PushRetry()
+        self.retry = PushRetry() if retry is None else retry
         self._queued: set[bytes] = set()  # in the queue or being copied
         #: Entries pulled unsigned that a push was told to sign (``push(sign_pulled=True)``).
         self._sign_pulled: set[bytes] = set()

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.kv import T, make_cache, matches, open_store, tokens_for
+from helpers.kv import T, make_cache, matches, open_built, open_store, tokens_for
 from helpers.slowproxy import SlowProxy, wait_until
 
 from kvstore.remote import Remote
@@ -22,6 +22,8 @@ from kvstore.store.retry import PushRetry
 DEADLINE = 1.0
 MARGIN = 0.5  # what a request may take past the deadline (the local part, a loaded machine)
 SLOW = 3.0  # seconds the proxy adds to each request
+RETRYING = PushRetry(attempts=50, first=0.1, cap=0.4, give_up_after=60)  # until it lands
+GIVING_UP = PushRetry(attempts=3, first=0.1, cap=0.2, give_up_after=60)  # three tries
 
 
 @contextmanager
@@ -156,8 +158,7 @@ def test_a_remote_hit_within_the_deadline_counts_as_the_remotes(
 def test_pushes_that_fail_are_tried_again_and_land(
         tmp_path: Path, url: str, proxy: SlowProxy) -> None:
     toks = tokens_for(4, 8 * T)
-    with open_store(tmp_path / "b", remote=url) as b:
-        b.tiers.retry = PushRetry(attempts=50, first=0.1, cap=0.4, give_up_after=60)
+    with open_built(tmp_path / "b", {"push_retry": RETRYING}, remote=url) as b:
         proxy.fail = True
         b.save(toks, make_cache(toks))
         wait_until(lambda: b.counters.values().remote_errors >= 3, 60, "three failed tries")
@@ -176,8 +177,7 @@ def test_pushes_that_fail_are_tried_again_and_land(
 def test_pushes_that_keep_failing_are_given_up_and_counted(
         tmp_path: Path, url: str, proxy: SlowProxy) -> None:
     toks = tokens_for(5, 8 * T)
-    with open_store(tmp_path / "b", remote=url) as b:
-        b.tiers.retry = PushRetry(attempts=3, first=0.1, cap=0.2, give_up_after=60)
+    with open_built(tmp_path / "b", {"push_retry": GIVING_UP}, remote=url) as b:
         proxy.fail = True
         b.save(toks, make_cache(toks))
         wait_until(lambda: b.counters.values().remote_pushes_given_up == 1, 60, "given up")
@@ -195,8 +195,7 @@ def test_pushes_that_keep_failing_are_given_up_and_counted(
 
 def test_what_is_still_failing_at_close_is_said_once(
         tmp_path: Path, url: str, proxy: SlowProxy) -> None:
-    b = open_store(tmp_path / "b", remote=url)
-    b.tiers.retry = PushRetry(attempts=3, first=0.1, cap=0.2, give_up_after=60)
+    b = open_built(tmp_path / "b", {"push_retry": GIVING_UP}, remote=url)
     proxy.fail = True
     for seed in (6, 7):
         t = tokens_for(seed, 4 * T)
@@ -210,8 +209,7 @@ def test_what_is_still_failing_at_close_is_said_once(
 def test_an_explicit_push_waits_for_the_tries_within_its_timeout(
         tmp_path: Path, url: str, proxy: SlowProxy) -> None:
     toks = tokens_for(8, 6 * T)
-    with open_store(tmp_path / "b", remote=url) as b:
-        b.tiers.retry = PushRetry(attempts=50, first=0.1, cap=0.4, give_up_after=60)
+    with open_built(tmp_path / "b", {"push_retry": RETRYING}, remote=url) as b:
         proxy.fail = True
         b.save(toks, make_cache(toks))
         out: dict[str, Any] = {}
