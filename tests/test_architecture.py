@@ -512,3 +512,164 @@ def test_every_module_of_the_tiers_below_the_top_is_named_in_the_architecture() 
                for p in sorted((repo / "kvstore" / pkg).rglob("*.py"))
                if p.name != "__init__.py" and f"{p.name}`" not in doc]
     assert missing == []
+
+
+#: Stores are built whole (issue 35): the names a store and its parts go by. An assignment
+#: (``=``, ``+=``, an annotated one with a value, ``setattr``/``delattr``) to an attribute of
+#: something reached through one of them (``store.max_bytes``, ``x.store.tiers.deadline``,
+#: ``self.tiers.counters``) is refused in every module of ``kvstore/`` and ``tools/``, the
+#: store's own package included: what a part needs is given to its constructor
+#: (``StoreOptions``, ``Tiers(..., deadline=, counters=)``, ``Remote(..., on_refused=)``).
+STORE_PARTS_NAMES = {"store", "tiers", "local", "remote", "catalog", "blocks", "root", "index",
+                     "settings", "maintenance", "served", "views", "health"}
+#: The classes of a store and its parts: an attribute of a name bound to a call of one (in
+#: the same function: ``rem = Remote(url)``, then ``rem.on_refused = ...``) is assigned to
+#: only inside the package that defines the class.
+STORE_CLASSES = {"Store", "Tiers", "Health", "Root", "Index", "LocalCatalog", "LocalBlockStore",
+                 "Maintenance", "Served", "IndexViews", "Remote", "RemoteTier", "RemoteCatalog",
+                 "S3BlockStore"}
+#: (module, what it assigns) -> why it may.
+STORE_ASSIGNMENTS_ALLOWED = {
+    ("tools.fast_root", "setattr(index.write)"): "a developer tool that fills a fresh root for "
+    "a benchmark batches its commits by swapping one index instance's write, then removes it",
+    ("tools.fast_root", "delattr(index.write)"): "the same swap, undone",
+}
+
+
+def _defining_packages() -> dict[str, set[str]]:
+    """Each class of STORE_CLASSES -> the packages (``kvstore.store``) that define it."""
+    out: dict[str, set[str]] = {}
+    for m, p in MODULES.items():
+        if p.suffix != ".py":
+            continue
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and node.name in STORE_CLASSES:
+                out.setdefault(node.name, set()).add(_package(m))
+    return out
+
+
+def _chain(node: ast.expr) -> list[str]:
+    """The names an expression goes through: ``['x', 'store', 'tiers']`` for
+    ``x.store.tiers``, through subscripts and calls (``x.tier('a')[0]``: x, tier)."""
+    out: list[str] = []
+    while True:
+        if isinstance(node, ast.Attribute):
+            out.append(node.attr)
+            node = node.value
+        elif isinstance(node, ast.Subscript):
+            node = node.value
+        elif isinstance(node, ast.Call):
+            node = node.func
+        else:
+            if isinstance(node, ast.Name):
+                out.append(node.id)
+            return out[::-1]
+
+
+def _flat(target: ast.expr) -> Iterator[ast.expr]:
+    if isinstance(target, ast.Tuple | ast.List):
+        for e in target.elts:
+            yield from _flat(e)
+    elif isinstance(target, ast.Starred):
+        yield from _flat(target.value)
+    else:
+        yield target
+
+
+def _store_assignments(module: str, source: str,
+                       defined: dict[str, set[str]] | None = None) -> list[tuple[int, str]]:
+    """(line, what) for each assignment of module ``module`` (its ``source``) to an attribute
+    of a store or of a store's part (STORE_PARTS_NAMES, STORE_CLASSES); ``defined``: where
+    each class is defined (:func:`_defining_packages`)."""
+    defined = _defining_packages() if defined is None else defined
+    pkg = _package(module) if module.startswith("kvstore") else module.split(".")[0]
+    tree = ast.parse(source)
+    bound: dict[ast.AST, dict[str, str]] = {}  # function -> name -> the class it was made of
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef | ast.Module):
+            names: dict[str, str] = {}
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+                    made = _chain(node.value.func)
+                    if made and made[-1] in STORE_CLASSES:
+                        for t in node.targets:
+                            names.update({e.id: made[-1] for e in _flat(t)
+                                          if isinstance(e, ast.Name)})
+            bound[fn] = names
+    out: list[tuple[int, str]] = []
+
+    def check(fn: ast.AST, line: int, owner: ast.expr, attr: str, how: str) -> None:
+        chain = _chain(owner)
+        made = bound.get(fn, {}).get(chain[0]) if len(chain) == 1 else None
+        if STORE_PARTS_NAMES & set(chain) or (made and pkg not in defined.get(made, ())):
+            what = ".".join([*chain, attr])
+            out.append((line, f"{how}({what})" if how else what))
+
+    def visit(fn: ast.AST, node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else fn
+            targets: list[ast.expr] = []
+            if isinstance(child, ast.Assign):
+                targets = [e for t in child.targets for e in _flat(t)]
+            elif isinstance(child, ast.AugAssign) or (isinstance(child, ast.AnnAssign)
+                                                      and child.value is not None):
+                targets = [child.target]
+            elif (isinstance(child, ast.Call) and isinstance(child.func, ast.Name)
+                  and child.func.id in ("setattr", "delattr") and len(child.args) >= 2):
+                name = child.args[1]
+                attr = name.value if isinstance(name, ast.Constant) else "?"
+                check(fn, child.lineno, child.args[0], str(attr), child.func.id)
+            for t in targets:
+                if isinstance(t, ast.Attribute):
+                    check(fn, child.lineno, t.value, t.attr, "")
+            visit(inner, child)
+
+    visit(tree, tree)
+    return out
+
+
+def test_the_store_assignment_check_can_fail() -> None:
+    defined = _defining_packages()
+    assert defined["Store"] == {"kvstore.store"} and defined["Remote"] == {"kvstore.remote"}
+    today = ("def open_store(cls, rem):\n"
+             "    store = cls(local)\n"
+             "    store.max_bytes = max_bytes\n"
+             "    store.tiers.deadline = remote_deadline\n"
+             "    store.gc_grace += 1\n"
+             "    rem = Remote(url)\n"
+             "    rem.on_refused = lambda d: None\n"
+             "class Store:\n"
+             "    def __init__(self):\n"
+             "        self.tiers = Tiers(local)\n"
+             "        self.tiers.counters = self.counters\n"
+             "        self.clock: int = 0\n"
+             "def cache(store):\n"
+             "    x.store.tiers.deadline, y = 1, 2\n"
+             "    setattr(store.local, 'index', None)\n"
+             "    t: float = 0\n"
+             "    self.store.blocks.quarantined()\n")
+    got = _store_assignments("kvstore.store.opening", today, defined)
+    assert got == [(3, "store.max_bytes"), (4, "store.tiers.deadline"),
+                   (5, "store.gc_grace"), (7, "rem.on_refused"), (11, "self.tiers.counters"),
+                   (14, "x.store.tiers.deadline"), (15, "setattr(store.local.index)")], got
+    # the package that defines a class sets up what it builds; a mlx_lm module may not
+    assert _store_assignments("kvstore.remote.tier", today, defined)[3:4] == [
+        (11, "self.tiers.counters")]
+    assert _store_assignments("kvstore.mlx_lm.prompt_cache",
+                              "def f(store):\n    store.tiers.deadline = 2.0\n", defined
+                              ) == [(2, "store.tiers.deadline")]
+    assert _store_assignments("kvstore.mlx_lm.prompt_cache",
+                              "def f(store):\n    self.store = store\n    self.deadline = 1\n",
+                              defined) == []
+
+
+def test_nothing_assigns_to_a_store_or_its_parts_after_construction() -> None:
+    """Issue 35: stores are built whole; no module of kvstore/ or tools/ sets an attribute of
+    a store or of one of its parts (STORE_ASSIGNMENTS_ALLOWED names the exceptions, and
+    why)."""
+    defined = _defining_packages()
+    walked = {**{m: p for m, p in MODULES.items() if p.suffix == ".py"}, **TOOL_MODULES}
+    bad = [f"{m}:{line} assigns {what}" for m, p in sorted(walked.items())
+           for line, what in _store_assignments(m, p.read_text(encoding="utf-8"), defined)
+           if (m, what) not in STORE_ASSIGNMENTS_ALLOWED]
+    assert not bad, "\n".join(bad)

@@ -122,8 +122,8 @@ def test_the_deadline_is_a_store_option_and_a_prompt_cache_option(tmp_path: Path
         assert s.tiers.deadline == 0.5
     with Store.open(tmp_path / "b") as s:
         assert s.tiers.deadline is None  # a library store waits by each tier's own bounds
-        with PersistentPromptCache(s, remote_deadline=2.0):
-            assert s.tiers.deadline == 2.0
+        with PersistentPromptCache(s, remote_deadline=2.0) as c:
+            assert c.remote_deadline == 2.0  # the cache's own: the store's stays None
         for bad in (0.0, -1.0, float("nan")):
             with pytest.raises(ValueError, match="remote_deadline must be > 0"):
                 PersistentPromptCache(s, remote_deadline=bad)
@@ -131,3 +131,21 @@ def test_the_deadline_is_a_store_option_and_a_prompt_cache_option(tmp_path: Path
         with pytest.raises(ValueError, match="remote_deadline must be > 0"):
             Store.open(tmp_path / "c", remote_deadline=bad)
     assert not (tmp_path / "c").exists()
+
+
+def test_two_prompt_caches_over_one_store_keep_their_own_deadlines(tmp_path: Path) -> None:
+    """A prompt cache's ``remote_deadline`` is its own (each of its lookups passes it): a
+    second cache over the same store keeps its own, and the store's is unchanged."""
+    from kvstore import Store
+    from kvstore.mlx_lm import PersistentPromptCache
+
+    with Store.open(tmp_path / "a", remote_deadline=1.5) as s:
+        with PersistentPromptCache(s, remote_deadline=0.25) as a, \
+                PersistentPromptCache(s, remote_deadline=4.0) as b, \
+                PersistentPromptCache(s) as c:
+            assert s.tiers.deadline == 1.5  # the store's, not the last cache's
+            assert (a.remote_deadline, b.remote_deadline, c.remote_deadline) == (0.25, 4.0,
+                                                                                 None)
+            assert s.options.remote_deadline == 1.5
+    with Store.open(tmp_path / "b") as s, PersistentPromptCache(s, remote_deadline=0.5):
+        assert s.tiers.deadline is None

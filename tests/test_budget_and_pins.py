@@ -7,9 +7,18 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from click.testing import CliRunner
-from helpers.kv import hybrid_cache, make_cache, matches, open_store, sound_store, tokens_for
+from helpers.kv import (
+    hybrid_cache,
+    make_cache,
+    matches,
+    open_built,
+    open_store,
+    sound_store,
+    tokens_for,
+)
 
 import kvstore
 from kvstore.cli.main import cli
@@ -52,12 +61,11 @@ def test_the_budget_bounds_the_blocks_on_disk_and_keeps_the_latest_conversation(
     sound_store(s)
 
 
-def _fake_clock(s: kvstore.Store) -> list[int]:
-    """Make ``s`` judge pins by a clock the test moves: the list's one item, in ms, added
-    to the real time."""
+def _skewed_store(root: Path, **kw: Any) -> tuple[kvstore.Store, list[int]]:
+    """A store (as ``open_store`` opens it) that judges pins by a clock the test moves:
+    the list's one item, in ms, added to the real time (``StoreOptions.clock``)."""
     skew = [0]
-    s.clock = lambda: now_ms() + skew[0]
-    return skew
+    return open_built(root, {"clock": lambda: now_ms() + skew[0]}, **kw), skew
 
 
 def test_a_pinned_entry_outlives_a_flood_within_its_ttl_then_is_evicted(tmp_path: Path) -> None:
@@ -65,8 +73,7 @@ def test_a_pinned_entry_outlives_a_flood_within_its_ttl_then_is_evicted(tmp_path
     of six entries and a compaction down to two; once 300 s have passed since its last use
     it is the least recently used entry, and the next save or compaction evicts it."""
     budget = 24 * BLOCK
-    s = open_store(tmp_path / "r", max_bytes=budget)
-    skew = _fake_clock(s)
+    s, skew = _skewed_store(tmp_path / "r", max_bytes=budget)
     system = tokens_for(1000, 64)
     s.save(system, make_cache(system), priority="system", pin_ttl=300)
 
@@ -92,8 +99,7 @@ def test_a_pinned_entry_outlives_a_flood_within_its_ttl_then_is_evicted(tmp_path
 
 def test_the_budget_after_a_save_evicts_an_expired_pin_first(tmp_path: Path) -> None:
     budget = 24 * BLOCK
-    s = open_store(tmp_path / "r", max_bytes=budget)
-    skew = _fake_clock(s)
+    s, skew = _skewed_store(tmp_path / "r", max_bytes=budget)
     system = tokens_for(1000, 64)
     s.save(system, make_cache(system), priority="system", pin_ttl=60)
     for i in range(12):

@@ -113,3 +113,25 @@ def test_a_cut_request_is_worth_a_warning_once_per_warn_every() -> None:
     assert not h.warn_due()
     c.now += 0.1
     assert h.warn_due() and not h.warn_due()
+
+
+def test_a_request_may_bring_its_own_deadline() -> None:
+    """A lookup's own deadline (a prompt cache's ``remote_deadline``) bounds that request
+    alone: ``until`` and whether an answer came in time go by it; the store's is kept."""
+    c = Clock()
+    h = Health(clock=c)
+    assert h.until() is None and h.until(0.5) == 100.5
+    h.cut("remote")
+    began = c.now
+    h.late()
+    c.now += 0.5
+    h.answered("remote", began, 0.5)  # within the request's own deadline: lifted
+    assert not h.unavailable(["remote"])
+    h = Health(1.5, clock=c)
+    assert h.until(0.25) == c.now + 0.25 and h.until() == c.now + 1.5
+    h.cut("remote")
+    began = c.now
+    h.late()
+    c.now += 0.5
+    h.answered("remote", began, 0.25)  # past its own, though within the store's
+    assert h.unavailable(["remote"]) and h.deadline == 1.5

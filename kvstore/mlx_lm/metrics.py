@@ -235,7 +235,7 @@ class _Figures(Collector):
                                     "evicted to (--max-bytes)", value=store.max_bytes)
         yield GaugeMetricFamily("kvstore_quarantined_blocks", "Blocks in the root's "
                                 "quarantine/ (moved aside as corrupt)",
-                                value=store.local.blocks.quarantined())
+                                value=store.quarantined())
         v = store.counters.values()
         for name, doc, value in (
             ("kvstore_evictions", "Entries the byte budget evicted", v.evicted_entries),

@@ -120,7 +120,8 @@ class PersistentPromptCache:
     a fetch waits for the store's remote tier, lookup and pull together, at most that
     long: what is not pulled by then is computed (the local match or nothing) and its pull
     goes on in the background, so the next request with that prefix restores it locally.
-    It is the store's setting: every cache of that store gets it.
+    It is this cache's own (each lookup passes it): another cache of the same store keeps
+    its own, and the store's is unchanged.
 
     Cache breakpoints (:mod:`kvstore.mlx_lm.cache_control`: ``kvstore serve`` cuts a
     request's prompt at each one and inserts the cache there with a pinned segment type)
@@ -153,8 +154,9 @@ class PersistentPromptCache:
         if remote_deadline is not None:
             if not remote_deadline > 0:  # NaN too
                 raise ValueError(f"remote_deadline must be > 0, got {remote_deadline}")
-            store.tiers.deadline = remote_deadline
         self.store = store
+        #: Seconds a fetch waits for the remote tier (None: the store's deadline).
+        self.remote_deadline = remote_deadline
         self.reuse_prefix = reuse_prefix
         self.min_tokens = min_tokens
         self.queue_bytes = queue_bytes
@@ -554,7 +556,8 @@ class PersistentPromptCache:
             return None, None, "no_entry" if have <= 0 else None
         query = tokens[:-1]
         try:
-            match = self.store.lookup(query, namespace=namespace)
+            match = self.store.lookup(query, namespace=namespace,
+                                      deadline=self.remote_deadline)
             if match is None or match.length <= have:
                 return None, None, self.store.miss_reason(query, namespace=namespace,
                                                           reused=have)

@@ -104,7 +104,7 @@ class RemoteTier(Tier):
     Endpoint and credentials come from the standard AWS configuration. ``signing_key``
     (None: the environment's, :func:`~kvstore.catalog.signing.signing_key`; ``""``: none)
     signs every manifest put and refuses every manifest read that is not signed with it;
-    ``on_refused`` is called once per entry refused.
+    ``on_refused`` (given at construction) is called once per entry refused.
     """
 
     name = "remote"
@@ -119,10 +119,11 @@ class RemoteTier(Tier):
         lease_margin: float = DEFAULT_MARGIN,
         profile: str | None = None,
         signing_key: bytes | str | None = None,
+        on_refused: Callable[[bytes], None] | None = None,
     ) -> None:
         self.url = parse_s3_url(url)
         self._key = signing.signing_key(signing_key)
-        self.on_refused: Callable[[bytes], None] | None = None
+        self.on_refused = on_refused
         self.prefix = self.url.prefix
         self.timeout = timeout
         self.client = S3Client(self.url.bucket, connect_timeout=timeout, read_timeout=timeout,

@@ -59,10 +59,11 @@ class Health:
         self._late = 0
         self._warned: float | None = None
 
-    def until(self) -> float | None:
-        """When a request that starts now must be done with the lower tiers (None: no
-        deadline)."""
-        return None if self.deadline is None else self.clock() + self.deadline
+    def until(self, deadline: float | None = None) -> float | None:
+        """When a request that starts now must be done with the lower tiers, by its own
+        ``deadline`` (seconds; None: :attr:`deadline`); None: no deadline."""
+        d = self.deadline if deadline is None else deadline
+        return None if d is None else self.clock() + d
 
     def bench(self, name: str) -> None:
         """Leave tier ``name`` alone for ``down_for`` seconds (it failed)."""
@@ -112,12 +113,13 @@ class Health:
         with self._cv:
             self._late += 1
 
-    def answered(self, name: str, began: float) -> None:
-        """A lookup :meth:`late` counted answered; one that took no longer than the
-        deadline lifts the tier's slowness."""
+    def answered(self, name: str, began: float, deadline: float | None = None) -> None:
+        """A lookup :meth:`late` counted answered; one that took no longer than its
+        request's ``deadline`` (None: :attr:`deadline`) lifts the tier's slowness."""
+        d = self.deadline if deadline is None else deadline
         with self._cv:
             self._late -= 1
-            if self.deadline is not None and self.clock() - began <= self.deadline:
+            if d is not None and self.clock() - began <= d:
                 self._slow_until.pop(name, None)
             self._cv.notify_all()
 

@@ -1,32 +1,66 @@
 """Opening a store: the root (made with ``create``), its settings, the tiers below it
-(``Store.open``, which is :func:`open_store`)."""
+(``Store.open``, which is :func:`open_store`), and the options a store is built with
+(:class:`StoreOptions`).
+
+A store is built whole: its options, its counters and the remote's refusal callback are
+given to the constructors (``Store``, ``Tiers``, ``Remote``); nothing is set on a built
+store (tests/test_architecture.py checks that no module assigns to a store's parts).
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypedDict, TypeVar
 
-from ..local import Root, default_root, has_root
+from ..local import Root, default_root, has_root, now_ms
+from ..local.gc import DEFAULT_GRACE
 from ..schema import Namespace
 from .counters import StoreCounters
+from .retry import PushRetry
 from .tiers import Tiers
 
 if TYPE_CHECKING:
     from ..remote import Remote
 
 
+@dataclass(frozen=True)
+class StoreOptions:
+    """What a :class:`~kvstore.store.Store` is built with, fixed for its life
+    (``Store.open``'s options of the same names say what each does): the default
+    ``namespace``, ``verify_reads``, ``read_only`` (the root's, as opened), ``push`` (saves
+    written behind to the remote), the byte budget ``max_bytes`` with the ``gc_grace`` its
+    evictions honour, the ``remote_deadline``, ``push_retry`` (how a failed push is tried
+    again), and ``clock``: the time pins are judged by (ms since the epoch; a test gives
+    its own)."""
+
+    namespace: Namespace | None = None
+    verify_reads: bool = True
+    read_only: bool = False
+    push: bool = True
+    max_bytes: int | None = None
+    gc_grace: float = DEFAULT_GRACE
+    remote_deadline: float | None = None
+    push_retry: PushRetry = PushRetry()
+    clock: Callable[[], int] = now_ms
+
+    def __post_init__(self) -> None:
+        if self.max_bytes is not None and self.max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {self.max_bytes}")
+        if self.remote_deadline is not None and not self.remote_deadline > 0:  # NaN too
+            raise ValueError(f"remote_deadline must be > 0, got {self.remote_deadline}")
+
+
 class Opened(Protocol):
     """What opening needs of the store class it makes (:class:`~kvstore.store.Store`)."""
 
-    max_bytes: int | None
-    gc_grace: float
     tiers: Tiers
-    counters: StoreCounters
 
-    def __init__(self, local: Root, *, namespace: Namespace | None, verify_reads: bool,
-                 read_only: bool = False, remote: Remote | None = None,
-                 push: bool = True) -> None: ...
+    def __init__(self, local: Root, options: StoreOptions = ..., *,
+                 remote: Remote | None = None, counters: StoreCounters | None = None
+                 ) -> None: ...
 
     def close(self) -> None: ...
 
@@ -114,18 +148,20 @@ def open_store(
     signed with it (counted in ``counters.remote_refused``; docs/FORMAT.md, "Signed
     entries"). It is never written to the root or the bucket.
     """
-    if max_bytes is not None and max_bytes < 0:
-        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-    if remote_deadline is not None and not remote_deadline > 0:  # NaN too
-        raise ValueError(f"remote_deadline must be > 0, got {remote_deadline}")
+    options = StoreOptions(namespace=namespace, verify_reads=verify_reads, push=push,
+                           max_bytes=max_bytes,
+                           gc_grace=DEFAULT_GRACE if gc_grace is None else gc_grace,
+                           remote_deadline=remote_deadline)  # checked before the root is made
     path = Path(root) if root is not None else default_root()
     url = os.environ.get("KVSTORE_REMOTE", "") if remote is None else remote
+    counters = StoreCounters()  # the store's, and the remote reports its refusals there
     rem = None
     if url:
         from ..remote import DEFAULT_TIMEOUT, Remote
 
         rem = Remote(url, timeout=DEFAULT_TIMEOUT if remote_timeout is None
-                     else remote_timeout, signing_key=signing_key)
+                     else remote_timeout, signing_key=signing_key,
+                     on_refused=lambda _digest: counters.add(remote_refused=1))
     try:
         if rem is not None and create and not has_root(path) and hash is None \
                 and block_tokens is None:  # a new root takes the remote's settings
@@ -142,15 +178,7 @@ def open_store(
             rem.close()
         raise
     ro, settings = local.read_only, local.settings
-    store = cls(local, namespace=namespace, verify_reads=verify_reads, read_only=ro,
-                remote=rem, push=push)
-    store.max_bytes = max_bytes
-    if rem is not None:
-        counters = store.counters
-        rem.on_refused = lambda _digest: counters.add(remote_refused=1)
-    store.tiers.deadline = remote_deadline
-    if gc_grace is not None:
-        store.gc_grace = gc_grace
+    store = cls(local, replace(options, read_only=ro), remote=rem, counters=counters)
     if rem is not None:
         try:
             rem.attach(settings, create=create and not ro)
@@ -165,4 +193,4 @@ def open_store(
     return store
 
 
-__all__ = ["OpenOptions", "open_store"]
+__all__ = ["OpenOptions", "StoreOptions", "open_store"]

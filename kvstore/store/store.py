@@ -24,7 +24,7 @@ from ..errors import (
     NamespaceRequiredError,
     ReadOnlyStoreError,
 )
-from ..local import IndexRead, Root, default_root, now_ms
+from ..local import IndexRead, Root, default_root
 from ..local.gc import DEFAULT_GRACE, CompactReport, plan_budget
 from ..local.restore import read_entry
 from ..local.saving import CODEC_PROVIDER, Known, PrefixGone, ask, check_args, draft
@@ -36,7 +36,7 @@ from .access import AccessLog
 from .counters import StoreCounters
 from .entries import Entry, EntryInfo, PullReport, Stats
 from .maintenance import Maintenance
-from .opening import OpenOptions, open_store
+from .opening import OpenOptions, StoreOptions, open_store
 from .served import Served
 from .tiers import Tiers
 from .usage import Usage, failure_reason
@@ -62,36 +62,65 @@ class Store:
     compaction, verification, totals), ``views`` (what the command line reads of the
     index) and ``served`` (per-tier request counts, miss reasons). ``root`` is the root's
     path; ``counters`` what this open store did, for ``/metrics``.
-    """
 
-    max_bytes: int | None = None  # byte budget enforced after each save (Store.open)
-    gc_grace: float = DEFAULT_GRACE  # seconds a zero-ref block waits before a budget unlinks it
+    A store is built whole (``Store.open`` builds one): its ``options``
+    (:class:`~kvstore.store.opening.StoreOptions`, frozen), its ``counters`` and its
+    remote are given to the constructor, which hands each part what it needs; nothing is
+    set on a store or its parts afterwards (tests/test_architecture.py checks it).
+    """
 
     def __init__(
         self,
         local: Root,
+        options: StoreOptions = StoreOptions(),  # noqa: B008 - frozen
         *,
-        namespace: Namespace | None,
-        verify_reads: bool,
-        read_only: bool = False,
         remote: Remote | None = None,
-        push: bool = True,
+        counters: StoreCounters | None = None,
     ) -> None:
+        self.options = options
         self.local = local
         self.root: Path = local.path  # the root's directory
-        self.namespace = namespace
-        self.verify_reads = verify_reads
-        self.read_only = read_only
-        self._access = AccessLog(local, read_only=read_only)
-        self.tiers = Tiers(local, [remote] if remote is not None else [], write_behind=push)
+        self.counters = StoreCounters() if counters is None else counters
+        self._access = AccessLog(local, read_only=options.read_only)
+        self.tiers = Tiers(local, [remote] if remote is not None else [],
+                           write_behind=options.push, deadline=options.remote_deadline,
+                           counters=self.counters, retry=options.push_retry)
         self._remote = remote
         self.maintenance = Maintenance(local, self._access)
         self.views = IndexViews(local)
-        self.counters = StoreCounters()
-        #: ms since the epoch: the time pins are judged by (a test moves it)
-        self.clock: Callable[[], int] = now_ms
-        self.tiers.counters = self.counters
         self.served = Served(local, self._access, self.tiers, self._keys)
+
+    # --- its options (:class:`~kvstore.store.opening.StoreOptions`), read-only -----------
+
+    @property
+    def namespace(self) -> Namespace | None:
+        """The namespace of calls that pass none."""
+        return self.options.namespace
+
+    @property
+    def verify_reads(self) -> bool:
+        """Whether reads check each block's digest by default."""
+        return self.options.verify_reads
+
+    @property
+    def read_only(self) -> bool:
+        """Whether the root is open read-only."""
+        return self.options.read_only
+
+    @property
+    def max_bytes(self) -> int | None:
+        """The byte budget enforced after each save (None: none)."""
+        return self.options.max_bytes
+
+    @property
+    def gc_grace(self) -> float:
+        """Seconds a zero-ref block waits before a budget unlinks it."""
+        return self.options.gc_grace
+
+    @property
+    def clock(self) -> Callable[[], int]:
+        """The time pins are judged by (ms since the epoch)."""
+        return self.options.clock
 
     @property
     def remote(self) -> Remote | None:
@@ -273,22 +302,26 @@ class Store:
 
     # --- lookup ----------------------------------------------------------------------------
 
-    def lookup(self, tokens: Any, *, namespace: Namespace | None = None) -> Match | None:
+    def lookup(self, tokens: Any, *, namespace: Namespace | None = None,
+               deadline: float | None = None) -> Match | None:
         """The longest usable stored prefix of ``tokens``, or None.
 
         Costs one hash per block of the query plus about log2(blocks) index
         seeks (a binary search over the chain), whatever the number of stored
         entries; a root without reach markers falls back to one seek per block.
+        ``deadline`` (seconds; None: the store's ``remote_deadline``) bounds this
+        lookup's wait for the remote tier and the pull of what it found there
+        (:meth:`Tiers.find <kvstore.store.tiers.Tiers.find>`).
         """
-        match = self._find(tokens, namespace)
+        match = self._find(tokens, namespace, deadline=deadline)
         self._access.note(lookup=True)
         return match
 
-    def _find(self, tokens: Any, namespace: Namespace | None, *, lower: bool = True
-              ) -> Match | None:
+    def _find(self, tokens: Any, namespace: Namespace | None, *, lower: bool = True,
+              deadline: float | None = None) -> Match | None:
         tk = self._keys(tokens, self._ns(namespace))
         if lower:
-            return self.tiers.search(tk)
+            return self.tiers.search(tk, deadline=deadline)
         with self.local.catalog.reader() as r:
             return find(r, tk)
 
@@ -526,6 +559,10 @@ class Store:
         """Entries, blocks, logical vs physical bytes and the dedup ratio."""
         return self.maintenance.stats()
 
+    def quarantined(self) -> int:
+        """How many blocks the root's ``quarantine/`` holds (moved aside as corrupt)."""
+        return self.local.blocks.quarantined()
+
     # --- views (kvstore.local.views) ---------------------------------------------------
 
     def lookup_reads(self, tokens: Any, *, namespace: Namespace | None = None
@@ -538,4 +575,5 @@ class Store:
         return self.views.replay_reads(reads)
 
 
-__all__ = ["Entry", "EntryInfo", "Known", "Match", "Stats", "Store", "TensorSpec", "default_root"]
+__all__ = ["Entry", "EntryInfo", "Known", "Match", "Stats", "Store", "StoreOptions", "TensorSpec",
+           "default_root"]

@@ -68,7 +68,12 @@ class Tiers(Tier):
     thread-safe. As a tier it is named as its root, and read-only when the root is."""
 
     def __init__(self, root: Root, lower: Sequence[Tier] = (), *, write_behind: bool = True,
-                 queue_size: int = DEFAULT_QUEUE, workers: int = 2) -> None:
+                 deadline: float | None = None, counters: StoreCounters | None = None,
+                 retry: PushRetry | None = None, queue_size: int = DEFAULT_QUEUE,
+                 workers: int = 2) -> None:
+        """``deadline``: :attr:`deadline`; ``counters``: the store's (what the tiers did is
+        counted there; None: their own); ``retry``: :attr:`retry` (None: the default
+        schedule). All are fixed for the tiers' life."""
         self.root = root
         self.lower = list(lower)
         self.name = root.name
@@ -81,7 +86,7 @@ class Tiers(Tier):
         self._outstanding = 0
         self._stats = PushStats()
         self._failed = Retries()  # pushes waiting to be tried again, or given up
-        self.retry = PushRetry()
+        self.retry = PushRetry() if retry is None else retry
         self._queued: set[bytes] = set()  # in the queue or being copied
         #: Entries pulled unsigned that a push was told to sign (``push(sign_pulled=True)``).
         self._sign_pulled: set[bytes] = set()
@@ -89,21 +94,18 @@ class Tiers(Tier):
         self._n_workers = workers
         self._requests = cf.ThreadPoolExecutor(4, thread_name_prefix="kvstore-tier-lookup")
         self._closed = False
-        self.counters = StoreCounters()  # the store's own (Store.__init__ hands it over)
+        self.counters = StoreCounters() if counters is None else counters
         #: The lower tiers' health and the request deadline (:attr:`deadline`).
-        self.health = Health()
+        self.health = Health(deadline)
         self.pulls = Background(name="kvstore-pull")
         self._ends: dict[tuple[str, bytes], float] = {}  # when a running pull is overdue
 
     @property
     def deadline(self) -> float | None:
         """Seconds a lookup and the pull of what it found below the root may take together
-        (None: each tier's own bounds); :attr:`health`'s."""
+        (None: each tier's own bounds); :attr:`health`'s, fixed at construction (a lookup
+        may pass its own: :meth:`find`)."""
         return self.health.deadline
-
-    @deadline.setter
-    def deadline(self, seconds: float | None) -> None:
-        self.health.deadline = seconds
 
     def later(self, tier: Tier, first: Callable[[], object], why: object) -> None:
         """Run ``first`` before ``tier`` is used (it was unreachable: its settings are
@@ -144,31 +146,34 @@ class Tiers(Tier):
 
     # --- lookups -----------------------------------------------------------------------
 
-    def search(self, tk: TokenKeys) -> Match | None:
+    def search(self, tk: TokenKeys, *, deadline: float | None = None) -> Match | None:
         """The best match of ``tk`` in any tier: the root's, then :meth:`find` below it (the
-        store's lookup, and the composed catalog's)."""
+        store's lookup, and the composed catalog's); ``deadline`` as :meth:`find`'s."""
         with self.root.catalog.reader() as r:
             best = find(r, tk)
-        return self.find(tk, best)
+        return self.find(tk, best, deadline=deadline)
 
-    def find(self, tk: TokenKeys, best: Match | None) -> Match | None:
+    def find(self, tk: TokenKeys, best: Match | None, *,
+             deadline: float | None = None) -> Match | None:
         """The best match of ``tk`` given the root's ``best``: a lower tier's when longer.
 
-        With a :attr:`deadline`, a lower tier's hit is fetched into the root
-        (:meth:`fetch`) before this returns (the match is then the root's, ``origin``
-        names the tier), or not used (``best`` is returned, the pull goes on in the
-        background)."""
-        until = self.health.until()
+        With a deadline (``deadline``, this lookup's; None: :attr:`deadline`), a lower
+        tier's hit is fetched into the root (:meth:`fetch`) before this returns (the match
+        is then the root's, ``origin`` names the tier), or not used (``best`` is returned,
+        the pull goes on in the background)."""
+        deadline = self.deadline if deadline is None else deadline
+        until = self.health.until(deadline)
         for tier in self.lower:
             if best is not None and best.exact:
                 break
-            hit = self._find_in(tier, tk, best.length if best is not None else 0, until)
+            hit = self._find_in(tier, tk, best.length if best is not None else 0, until,
+                                deadline)
             if hit is not None:
                 best = hit if until is None else self._pulled_by(tier, tk, hit, best, until)
         return best
 
-    def _find_in(self, tier: Tier, tk: TokenKeys, floor: int,
-                 until: float | None = None) -> Match | None:
+    def _find_in(self, tier: Tier, tk: TokenKeys, floor: int, until: float | None = None,
+                 deadline: float | None = None) -> Match | None:
         if self.health.benched(tier.name):
             return None
         now = self.health.clock()
@@ -176,8 +181,8 @@ class Tiers(Tier):
         if ask.skip is not None:
             if ask.background:  # not waited for, asked all the same
                 self._in_background(tier, self._requests.submit(self._find_now, tier, tk,
-                                                                floor), now)
-            self._missed(tier, ask.skip)
+                                                                floor), now, deadline)
+            self._missed(tier, ask.skip, deadline)
             return None
         fut = self._requests.submit(self._find_now, tier, tk, floor)
         try:
@@ -190,22 +195,24 @@ class Tiers(Tier):
             self._failed_lookup(tier, e)
             return None
         self.health.cut(tier.name)
-        self._missed(tier, "the lookup")
-        self._in_background(tier, fut, now)
+        self._missed(tier, "the lookup", deadline)
+        self._in_background(tier, fut, now, deadline)
         return None
 
-    def _in_background(self, tier: Tier, fut: cf.Future[Match | None], began: float) -> None:
+    def _in_background(self, tier: Tier, fut: cf.Future[Match | None], began: float,
+                       deadline: float | None) -> None:
         self.health.late()
-        fut.add_done_callback(lambda f: self._late_lookup(tier, f, began))
+        fut.add_done_callback(lambda f: self._late_lookup(tier, f, began, deadline))
 
     def _failed_lookup(self, tier: Tier, why: object) -> None:
         self.counters.add(remote_errors=1)
         self.down(tier, why)
 
-    def _late_lookup(self, tier: Tier, fut: cf.Future[Match | None], began: float) -> None:
+    def _late_lookup(self, tier: Tier, fut: cf.Future[Match | None], began: float,
+                     deadline: float | None) -> None:
         """A lookup the deadline left running (or not waited for) answered: fetch what it
         found, in the background; the tier is waited for again if it answered in time."""
-        self.health.answered(tier.name, began)
+        self.health.answered(tier.name, began, deadline)
         if fut.cancelled():
             return
         e = fut.exception()
@@ -242,13 +249,15 @@ class Tiers(Tier):
             return best
         return replace(here, origin=tier.name)
 
-    def _missed(self, tier: Tier, what: str) -> None:
-        """Count (and now and then log) a request the deadline cut short."""
+    def _missed(self, tier: Tier, what: str, deadline: float | None = None) -> None:
+        """Count (and now and then log) a request the deadline (``deadline``, the
+        request's; None: :attr:`deadline`) cut short."""
         self.counters.add(remote_deadline_misses=1)
         if self.health.warn_due():
-            _log.warning("kvstore: %s %s past the %g s remote deadline (%s): computed "
-                         "here, pulled in the background", tier.name, tier, self.deadline,
-                         what)
+            d = self.deadline if deadline is None else deadline
+            _log.warning("kvstore: %s %s past %s remote deadline (%s): computed here, pulled "
+                         "in the background", tier.name, tier,
+                         "its" if d is None else f"the {d:g} s", what)
 
     def _find_now(self, tier: Tier, tk: TokenKeys, floor: int) -> Match | None:
         self._ready(tier)

@@ -76,6 +76,21 @@ def open_store(root: Path | str, **kw: Any) -> kvstore.Store:
     return kvstore.Store.open(root, namespace=NS, block_tokens=T, durable=False, **kw)
 
 
+def open_built(root: Path | str, built: dict[str, Any], **kw: Any) -> kvstore.Store:
+    """:func:`open_store`, the store built with ``built`` in its options too
+    (``StoreOptions`` fields ``Store.open`` has no keyword for: ``clock``, ``push_retry``):
+    a store is built whole, never changed after construction."""
+    from dataclasses import replace
+
+    from kvstore.store.opening import StoreOptions
+
+    class Built(kvstore.Store):
+        def __init__(self, local: Any, options: StoreOptions, **parts: Any) -> None:
+            super().__init__(local, replace(options, **built), **parts)
+
+    return Built.open(root, namespace=NS, block_tokens=T, durable=False, **kw)
+
+
 WORKER = Path(__file__).resolve().parent / "worker.py"
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.kv import T, make_cache, matches, open_store, tokens_for
+from helpers.kv import T, make_cache, matches, open_built, open_store, tokens_for
 from helpers.slowproxy import SlowProxy, wait_until
 
 from kvstore.remote import Remote
@@ -22,6 +22,8 @@ from kvstore.store.retry import PushRetry
 DEADLINE = 1.0
 MARGIN = 0.5  # what a request may take past the deadline (the local part, a loaded machine)
 SLOW = 3.0  # seconds the proxy adds to each request
+RETRYING = PushRetry(attempts=50, first=0.1, cap=0.4, give_up_after=60)  # until it lands
+GIVING_UP = PushRetry(attempts=3, first=0.1, cap=0.2, give_up_after=60)  # three tries
 
 
 @contextmanager
@@ -156,8 +158,7 @@ def test_a_remote_hit_within_the_deadline_counts_as_the_remotes(
 def test_pushes_that_fail_are_tried_again_and_land(
         tmp_path: Path, url: str, proxy: SlowProxy) -> None:
     toks = tokens_for(4, 8 * T)
-    with open_store(tmp_path / "b", remote=url) as b:
-        b.tiers.retry = PushRetry(attempts=50, first=0.1, cap=0.4, give_up_after=60)
+    with open_built(tmp_path / "b", {"push_retry": RETRYING}, remote=url) as b:
         proxy.fail = True
         b.save(toks, make_cache(toks))
         wait_until(lambda: b.counters.values().remote_errors >= 3, 60, "three failed tries")
@@ -176,8 +177,7 @@ def test_pushes_that_fail_are_tried_again_and_land(
 def test_pushes_that_keep_failing_are_given_up_and_counted(
         tmp_path: Path, url: str, proxy: SlowProxy) -> None:
     toks = tokens_for(5, 8 * T)
-    with open_store(tmp_path / "b", remote=url) as b:
-        b.tiers.retry = PushRetry(attempts=3, first=0.1, cap=0.2, give_up_after=60)
+    with open_built(tmp_path / "b", {"push_retry": GIVING_UP}, remote=url) as b:
         proxy.fail = True
         b.save(toks, make_cache(toks))
         wait_until(lambda: b.counters.values().remote_pushes_given_up == 1, 60, "given up")
@@ -195,8 +195,7 @@ def test_pushes_that_keep_failing_are_given_up_and_counted(
 
 def test_what_is_still_failing_at_close_is_said_once(
         tmp_path: Path, url: str, proxy: SlowProxy) -> None:
-    b = open_store(tmp_path / "b", remote=url)
-    b.tiers.retry = PushRetry(attempts=3, first=0.1, cap=0.2, give_up_after=60)
+    b = open_built(tmp_path / "b", {"push_retry": GIVING_UP}, remote=url)
     proxy.fail = True
     for seed in (6, 7):
         t = tokens_for(seed, 4 * T)
@@ -210,8 +209,7 @@ def test_what_is_still_failing_at_close_is_said_once(
 def test_an_explicit_push_waits_for_the_tries_within_its_timeout(
         tmp_path: Path, url: str, proxy: SlowProxy) -> None:
     toks = tokens_for(8, 6 * T)
-    with open_store(tmp_path / "b", remote=url) as b:
-        b.tiers.retry = PushRetry(attempts=50, first=0.1, cap=0.4, give_up_after=60)
+    with open_built(tmp_path / "b", {"push_retry": RETRYING}, remote=url) as b:
         proxy.fail = True
         b.save(toks, make_cache(toks))
         out: dict[str, Any] = {}
@@ -228,3 +226,37 @@ def test_an_explicit_push_waits_for_the_tries_within_its_timeout(
         assert (st.entries, st.failed, st.given_up, st.pending) == (1, 0, 0, 0), st
         assert st.retried >= 3, st
     assert len(exact_keys(url)) == 1
+
+
+def test_each_prompt_cache_waits_by_its_own_deadline(
+        tmp_path: Path, url: str, endpoint: str) -> None:
+    """Issue 35: two prompt caches over one store (with no deadline of its own) each wait for
+    a slow gateway by their own ``remote_deadline``: the patient one gets its entry from the
+    remote, the quick one computes (one deadline miss); the store's stays None."""
+    from helpers.kv import two_layer_kv
+
+    from kvstore.mlx_lm import PersistentPromptCache
+    from kvstore.tiny import make_tiny_model
+
+    key = (str(make_tiny_model(tmp_path / "model" / "llama", "llama")), None, None)
+    first, second = tokens_for(21, 6 * T), tokens_for(22, 6 * T)
+    with open_store(tmp_path / "a", remote=url) as a:
+        with PersistentPromptCache(a, min_tokens=T) as ppc:
+            for t in (first, second):
+                ppc.insert_cache(key, t, two_layer_kv(t))
+            assert ppc.drain(60)
+        assert a.push(60).entries == 2
+    with SlowProxy(endpoint, delay=0.4) as proxy, through(proxy), \
+            open_store(tmp_path / "b", remote=url) as b, \
+            PersistentPromptCache(b, remote_deadline=60.0) as patient, \
+            PersistentPromptCache(b, remote_deadline=0.2) as quick:
+        cache, rest = patient.fetch_nearest_cache(key, first + [1])
+        assert cache is not None and rest == [1]  # waited for: pulled from the remote
+        assert patient.request_counts().remote_tokens == len(first)
+        t0 = time.monotonic()
+        cache, rest = quick.fetch_nearest_cache(key, second + [1])
+        assert time.monotonic() - t0 < 0.2 + MARGIN
+        assert cache is None and rest == second + [1]  # cut by its own deadline: computed
+        assert b.counters.values().remote_deadline_misses == 1
+        assert b.tiers.deadline is None
+        assert b.tiers.settle(120)
