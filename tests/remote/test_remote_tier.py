@@ -77,7 +77,7 @@ def test_a_prefix_pull_downloads_only_the_blocks_it_needs(tmp_path: Path, url: s
         assert seen.count("GetObject") == 1 + 7  # the manifest, then 7 of its 20 blocks
         (e,) = list(b.entries())
         assert e.n_tokens == 7 * T  # the local entry is the prefix, cut at a block boundary
-        assert len(list(b.blocks.iter())) == 7
+        assert len(list(b.local.blocks.iter())) == 7
 
 
 def test_a_pulled_entry_keeps_its_records(tmp_path: Path, url: str) -> None:
@@ -158,7 +158,7 @@ def test_verify_finds_and_repairs_a_corrupt_block(tmp_path: Path, url: str) -> N
     with open_store(tmp_path / "b", remote=url) as b:
         cache, n = b.restore(toks)
         assert cache is None and n == 0  # never the bad bytes
-        assert not b.blocks.exists(bad)
+        assert not b.local.blocks.exists(bad)
         assert b.remote is not None
         rep = b.remote.verify(read_data=True, repair=True)
         assert len(rep.dropped) == 1 and rep.deleted_blocks == 1

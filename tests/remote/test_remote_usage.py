@@ -25,7 +25,7 @@ def test_a_remote_hit_counts_for_the_remote_tier(tmp_path: Path, url: str) -> No
         assert n == len(toks)
         got = b.counters.values()
         assert (got.remote_pulls, got.remote_errors) == (1, 0)
-        assert got.remote_pulled_bytes == sum(b.blocks.size(d) or 0
+        assert got.remote_pulled_bytes == sum(b.local.blocks.size(d) or 0
                                               for d in b.manifest(next(b.entries()).id)
                                               .block_digests()) > 0
         c = b.usage().lifetime
