@@ -5,28 +5,17 @@ through it and written back into the root, verified; a deletion reaches every ti
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from blocks.blockstore_suite import BlockStoreTests, block
-from helpers.composed import BELOW, Opened
+from helpers.composed import BELOW, ComposedBlocksCase, Opened
 
 from kvstore.blocks import hash_bytes
 from kvstore.blocks.base import BlockStore
 from kvstore.errors import BlockNotFoundError, CorruptBlockError
-from kvstore.local import LocalBlockStore, Root
-from kvstore.store.composed import ComposedBlocks
+from kvstore.local import Root
 from kvstore.store.tiers import Tiers
-
-
-@pytest.fixture
-def opened() -> Iterator[Opened]:
-    o = Opened()
-    try:
-        yield o
-    finally:
-        o.close()
 
 
 @pytest.fixture
@@ -39,7 +28,7 @@ def tiers(opened: Opened, tmp_path: Path, below: Root) -> Tiers:
     return opened.tiers(opened.root(tmp_path / "top"), [below])
 
 
-class TestComposedBlocks(BlockStoreTests):
+class TestComposedBlocks(ComposedBlocksCase, BlockStoreTests):
     @pytest.fixture(params=["blake3", "sha256"])
     def store(self, opened: Opened, tmp_path: Path, request: pytest.FixtureRequest
               ) -> BlockStore:
@@ -47,16 +36,6 @@ class TestComposedBlocks(BlockStoreTests):
         algo = request.param
         below = opened.root(tmp_path / "below", name=BELOW, hash=algo)
         return opened.tiers(opened.root(tmp_path / "top", hash=algo), [below]).blocks
-
-    def corrupt(self, store: BlockStore, digest: bytes, data: bytes) -> None:
-        assert isinstance(store, ComposedBlocks)
-        root = store.layers.root.blocks
-        assert isinstance(root, LocalBlockStore)
-        root.path(digest).write_bytes(data)
-
-    def read_only(self, store: BlockStore) -> BlockStore:
-        assert isinstance(store, ComposedBlocks) and isinstance(store.layers, Tiers)
-        return self.opened.read_only_tiers(store.layers).blocks
 
 
 def _files(root: Root) -> dict[str, bytes]:

@@ -5,26 +5,15 @@ is gone from both."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from catalog.catalog_suite import CatalogTests, Entry, T, commit, lookup, same_records
-from helpers.composed import BELOW, Opened
+from helpers.composed import BELOW, ComposedCatalogCase, Opened
 
-from kvstore.catalog.base import Catalog, Tier
 from kvstore.catalog.find import Match
 from kvstore.local import Root
 from kvstore.store.tiers import Tiers
-
-
-@pytest.fixture
-def opened() -> Iterator[Opened]:
-    o = Opened()
-    try:
-        yield o
-    finally:
-        o.close()
 
 
 @pytest.fixture
@@ -37,15 +26,8 @@ def tiers(opened: Opened, tmp_path: Path, below: Root) -> Tiers:
     return opened.tiers(opened.root(tmp_path / "top", block_tokens=T), [below])
 
 
-class TestComposedCatalog(CatalogTests):
-    @pytest.fixture
-    def tier(self, tiers: Tiers, opened: Opened) -> Tier:
-        self.opened = opened  # the test's own instance: read_only opens through it
-        return tiers
-
-    def read_only(self, tier: Tier) -> Catalog:
-        assert isinstance(tier, Tiers)
-        return self.opened.read_only_tiers(tier).catalog
+class TestComposedCatalog(ComposedCatalogCase, CatalogTests):
+    pass
 
 
 def test_the_composed_tier_is_named_as_its_root(tiers: Tiers) -> None:

@@ -7,8 +7,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvstore.catalog.base import Tier
-from kvstore.local import Root
+import pytest
+
+from kvstore.blocks.base import BlockStore
+from kvstore.catalog.base import Catalog, Tier
+from kvstore.local import LocalBlockStore, Root
+from kvstore.store.composed import ComposedBlocks
 from kvstore.store.tiers import Tiers
 
 BELOW = "below"  # the name of a root below the composed tier's own
@@ -51,3 +55,36 @@ class Opened:
             t.close(5)
         for r in reversed(self.roots):
             r.close()
+
+
+class ComposedCatalogCase:
+    """The shared catalog suite's hooks over a composed tier (the module's ``tiers``
+    fixture): mix in before ``CatalogTests``."""
+
+    opened: Opened
+
+    @pytest.fixture
+    def tier(self, tiers: Tiers, opened: Opened) -> Tier:
+        self.opened = opened  # the test's own instance: read_only opens through it
+        return tiers
+
+    def read_only(self, tier: Tier) -> Catalog:
+        assert isinstance(tier, Tiers)
+        return self.opened.read_only_tiers(tier).catalog
+
+
+class ComposedBlocksCase:
+    """The shared block-store suite's hooks over a composed tier's blocks (the subclass's
+    ``store`` fixture sets ``opened``): mix in before ``BlockStoreTests``."""
+
+    opened: Opened
+
+    def corrupt(self, store: BlockStore, digest: bytes, data: bytes) -> None:
+        assert isinstance(store, ComposedBlocks)
+        root = store.layers.root.blocks
+        assert isinstance(root, LocalBlockStore)
+        root.path(digest).write_bytes(data)
+
+    def read_only(self, store: BlockStore) -> BlockStore:
+        assert isinstance(store, ComposedBlocks) and isinstance(store.layers, Tiers)
+        return self.opened.read_only_tiers(store.layers).blocks

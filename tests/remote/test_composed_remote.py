@@ -5,32 +5,19 @@ root), a commit reaches the bucket after flush, a removal or a deletion every ti
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from blocks.blockstore_suite import BlockStoreTests, block
 from catalog.catalog_suite import CatalogTests, Entry, T, commit, lookup, same_records
-from helpers.composed import Opened
+from helpers.composed import ComposedBlocksCase, ComposedCatalogCase, Opened
 
 from kvstore.blocks import hash_bytes
 from kvstore.blocks.base import BlockStore
-from kvstore.catalog.base import Catalog, Tier
 from kvstore.catalog.find import Match
 from kvstore.errors import CorruptBlockError
-from kvstore.local import LocalBlockStore
 from kvstore.remote import Remote
-from kvstore.store.composed import ComposedBlocks
 from kvstore.store.tiers import Tiers
-
-
-@pytest.fixture
-def opened() -> Iterator[Opened]:
-    o = Opened()
-    try:
-        yield o
-    finally:
-        o.close()
 
 
 def composed(opened: Opened, path: Path, url: str, hash: str = "blake3") -> Tiers:
@@ -52,33 +39,16 @@ def _remote(tiers: Tiers) -> Remote:
     return r
 
 
-class TestComposedRemoteCatalog(CatalogTests):
-    @pytest.fixture
-    def tier(self, tiers: Tiers, opened: Opened) -> Tier:
-        self.opened = opened  # the test's own instance: read_only opens through it
-        return tiers
-
-    def read_only(self, tier: Tier) -> Catalog:
-        assert isinstance(tier, Tiers)
-        return self.opened.read_only_tiers(tier).catalog
+class TestComposedRemoteCatalog(ComposedCatalogCase, CatalogTests):
+    pass
 
 
-class TestComposedRemoteBlocks(BlockStoreTests):
+class TestComposedRemoteBlocks(ComposedBlocksCase, BlockStoreTests):
     @pytest.fixture(params=["blake3", "sha256"])
     def store(self, opened: Opened, tmp_path: Path, url: str, request: pytest.FixtureRequest
               ) -> BlockStore:
         self.opened = opened
         return composed(opened, tmp_path / "top", url, request.param).blocks
-
-    def corrupt(self, store: BlockStore, digest: bytes, data: bytes) -> None:
-        assert isinstance(store, ComposedBlocks)
-        root = store.layers.root.blocks
-        assert isinstance(root, LocalBlockStore)
-        root.path(digest).write_bytes(data)
-
-    def read_only(self, store: BlockStore) -> BlockStore:
-        assert isinstance(store, ComposedBlocks) and isinstance(store.layers, Tiers)
-        return self.opened.read_only_tiers(store.layers).blocks
 
 
 def test_an_entry_only_in_the_bucket_is_found_and_read_through_the_composed_catalog(
