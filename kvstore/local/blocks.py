@@ -321,16 +321,7 @@ class LocalBlockStore(base.BlockStore):
 
     def get(self, digest: bytes, *, verify: bool = True) -> bytes:
         """The block's bytes, checked against its digest when ``verify``."""
-        fd = self.open(digest)
-        try:
-            chunks = []
-            pos = 0
-            while chunk := os.pread(fd, 1 << 22, pos):
-                chunks.append(chunk)
-                pos += len(chunk)
-        finally:
-            os.close(fd)
-        data = b"".join(chunks)
+        data = b"".join(self._chunks(digest))
         if verify:
             self.check(digest, data)
         return data
@@ -341,15 +332,20 @@ class LocalBlockStore(base.BlockStore):
     def hash_file(self, digest: bytes) -> bytes:
         """The digest of the block file's current bytes (a regular file, opened as by open)."""
         h = new_hasher(self.algo)
+        for chunk in self._chunks(digest):
+            h.update(chunk)
+        return h.digest()
+
+    def _chunks(self, digest: bytes) -> Iterator[bytes]:
+        """The block file's bytes in 4 MiB reads (a regular file, opened as by open)."""
         fd = self.open(digest)
         try:
             pos = 0
             while chunk := os.pread(fd, 1 << 22, pos):
-                h.update(chunk)
+                yield chunk
                 pos += len(chunk)
         finally:
             os.close(fd)
-        return h.digest()
 
     def inspect(self, digest: bytes, size: int, *, read_data: bool) -> tuple[str, str, int]:
         """``(state, what is wrong, bytes hashed)`` of one block file; state is 'ok',

@@ -136,7 +136,8 @@ class Root(Tier):
         return new
 
     def record_access(self, hits: dict[bytes, int], *, lookups: int, found: int) -> None:
-        """Stamp the entries served (``hits``: digest to ms) and add the lookup counts."""
+        """Stamp the entries served (``hits``: digest to the times it was served) with the
+        time now, and add the lookup counts."""
         self.index.record_access(hits, lookups=lookups, found=found)
 
     def totals(self) -> Totals:
