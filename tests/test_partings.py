@@ -12,13 +12,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from helpers.observers import Seen
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 import kvstore
 from kvstore.mlx_lm import PersistentPromptCache
 from kvstore.mlx_lm.partings import MessageMap
 from kvstore.mlx_lm.prefill import checkpoint_type
-from kvstore.mlx_lm.requests import CacheObserver, RequestContext, RequestRecord
+from kvstore.mlx_lm.requests import RequestContext
 
 KEY = ("model", None, None)
 MODEL = nn.Linear(4, 4)  # one fingerprint for every cache here
@@ -98,18 +99,6 @@ def test_placing_renders_about_log2_messages_prefixes() -> None:
 
 
 # --- the prompt cache: shared tokens, the parting, excerpts, shallow --------------------
-
-
-class Seen(CacheObserver):
-    def __init__(self) -> None:
-        self.opened: list[RequestRecord] = []
-        self.done: list[RequestRecord] = []
-
-    def fetched(self, rec: RequestRecord) -> None:
-        self.opened.append(rec)
-
-    def finished(self, rec: RequestRecord) -> None:
-        self.done.append(rec)
 
 
 def _kv(tokens: list[int]) -> list[Any]:

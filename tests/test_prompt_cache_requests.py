@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from factories import arrays_cache
 from helpers.kv import two_layer_kv
+from helpers.observers import Seen
 
 import kvstore
 from kvstore.mlx_lm import PersistentPromptCache
 from kvstore.mlx_lm import requests as R
-from kvstore.mlx_lm.requests import CacheObserver, RequestRecord
 from kvstore.tiny import make_tiny_model
 
 T = 16  # block_tokens of the roots here
@@ -36,20 +36,6 @@ def store(tmp_path: Path) -> Iterator[kvstore.Store]:
         yield s
 
 
-class Seen(CacheObserver):
-    def __init__(self) -> None:
-        self.opened: list[RequestRecord] = []
-        self.done: list[RequestRecord] = []
-        self.saves: list[Any] = []
-
-    def fetched(self, rec: RequestRecord) -> None:
-        self.opened.append(rec)
-
-    def finished(self, rec: RequestRecord) -> None:
-        self.done.append(rec)
-
-    def saved(self, done: object) -> None:
-        self.saves.append(done)
 
 
 def _seen(ppc: PersistentPromptCache) -> Seen:

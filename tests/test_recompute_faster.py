@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 from helpers.kv import two_layer_kv
+from helpers.observers import Seen
 
 import kvstore
 from kvstore.mlx_lm import PersistentPromptCache, crossover
-from kvstore.mlx_lm.requests import CacheObserver, RequestRecord
 from kvstore.tiny import make_tiny_model
 
 T = 16
@@ -32,12 +32,6 @@ def store(tmp_path: Path) -> Iterator[kvstore.Store]:
         yield s
 
 
-class Seen(CacheObserver):
-    def __init__(self) -> None:
-        self.opened: list[RequestRecord] = []
-
-    def fetched(self, rec: RequestRecord) -> None:
-        self.opened.append(rec)
 
 
 A = list(range(100, 200))
