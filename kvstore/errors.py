@@ -4,7 +4,7 @@ without loading the package that raises them).
 
 An error only one package raises lives next to the code that raises it:
 ``kvstore.formats.errors`` (mlx-bun files), ``kvstore.remote.errors`` (the bucket),
-``kvstore.local.index.errors`` (LMDB), ``kvstore.codecs.errors``, ``kvstore.store.errors``;
+``kvstore.index.errors`` (LMDB), ``kvstore.codecs.errors``, ``kvstore.store.errors``;
 ``kvstore._vio.ShortReadError`` and ``kvstore._human.SizeError`` in their modules.
 Subclasses also inherit the builtin that fits, so ``except KeyError`` and
 ``except ValueError`` keep working for callers that do not know kvstore.

@@ -30,8 +30,11 @@ TIERS: dict[str, set[str]] = {
     "kvstore.codecs": {"errors", "schema"},
     "kvstore.formats": {"errors", "_vio", "_wyhash", "schema", "codecs/"},
     "kvstore.catalog": {"errors", "schema", "blocks/", "codecs/"},
-    # the local tier, one package; its index (local/index/) is imported by it alone
-    "kvstore.local": {"errors", "_vio", "_crash", "schema", "blocks/", "codecs/", "catalog/"},
+    # the LMDB index, a top-level package of the design card, imported by the local tier alone
+    "kvstore.index": {"errors"},
+    # the local tier, one package
+    "kvstore.local": {"errors", "_vio", "_crash", "schema", "blocks/", "codecs/", "catalog/",
+                      "index/"},
     "kvstore.remote": {"errors", "_crash", "schema", "blocks/", "codecs/", "catalog/"},
     "kvstore.store": {"errors", "_crash", "schema", "blocks/", "codecs/", "formats/",
                       "catalog/", "remote/", "local", "local.gc", "local.restore",
@@ -64,7 +67,7 @@ DOC = PKG.parent / "docs" / "ARCHITECTURE.md"
 #: files of a root are opened by blocks/ alone).
 OPENS_FILES = {
     "kvstore.local.blocks": "block files and the root's block directories",
-    "kvstore.local.index": "the LMDB environment, its write gate's lock file, /proc/locks",
+    "kvstore.index": "the LMDB environment, its write gate's lock file, /proc/locks",
     "kvstore.local.modes": "the index's files, without following a link, to fchmod",
     "kvstore.formats": "mlx-bun v3/v4/v5 files the user names",
     "kvstore.local.filesystem": "/proc/mounts, to name the root's filesystem",
@@ -222,12 +225,12 @@ def test_the_tier_check_can_fail() -> None:
     assert _tier_errors("kvstore.local.blocks", "kvstore.store.store")
     assert _tier_errors("kvstore.local.root", "kvstore.store.errors")
     assert _tier_errors("kvstore.codecs.base", "kvstore.formats.v3")
-    assert _tier_errors("kvstore.cli.main", "kvstore.local.index")
-    assert _tier_errors("kvstore.cli.main", "kvstore.local.index.lmdb_index")
-    assert _tier_errors("kvstore.store.store", "kvstore.local.index")
+    assert _tier_errors("kvstore.cli.main", "kvstore.index")
+    assert _tier_errors("kvstore.cli.main", "kvstore.index.lmdb_index")
+    assert _tier_errors("kvstore.store.store", "kvstore.index")
     assert _tier_errors("kvstore.store.tiers", "kvstore.local.catalog")
     assert _tier_errors("kvstore.store.tiers", "kvstore.local") is None
-    assert _tier_errors("kvstore.local.gc", "kvstore.local.index") is None  # its own part
+    assert _tier_errors("kvstore.local.gc", "kvstore.index") is None  # its own part
     assert _tier_errors("kvstore.mlx_lm.serve", "kvstore.cli.render")
     assert _tier_errors("kvstore.local.gc", "kvstore")
     assert _tier_errors("kvstore.local.gc", "kvstore.blocks") is None
@@ -298,7 +301,7 @@ def test_each_tier_imports_only_the_tiers_below() -> None:
 #: The local tier's parts, lowest first (docs/ARCHITECTURE.md): a part imports only itself
 #: and the parts before it; the rest of ``kvstore.local`` (the data path, the upkeep, the
 #: views) may import them all.
-LOCAL_PARTS = ["kvstore.local.errors", "kvstore.local.index", "kvstore.local.blocks",
+LOCAL_PARTS = ["kvstore.local.errors", "kvstore.local.blocks",
                "kvstore.local.filesystem", "kvstore.local.modes", "kvstore.local.catalog",
                "kvstore.local.root"]
 
@@ -311,7 +314,7 @@ def _local_part(name: str) -> int:
 
 
 def test_the_local_part_check_can_fail() -> None:
-    assert _local_part("kvstore.local.index.records") < _local_part("kvstore.local.catalog")
+    assert _local_part("kvstore.local.blocks") < _local_part("kvstore.local.catalog")
     assert _local_part("kvstore.local.root") < _local_part("kvstore.local.saving")
     assert _local_part("kvstore.local.gc") == len(LOCAL_PARTS)
 
@@ -324,20 +327,27 @@ def test_the_local_parts_depend_one_way() -> None:
 
 
 def _index_users(edges: dict[str, set[str]]) -> list[str]:
-    """The modules outside ``kvstore.local`` that import its index (``edges``: module ->
-    the modules it imports)."""
+    """The modules outside ``kvstore.local`` (and the index itself) that import the index
+    (``edges``: module -> the modules it imports)."""
     return sorted(m for m, ts in edges.items()
-                  if m != "kvstore.local" and not m.startswith("kvstore.local.")
-                  and any(t == "kvstore.local.index" or t.startswith("kvstore.local.index.")
+                  if _package(m) not in ("kvstore.local", "kvstore.index")
+                  and any(t == "kvstore.index" or t.startswith("kvstore.index.")
                           for t in ts))
 
 
 def test_nothing_outside_the_local_tier_imports_its_index() -> None:
-    """Issue 35: the local tier reaches its index through its own catalog and root; its
-    package exports the index's record types (``EntryRecord``, ``now_ms``), never ``Index``."""
+    """Issues 35 and 45: the LMDB index is the top-level package ``kvstore/index/`` (the
+    design card's layout), and only the local tier imports it: everything else reaches it
+    through the local tier's catalog and root, whose package exports the index's record
+    types (``EntryRecord``, ``now_ms``), never ``Index``."""
+    assert MODULES["kvstore.index"] == PKG / "index" / "__init__.py"
+    assert not any(m.startswith("kvstore.local.index") for m in MODULES)
     assert _index_users({m: {t for t, _ in _imports(m)} for m in MODULES}) == []
-    assert _index_users({"kvstore.store.store": {"kvstore.local.index.lmdb_index"},
-                         "kvstore.local.root": {"kvstore.local.index"}}) == ["kvstore.store.store"]
+    assert _index_users({"kvstore.store.store": {"kvstore.index.lmdb_index"},
+                         "kvstore.cli.main": {"kvstore.index"},
+                         "kvstore.index.lmdb_index": {"kvstore.index.records"},
+                         "kvstore.local.root": {"kvstore.index"}}) == ["kvstore.cli.main",
+                                                                       "kvstore.store.store"]
     import kvstore.local
 
     assert "Index" not in kvstore.local.__all__ and not hasattr(kvstore.local, "Index")
@@ -355,7 +365,7 @@ def test_tiers_import_only_the_libraries_they_may() -> None:
 
 def test_lmdb_is_imported_by_the_index_alone() -> None:
     bad = [f"{m}:{line}" for m in MODULES for t, line in _imports(m)
-           if t.split(".")[0] == "lmdb" and not m.startswith("kvstore.local.index")]
+           if t.split(".")[0] == "lmdb" and not m.startswith("kvstore.index")]
     assert not bad, bad
 
 

@@ -22,8 +22,8 @@ from helpers.kv import (
 
 import kvstore
 from kvstore.cli.main import cli
+from kvstore.index import now_ms
 from kvstore.local.gc import PIN_SHARE
-from kvstore.local.index import now_ms
 
 BLOCK = 16 * 2 * 2 * 8 * 2  # one full token block of make_cache: 16 tokens, K+V, H2 D8 fp16
 

@@ -12,9 +12,9 @@ from helpers.kv import make_cache, matches, open_store, recount, sound_store, to
 from mlx_lm.models.cache import LRUPromptCache
 
 import kvstore
+from kvstore.index import EntryRecord, RefInfo
 from kvstore.local.catalog import delete_plan
 from kvstore.local.gc import EvictionOrder, plan_budget, plan_compact
-from kvstore.local.index import EntryRecord, RefInfo
 
 BLOCK = 16 * 2 * 2 * 8 * 2  # one full token block: 16 tokens, K+V, H2 D8 fp16
 

@@ -312,7 +312,7 @@ def test_compact_names_a_directory_a_member_left_without_group_write(users: User
 _HOLD = """
 import json, os, sys, time
 from pathlib import Path
-from kvstore.local.index import Index
+from kvstore.index import Index
 u = json.loads(sys.argv[2])  # imported as root (the interpreter may be root's alone)
 os.setgroups(u["groups"]); os.setgid(u["gid"]); os.setuid(u["uid"])
 idx = Index(Path(sys.argv[1]), durable=False, mode=0o660)

@@ -20,7 +20,7 @@ import pytest
 from helpers.kv import make_cache, open_store, tokens_for
 
 from kvstore.errors import UnsafeRootError
-from kvstore.local.index import IndexBusyError
+from kvstore.index import IndexBusyError
 
 LINK_WHY = ("is a symlink; a root's files must be regular files inside it (kvstore never "
             "opens or changes what a link in a root points to): remove the link (for "
@@ -111,7 +111,7 @@ def test_an_index_file_of_another_user_in_a_private_root_is_refused(tmp_path: Pa
 
 _HOLD_KVSTORE = """
 import sys, time
-from kvstore.local.index import Index
+from kvstore.index import Index
 idx = Index(__import__("pathlib").Path(sys.argv[1]), durable=False)
 with idx.write():
     print("ready", flush=True)

@@ -385,7 +385,7 @@ def test_access_stamps_that_cannot_be_written_never_fail_a_restore(
     store.save(toks, [kv_cache(40, 1)])
 
     def refuse(*a: object, **k: object) -> None:
-        raise kvstore.local.index.errors.IndexStoreError("read-only index")
+        raise kvstore.index.errors.IndexStoreError("read-only index")
 
     monkeypatch.setattr(store.local.index, "record_access", refuse)
     # flush on every restore

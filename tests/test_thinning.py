@@ -11,7 +11,7 @@ from helpers.kv import hybrid_cache
 
 import kvstore
 from kvstore.catalog.thinning import checkpoint_order, level
-from kvstore.local.index import EntryRecord
+from kvstore.index import EntryRecord
 
 NS = kvstore.Namespace(model_id="thin")
 T = 16

@@ -8,7 +8,7 @@ import pytest
 from helpers.kv import make_cache, matches, open_store, sound_store, tokens_for
 
 import kvstore
-from kvstore.local.index import RefInfo
+from kvstore.index import RefInfo
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ orphans and temp files) all take a ``Root``; ``views.py`` is what the command li
 the bench read of the index.
 """
 
+from ..index import EntryRecord, IndexBusyError, IndexRead, Totals, now_ms
 from .blocks import LocalBlockStore, open_real_dir
 from .catalog import LocalCatalog, LocalReader
-from .index import EntryRecord, IndexBusyError, IndexRead, Totals, now_ms
 from .root import Root, default_root, has_root
 
 __all__ = [

@@ -25,8 +25,8 @@ from ..catalog.base import Catalog, Ensure, open_manifest
 from ..catalog.find import DepthReader, Match
 from ..catalog.records import Records, records_of, trimmable
 from ..errors import KVStoreError, ManifestError
+from ..index import DeletePlan, EntryRecord, Index, SavePlan
 from ..schema import Manifest
-from .index import DeletePlan, EntryRecord, Index, SavePlan
 
 _log = logging.getLogger("kvstore")
 SCAN = 8  # prefix values examined on each side of a lookup's probe

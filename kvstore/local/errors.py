@@ -1,5 +1,5 @@
 """The local tier's own error (the exported ones it raises are in :mod:`kvstore.errors`,
-the index's in :mod:`kvstore.local.index.errors`)."""
+the index's in :mod:`kvstore.index.errors`)."""
 
 from __future__ import annotations
 

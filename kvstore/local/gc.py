@@ -62,7 +62,7 @@ from typing import Any
 from .._crash import crash_point
 from ..catalog.base import Plan, open_manifest
 from ..catalog.thinning import EvictionOrder, checkpoint_order
-from .index import EntryRecord, RefInfo, Totals, now_ms
+from ..index import EntryRecord, RefInfo, Totals, now_ms
 from .root import Root
 from .sweep import batches, orphan_files, stale_tmp_files, unlink_orphans, unlink_tmp
 from .verify import Progress

@@ -26,9 +26,9 @@ from ..catalog.base import Plan, open_manifest
 from ..catalog.records import cut_manifest, encoded, records_of
 from ..codecs.layout import manifest_blocks
 from ..errors import KVStoreError
+from ..index import RefInfo, SavePlan, now_ms
 from ..schema import Manifest
 from .catalog import entry_record, save_plan
-from .index import RefInfo, SavePlan, now_ms
 from .root import Root
 
 

@@ -20,10 +20,10 @@ from ..catalog.base import Copied, Tier, check_size
 from ..catalog.records import Records
 from ..catalog.settings import DEFAULT_BLOCK_TOKENS, DEFAULT_STATE_BLOCK, TierSettings
 from ..errors import KVStoreError, NotAStoreError, RootSettingsError, UnsafeRootError
+from ..index import Index, Totals, now_ms
 from .blocks import LocalBlockStore
 from .catalog import LocalCatalog
 from .filesystem import check_filesystem
-from .index import Index, Totals, now_ms
 from .modes import (
     PRIVATE,
     RootModes,

@@ -15,6 +15,7 @@ from ..catalog.records import PRIORITIES, Records, encoded, records_of
 from ..codecs import AttachmentData, RawCache, snapshot, stored_snapshot
 from ..codecs.layout import in_token_blocks
 from ..errors import CacheMismatchError, ManifestError
+from ..index import now_ms
 from ..schema import (
     FORMAT_VERSION,
     MAX_TOKENS,
@@ -28,7 +29,6 @@ from ..schema import (
     iter_tensor_specs,
     validate_manifest,
 )
-from .index import now_ms
 from .root import Root
 from .writer import place, write_blocks
 

@@ -21,7 +21,7 @@ from typing import Any
 from ..catalog.base import open_manifest
 from ..codecs.layout import manifest_blocks
 from ..errors import KVStoreError
-from .index import RefInfo
+from ..index import RefInfo
 from .repair import RepairPlan, RepairReport, plan_for_blocks, value_digest
 from .root import Root
 

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from ..catalog.base import open_manifest
 from ..catalog.find import find
 from ..catalog.keys import TokenKeys
+from ..index import IndexRead
 from ..schema import Manifest
 from .catalog import LocalReader
-from .index import IndexRead
 from .root import Root
 
 

@@ -10,9 +10,9 @@ import pytest
 from catalog.catalog_suite import CatalogTests, Entry, T, commit, lookup
 
 from kvstore.catalog.base import Catalog, Tier
+from kvstore.index import Index
 from kvstore.local import Root
 from kvstore.local.catalog import LocalCatalog
-from kvstore.local.index import Index
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_the_root_remembers_an_entry_pulled_unsigned(root: Root) -> None:
 
     import msgspec
 
-    from kvstore.local.index.records import EntryRecord, decode_entry
+    from kvstore.index.records import EntryRecord, decode_entry
 
     pulled, mine = Entry(list(range(1, 11))), Entry(list(range(20, 31)))
     assert root.catalog.commit(dataclasses.replace(pulled.records, pulled_unsigned=True),

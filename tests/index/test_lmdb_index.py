@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.local.index import DeletePlan, EntryRecord, Index, SavePlan
+from kvstore.index import DeletePlan, EntryRecord, Index, SavePlan
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The index's records: what one entry, one block and the whole root count, and the plans
-that change them. Plain values, encoded here, stored by :class:`~kvstore.local.index.Index`.
+that change them. Plain values, encoded here, stored by :class:`~kvstore.index.Index`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ...errors import KVStoreError
+from ..errors import KVStoreError
 
 
 class IndexStoreError(KVStoreError):

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ...errors import UnsafeRootError
+from ..errors import UnsafeRootError
 from .errors import IndexBusyError, IndexStoreError
 
 ENV_TIMEOUT = "KVSTORE_LOCK_TIMEOUT"

@@ -15,7 +15,7 @@ from typing import Any
 
 import lmdb
 
-from ...errors import IndexLockLostError, ReadOnlyStoreError, StoreFullError
+from ..errors import IndexLockLostError, ReadOnlyStoreError, StoreFullError
 from ._env import close_env, lock_identity, open_env
 from ._gate import WriteGate, default_timeout
 from .errors import IndexStoreError
@@ -126,7 +126,7 @@ class Index:
 
         A full map or a full disk is a :class:`StoreFullError`; LMDB aborts the
         transaction, so the index stays as it was before it. The write lock is waited
-        for ``lock_timeout`` seconds at most (:mod:`kvstore.local.index._gate`), then an
+        for ``lock_timeout`` seconds at most (:mod:`kvstore.index._gate`), then an
         :class:`IndexBusyError` naming its holder.
         """
         self._ensure()
