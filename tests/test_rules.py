@@ -42,11 +42,30 @@ def test_the_billing_line_goes_and_the_rest_stays(parts: bool) -> None:
     assert fired == {"claude-billing-header": 1}
     assert ra == rb  # a new cch no longer changes the prompt
     sys = ra["messages"][0]["content"]
-    if parts:
-        assert sys == [{"type": "text", "text": "You are a coding agent. Use the tools."}]
+    if parts:  # the emptied part keeps its place: breakpoints name parts by index
+        assert sys == [{"type": "text", "text": ""},
+                       {"type": "text", "text": "You are a coding agent. Use the tools."}]
     else:
         assert sys == "You are a coding agent. Use the tools."
     assert ra["messages"][1] == {"role": "user", "content": "hi"}
+
+
+def test_the_billing_line_goes_alone_when_the_next_block_follows_it_on_its_line() -> None:
+    """Claude Code 2.1.332's blocks joined as sent: the billing line ends with ``;`` and the
+    identity line follows without a line break. Only the billing fields go."""
+    line = "x-anthropic-billing-header: cc_version=2.1.332.0b8; cc_entrypoint=sdk-cli;"
+    joined = line + "You are a Claude agent.\nBe brief."
+    out, fired = rewrite({"messages": [{"role": "system", "content": joined}]},
+                         ["claude-billing-header"])
+    assert fired == {"claude-billing-header": 1}
+    assert out["messages"][0]["content"] == "You are a Claude agent.\nBe brief."
+    # the same blocks as parts: the same text once the parts are joined
+    parts = [{"type": "text", "text": line}, {"type": "text", "text": "You are a Claude agent."},
+             {"type": "text", "text": "\nBe brief."}]
+    out, _ = rewrite({"messages": [{"role": "system", "content": parts}]},
+                     ["claude-billing-header"])
+    assert "".join(p["text"] for p in out["messages"][0]["content"]) == \
+        "You are a Claude agent.\nBe brief."
 
 
 def test_the_billing_line_is_left_where_it_is_not_the_system_prompt() -> None:

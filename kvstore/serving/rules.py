@@ -53,9 +53,13 @@ class UnknownRuleError(KVStoreError, ValueError):
 # --- claude-billing-header -------------------------------------------------------------
 
 #: Claude Code's first system block: ``x-anthropic-billing-header: cc_version=2.1.37.a3f;
-#: cc_entrypoint=cli; cch=9f2c1;``, ``cch`` new on every request. The whole line goes,
-#: with its line break; any field it may gain later goes with it.
-BILLING_LINE = re.compile(r"^x-anthropic-billing-header:[^\n]*(?:\r?\n)*", re.MULTILINE)
+#: cc_entrypoint=cli; cch=9f2c1;`` (``cch`` new on every request; 2.1.332 sends none, and
+#: the 3-hex suffix of ``cc_version`` is the same in every session of a version). The line
+#: goes with its line break: its ``name=value;`` fields, any it may gain later included, and
+#: nothing after the last ``;`` (a client that joins the system blocks without a line break
+#: leaves the next block's text right after it).
+BILLING_LINE = re.compile(r"^x-anthropic-billing-header:(?:[ \t]*[\w.-]+=[^;\n]*;)*[ \t]*"
+                          r"(?:\r?\n)*", re.MULTILINE)
 
 
 def _strip_billing(text: str) -> tuple[str, int]:
@@ -65,8 +69,9 @@ def _strip_billing(text: str) -> tuple[str, int]:
 def claude_billing_header(body: Body) -> tuple[dict[str, Any], int]:
     """Remove Claude Code's ``x-anthropic-billing-header: …; cch=<5 hex>;`` line from the
     system prompt: the first message when it is a system (or developer) message, in its
-    string content or its first text part (a part left empty is dropped when others
-    remain). The line is a billing nonce for Anthropic's API, not an instruction."""
+    string content or its first text part (a part left empty stays, empty, so that the
+    parts keep their places for the breakpoints that name them). The line is a billing
+    nonce for Anthropic's API, not an instruction."""
     out = dict(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not isinstance(messages[0], dict):
@@ -87,10 +92,7 @@ def claude_billing_header(body: Body) -> tuple[dict[str, Any], int]:
             return out, 0
         text, n = _strip_billing(content[i]["text"])
         parts = list(content)
-        if text or len(parts) == 1:
-            parts[i] = {**content[i], "text": text}
-        else:
-            del parts[i]
+        parts[i] = {**content[i], "text": text}
         new_content = parts
     if n:
         out["messages"] = [{**first, "content": new_content}, *messages[1:]]
