@@ -222,11 +222,19 @@ def breakpoint_server(server: Any) -> Iterator[None]:
         marks = getattr(_request, "marks", ())
         _request.marks = ()
         if marks and getattr(request, "request_type", None) == "chat":
-            request = MarkedRequest(**{f.name: getattr(request, f.name)
-                                       for f in dataclasses.fields(request)},
-                                    breakpoints=marks,
-                                    original=(copy.deepcopy(request.messages),
-                                              copy.deepcopy(request.tools)))
+            marked = MarkedRequest(**{f.name: getattr(request, f.name)
+                                      for f in dataclasses.fields(request)},
+                                   breakpoints=marks,
+                                   original=(copy.deepcopy(request.messages),
+                                             copy.deepcopy(request.tools)))
+            # what others set on the request rides on too: the agent APIs' tag, which ties
+            # it to its prompt-cache record (without it the answer waited 30 s for a record
+            # that never came), and the rules that fired, for the log line
+            fields = {f.name for f in dataclasses.fields(marked)}
+            for name, value in vars(request).items():
+                if name not in fields:
+                    setattr(marked, name, value)
+            request = marked
         return generate(self, request, generation_args, *args, **kwargs)
 
     def tokenize_marked(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
