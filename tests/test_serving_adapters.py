@@ -18,7 +18,15 @@ from mlx_lm.tool_parsers.json_tools import parse_tool_call
 from kvstore.mlx_lm.cache_control import take_breakpoints
 from kvstore.mlx_lm.seam import carry_cache_control
 from kvstore.serving import anthropic_messages, responses
-from kvstore.serving.chat import ApiError, CacheUsage, Chunk, Finish, Progress, decode_chunk
+from kvstore.serving.chat import (
+    ApiError,
+    CacheUsage,
+    Chunk,
+    Finish,
+    Progress,
+    TextPart,
+    decode_chunk,
+)
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -243,8 +251,8 @@ def test_reasoning_streams_as_a_thinking_block_then_text() -> None:
             {"role": "assistant", "content": [b.model_dump() for b in snapshot.content]},
             {"role": "user", "content": "Thanks."}]}).encode())
     assistant = nxt.chat.messages[1]
-    assert (assistant.reasoning_content, assistant.content) == ("The index is LMDB. Say so.",
-                                                                "In LMDB.")
+    assert assistant.reasoning_content == "The index is LMDB. Say so."
+    assert assistant.content == [TextPart("In LMDB.")]  # a block is a part
 
 
 def test_reasoning_is_a_reasoning_item_of_the_response() -> None:

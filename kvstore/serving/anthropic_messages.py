@@ -8,8 +8,12 @@ History: a ``tool_use`` block becomes an assistant tool call (its ``input`` as J
 arguments), a ``tool_result`` a ``tool`` message, a ``thinking`` block the assistant
 message's ``reasoning_content`` (so the template renders it back as the model wrote it);
 ``redacted_thinking`` is dropped; an image or a document is a 400 (the models served have
-no vision tower). Each block's ``cache_control`` rides on its content part (or tool call,
-or tool), the request's on the body.
+no vision tower). A list of text blocks is a list of text parts, one each, whether or not a
+block carries a breakpoint, so the same request with and without ``cache_control`` is the
+same chat request but for the marks (the chat path joins the parts before the template sees
+them). Each block's ``cache_control`` rides on its content part (or tool call, or tool), the
+request's on the body. A ``system`` message in the conversation's midst stays where it was
+sent, a system message.
 """
 
 from __future__ import annotations
@@ -104,19 +108,26 @@ def _part(b: TextBlock) -> TextPart:
     return TextPart(b.text, _cc(b.cache_control))
 
 
-def _content(parts: list[TextPart]) -> str | list[TextPart]:
-    """Plain text when no part carries a breakpoint (what most templates expect)."""
-    if any(p.cache_control is not None for p in parts):
-        return parts
-    return "".join(p.text for p in parts)
-
-
 def _system(req: CountTokensRequest | MessagesRequest) -> list[ChatMessage]:
     if req.system is None or req.system == [] or req.system == "":
         return []
     if isinstance(req.system, str):
         return [ChatMessage("system", req.system)]
-    return [ChatMessage("system", _content([_part(b) for b in req.system]))]
+    return [ChatMessage("system", [_part(b) for b in req.system])]
+
+
+def _system_message(m: Message, i: int) -> ChatMessage:
+    """A system message in the conversation's midst, where it was sent (a template that
+    cannot render one there gets the fallback the server names, ``system-into-user``)."""
+    if isinstance(m.content, str):
+        return ChatMessage("system", m.content)
+    parts = []
+    for j, b in enumerate(m.content):
+        if not isinstance(b, TextBlock):
+            raise invalid(f"messages[{i}].content[{j}]: a system message holds text blocks "
+                          f"only, not {type(b).__name__}")
+        parts.append(_part(b))
+    return ChatMessage("system", parts)
 
 
 def _tool_result(b: ToolResultBlock, i: int, j: int) -> ChatMessage:
@@ -133,10 +144,12 @@ def _tool_result(b: ToolResultBlock, i: int, j: int) -> ChatMessage:
         if not parts:
             parts = [TextPart("")]
         parts[-1] = TextPart(parts[-1].text, _cc(b.cache_control))
-    return ChatMessage("tool", _content(parts), tool_call_id=b.tool_use_id)
+    return ChatMessage("tool", parts, tool_call_id=b.tool_use_id)
 
 
 def _message(m: Message, i: int) -> list[ChatMessage]:
+    if m.role == "system":
+        return [_system_message(m, i)]
     if isinstance(m.content, str):
         return [ChatMessage(m.role, m.content)]
     out: list[ChatMessage] = []
@@ -168,15 +181,15 @@ def _message(m: Message, i: int) -> list[ChatMessage]:
                 raise invalid(f"messages[{i}].content[{j}]: a tool_result block belongs to a "
                               "user message")
             if parts:  # text before a result keeps its place
-                out.append(ChatMessage("user", _content(parts)))
+                out.append(ChatMessage("user", parts))
                 parts = []
             out.append(_tool_result(b, i, j))
     if m.role == "assistant":
-        out.append(ChatMessage("assistant", _content(parts) if parts else "",
+        out.append(ChatMessage("assistant", parts if parts else "",
                                tool_calls=calls or None,
                                reasoning_content="".join(reasoning) if reasoning else None))
     elif parts or not out:
-        out.append(ChatMessage("user", _content(parts)))
+        out.append(ChatMessage("user", parts))
     return out
 
 
@@ -189,11 +202,12 @@ def _messages(req: CountTokensRequest | MessagesRequest) -> list[ChatMessage]:
 
 def _tools(req: CountTokensRequest | MessagesRequest) -> list[ChatTool] | None:
     """The client tools; with ``tool_choice: none`` too (the prompt keeps its prefix; the
-    choice is passed on, not enforced)."""
+    choice is passed on, not enforced). Server tools and deferred ones are left out."""
     if not req.tools:
         return None
     tools = [ChatTool(ChatToolSpec(t.name, t.input_schema, t.description), _cc(t.cache_control))
-             for t in req.tools if t.input_schema is not None and t.type in (None, "custom")]
+             for t in req.tools if t.input_schema is not None and t.type in (None, "custom")
+             and not t.defer_loading]
     return tools or None
 
 

@@ -1,7 +1,9 @@
 """The Anthropic Messages API's wire types (``POST /v1/messages`` and
 ``/v1/messages/count_tokens``) as msgspec Structs: decoding a body validates it and bounds
-every list and string. Fields the server does not use (``metadata``, ``service_tier``, …)
-are accepted and ignored; so is any field this module does not declare."""
+every list and string. Fields the server does not use (``metadata``, ``service_tier``,
+``context_management``, ``output_config``, …) are accepted and ignored; so is any field
+this module does not declare (docs/CLI.md lists what each client sends and what becomes of
+it)."""
 
 from __future__ import annotations
 
@@ -69,19 +71,26 @@ ContentBlock = (TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResu
 
 
 class Message(Struct):
-    role: Literal["user", "assistant"]
+    """A turn of the conversation. ``system`` is a system message in the conversation's
+    midst (Claude Code sends its environment so, after the first user message): text or
+    text blocks only."""
+
+    role: Literal["user", "assistant", "system"]
     content: Text | Annotated[list[ContentBlock], Meta(max_length=MAX_ITEMS)]
 
 
 class Tool(Struct):
     """A client tool (``input_schema``); a server tool (a ``type`` such as
-    ``web_search_20250305``, no schema) is accepted and left out of the prompt."""
+    ``web_search_20250305``, no schema) and a tool whose loading is deferred
+    (``defer_loading: true``: the client's tool search loads it when the model asks) are
+    accepted and left out of the prompt."""
 
     name: Name
     input_schema: dict[str, Any] | None = None
     description: Text | None = None
     type: str | None = None
     cache_control: CacheControl | None = None
+    defer_loading: bool | None = None
 
 
 class ToolChoice(Struct):
@@ -91,8 +100,12 @@ class ToolChoice(Struct):
 
 
 class Thinking(Struct):
+    """``enabled`` (with a budget), ``adaptive`` (the model decides; Claude Code sends it
+    with ``display: "omitted"``) or ``disabled``: the template's ``enable_thinking``."""
+
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
+    display: str | None = None
 
 
 class _Common(Struct, kw_only=True):
