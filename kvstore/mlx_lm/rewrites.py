@@ -25,9 +25,11 @@ from kvstore.serving.rules import rewrite
 from .partings import locator
 from .requests import RequestContext
 
-__all__ = ["rewriting_server"]
+__all__ = ["REWRITES_ATTR", "rewriting_server"]
 
-_ATTR = "kvstore_rewrites"  # on mlx-lm's CompletionRequest: the rules that fired
+#: On mlx-lm's CompletionRequest: the rules that fired (name: places rewritten).
+REWRITES_ATTR = "kvstore_rewrites"
+_ATTR = REWRITES_ATTR
 
 
 @contextlib.contextmanager

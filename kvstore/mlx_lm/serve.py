@@ -45,12 +45,13 @@ from kvstore import KVStoreError, Store, _human, default_root
 from kvstore.mlx_lm import PersistentPromptCache
 from kvstore.mlx_lm.prefill import segmenting_tokenize
 from kvstore.serving.rules import UnknownRuleError, select
+from kvstore.serving.templates import FALLBACK, Abilities, no_tools_message, probe, system_into_user
 from kvstore.store.tiers import DEFAULT_DEADLINE
 
 from .cache_control import breakpoint_server
 from .metrics import ServeMetrics
 from .requests import RequestLog
-from .rewrites import rewriting_server
+from .rewrites import REWRITES_ATTR, rewriting_server
 from .seam import agent_apis
 from .tenants import salted_server
 from .writebehind import DEFAULT_DEFER_SECONDS
@@ -220,6 +221,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="quote a few dozen characters of both sides where a request's prompt parted "
         "from the stored one in its log line (off: prompts are private)",
+    )
+    g.add_argument(
+        "--drop-tools",
+        action="store_true",
+        help="for a model whose chat template renders no tools: accept requests with tools "
+        "and drop the tools (default: such a request gets a 400 that says so)",
     )
     return p
 
@@ -435,8 +442,12 @@ class Serving:
     """What one ``kvstore serve`` serves: the model's names, whether it loaded (mlx-lm
     loads it in its generation thread), the checkpoint interval, the streams in flight."""
 
-    def __init__(self, asked: str, path: str, every: int | None, block_tokens: int) -> None:
+    def __init__(self, asked: str, path: str, every: int | None, block_tokens: int, *,
+                 drop_tools: bool = False, ceiling: int | None = None) -> None:
         self.asked, self.path = asked, path
+        self.drop_tools = drop_tools  # --drop-tools
+        self.ceiling = ceiling  # --max-tokens, when the operator gave it: the most a reply gets
+        self.abilities = Abilities(tools=True, mid_system=True)  # the template's, once loaded
         self.id = short_id(asked, path)
         # the names a request's "model" may use for it (mlx-lm itself knows "default_model"
         # and the path as given): the name it was started with, the listed id and, for a
@@ -481,7 +492,31 @@ class Serving:
             how = "--checkpoint-every" if self.every is not None else "this model's default"
             ckpt = f"a checkpoint every {self.interval} prompt tokens ({how})"
         what = self.id if self.path == self.id else f"{self.id} ({self.path})"
-        return f"kvstore: serving {what} on http://{host}:{port}, cache root {root}, {ckpt}"
+        line = f"kvstore: serving {what} on http://{host}:{port}, cache root {root}, {ckpt}"
+        if not self.abilities.tools:
+            line += ("\nkvstore: this model's template renders no tools: agents that call "
+                     "tools will not work with it (" + (
+                         "--drop-tools: requests with tools are answered without them)"
+                         if self.drop_tools else "requests with tools get a 400; "
+                         "--drop-tools accepts them and drops the tools)"))
+        if not self.abilities.mid_system:
+            line += ("\nkvstore: this model's template cannot render a system message after "
+                     f"the first user message: its text goes into a user message ({FALLBACK})")
+        return line
+
+
+def template_abilities(tokenizer: Any, chat_template_args: dict[str, Any] | None) -> Abilities:
+    """What the loaded model's chat template renders (:func:`kvstore.serving.templates.probe`);
+    without a template, mlx-lm writes each message as ``role: content``: no tools."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        return Abilities(tools=False, mid_system=True)
+    args = dict(chat_template_args or {})
+
+    def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        return str(tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                 add_generation_prompt=True, **args))
+
+    return probe(render)
 
 
 def serving_provider(base: Any, serving: Serving) -> Any:
@@ -501,6 +536,8 @@ def serving_provider(base: Any, serving: Serving) -> Any:
         def load_default(self) -> None:
             try:
                 super().load_default()
+                serving.abilities = template_abilities(self.tokenizer,
+                                                       self.cli_args.chat_template_args)
                 if serving.every != 0 and needs_checkpoints(make_prompt_cache(self.model)):
                     serving.interval = (default_every(self.model, serving.block_tokens)
                                         if serving.every is None else serving.every)
@@ -510,6 +547,25 @@ def serving_provider(base: Any, serving: Serving) -> Any:
                 serving.loaded.set()
 
     return Provider
+
+
+def any_model_name(generate: Any) -> Any:
+    """mlx-lm's ``ResponseGenerator.generate``, answering every request with the served
+    model whatever model name it sends (``gpt-4o``, ``claude-sonnet-4-5``, ``local``), as
+    the agent APIs do: mlx-lm would look any other name up on the Hugging Face Hub. The
+    answer still echoes the name sent; requests of any names share one batch."""
+    import dataclasses
+
+    def generate_served(self: Any, request: Any, generation_args: Any, *args: Any,
+                        **kwargs: Any) -> Any:
+        m = generation_args.model
+        if getattr(self.model_provider.cli_args, "model", None) is not None and (
+                m.model != "default_model" or m.draft != "default_model"):
+            generation_args = dataclasses.replace(generation_args, model=dataclasses.replace(
+                m, model="default_model", draft="default_model"))
+        return generate(self, request, generation_args, *args, **kwargs)
+
+    return generate_served
 
 
 def _error_body(message: str) -> bytes:
@@ -524,6 +580,32 @@ def serving_handler(base: Any, serving: Serving) -> Any:
     as if the answer were complete)."""
 
     class Handler(base):  # type: ignore[misc]
+        def validate_model_parameters(self) -> None:
+            # a system message the template cannot render in place goes into a user
+            # message before the breakpoints are read, so each mark keeps its text
+            self.kvstore_moved = 0
+            body = getattr(self, "body", None)
+            if not serving.abilities.mid_system and isinstance(body, dict):
+                self.body, self.kvstore_moved = system_into_user(body)
+            super().validate_model_parameters()
+            asked = getattr(self, "max_tokens", None)
+            if serving.ceiling is not None and isinstance(asked, int) \
+                    and asked > serving.ceiling:
+                logger.warning("kvstore: a request asked for up to %d tokens: it gets at most "
+                               "%d (--max-tokens)", asked, serving.ceiling)
+                self.max_tokens = serving.ceiling
+
+        def handle_chat_completions(self) -> Any:
+            request = super().handle_chat_completions()
+            fired = getattr(request, REWRITES_ATTR, None)
+            if getattr(self, "kvstore_moved", 0) and isinstance(fired, dict):
+                fired[FALLBACK] = self.kvstore_moved
+            if request.tools and not serving.abilities.tools:
+                if not serving.drop_tools:
+                    raise ValueError(no_tools_message(serving.id, "--drop-tools"))
+                request.tools = None
+            return request
+
         def handle_models_request(self) -> None:
             # mlx-lm writes the headers and the body in one go: take them, rename the
             # served model's entry (mlx-lm lists its absolute path) and send them on
@@ -740,8 +822,10 @@ def _serve(argv: list[str]) -> int:
 
         tokenize = segmenting_tokenize(server.ResponseGenerator._tokenize,
                                        ours.checkpoint_every, store.block_tokens)
+        ceiling = _option(rest, "--max-tokens")
         serving = Serving(asked or "", _option(rest, "--model") or "", ours.checkpoint_every,
-                          store.block_tokens)
+                          store.block_tokens, drop_tools=ours.drop_tools,
+                          ceiling=int(ceiling) if ceiling is not None else None)
         run_http = server._run_http_server  # /metrics on the API port only when asked
         if ours.metrics_on_api_port:
             run_http = metrics.run_http_server(run_http)
@@ -751,6 +835,8 @@ def _serve(argv: list[str]) -> int:
                 _swapped(server, "LRUPromptCache", factory),
                 _swapped(server.ResponseGenerator, "_tokenize", tokenize),
                 _swapped(server, "ModelProvider", serving_provider(server.ModelProvider, serving)),
+                _swapped(server.ResponseGenerator, "generate",
+                         any_model_name(server.ResponseGenerator.generate)),
                 _swapped(server, "_run_http_server", _stopping_on_error(serving_run(
                     run_http, serving,
                     serving_handler(server.APIHandler, serving), store.root))),

@@ -101,12 +101,13 @@ class StreamOptions(Struct):
 
 class ChatRequest(Struct, omit_defaults=True):
     """The internal request: an OpenAI chat-completions body. Absent sampling parameters
-    are left to the server's own defaults (``--temp``, ``--top-p``, ``--top-k``). The model
+    and an absent ``max_tokens`` are left to the server's own defaults (``--temp``,
+    ``--top-p``, ``--top-k``, ``--max-tokens``). The model
     is always the server's own (``default_model``): agents send their vendor's model names,
     which the API's answer echoes."""
 
     messages: list[ChatMessage]
-    max_tokens: int
+    max_tokens: int | None = None  # None: the server's default (``--max-tokens``)
     model: str = "default_model"
     tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None

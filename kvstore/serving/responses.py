@@ -53,11 +53,7 @@ from .responses_protocol import (
     TextContent,
 )
 
-__all__ = ["DEFAULT_MAX_OUTPUT_TOKENS", "ResponseStore", "ResponsesExchange", "error_body",
-           "parse"]
-
-#: ``max_output_tokens`` when the request gives none.
-DEFAULT_MAX_OUTPUT_TOKENS = 32768
+__all__ = ["ResponseStore", "ResponsesExchange", "error_body", "parse"]
 
 _KINDS = {400: "invalid_request_error", 404: "invalid_request_error", 413:
           "invalid_request_error", 500: "server_error"}
@@ -210,7 +206,7 @@ class ResponsesExchange(Exchange):
         self.conversation = history + _items(req)
         self.chat = ChatRequest(
             messages=_leading_system(req.instructions, self.conversation),
-            max_tokens=req.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
+            max_tokens=req.max_output_tokens,  # none: the server's default (--max-tokens)
             tools=_tools(req), tool_choice=req.tool_choice, temperature=req.temperature,
             top_p=req.top_p, stream=True, stream_options=StreamOptions(),
             cache_salt=req.cache_salt)
