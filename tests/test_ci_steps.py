@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-MARKERS = ("slow", "model", "remote")
+MARKERS = ("slow", "model", "remote", "agents")
 
 #: Collects every test with its markers, in a fresh interpreter (the suite's own options
 #: would deselect the marked tests).
@@ -68,7 +68,7 @@ def collected() -> list[tuple[str, set[str]]]:
 
 def test_every_test_runs_in_exactly_one_ci_step(collected: list[tuple[str, set[str]]]) -> None:
     steps = ci_steps()
-    assert len(steps) == 4, steps  # the default suite, slow, model, remote
+    assert len(steps) == 5, steps  # the default suite, slow, model, agents, remote
     assert len(collected) > 1000
     wrong = {}
     for nodeid, marks in collected:
@@ -98,5 +98,7 @@ def test_the_expression_reader_agrees_with_pytest() -> None:
     assert not selects("slow and not remote", {"slow", "remote"})
     assert selects("not slow and not model and not remote", set())
     assert not selects("not slow and not model and not remote", {"model"})
+    assert selects("agents and not remote", {"agents"})
+    assert not selects("not slow and not model and not remote and not agents", {"agents"})
     with pytest.raises(AssertionError, match="unknown marker"):
         selects("gpu", set())
