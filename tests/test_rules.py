@@ -155,4 +155,29 @@ def test_serve_refuses_an_unknown_rule_in_one_line(capsys: pytest.CaptureFixture
     assert serve_main(["--no-rule", "billing", "--model", "nowhere/none"]) == 2
     err = capsys.readouterr().err
     assert err == ("kvstore: error: no rule named 'billing' (rules: claude-billing-header, "
-                   "sorted-tool-schemas, sorted-tool-arguments)\n")
+                   "sorted-tool-schemas, sorted-tool-arguments, opencode-env-date)\n")
+
+
+AGENTS = Path(__file__).resolve().parent / "data" / "agents"
+
+
+def test_opencodes_date_moves_out_of_the_system_prompt_to_the_first_user_message() -> None:
+    """opencode 1.18.33's own requests of one session, a day apart (tests/agents/capture.py):
+    the date in the system prompt's <env> block parted them from there on, before every
+    tool. Moved, the system prompt is the same on both days and the line is still sent."""
+    day1 = json.loads((AGENTS / "opencode-1.18.33-a3-1.json").read_text())
+    day2 = json.loads((AGENTS / "opencode-1.18.33-a4-1.json").read_text())
+    assert day1["messages"][0]["content"] != day2["messages"][0]["content"]
+    a, fa = rewrite(day1, ["opencode-env-date"])
+    b, fb = rewrite(day2, ["opencode-env-date"])
+    assert fa == fb == {"opencode-env-date": 1}
+    assert a["messages"][0]["content"] == b["messages"][0]["content"]
+    assert "Today's date" not in a["messages"][0]["content"]
+    assert "<env>" in a["messages"][0]["content"]  # the rest of the block stays
+    first_user = next(m for m in a["messages"] if m["role"] == "user")
+    assert first_user["content"].endswith("\n\nToday's date: Sun Dec 06 2026")
+    assert a["messages"][2:] == day1["messages"][2:]  # nothing after it moves
+    # the same on a body without an <env> block: untouched
+    plain = {"messages": [{"role": "system", "content": "Today's date: Sun Dec 06 2026\n"},
+                          {"role": "user", "content": "hi"}]}
+    assert rewrite(plain, ["opencode-env-date"]) == (plain, {})

@@ -3,8 +3,9 @@ and keep its prompt's prefix the same from one request to the next.
 
 A prompt cache reuses a prompt's leading tokens only while they are the same tokens.
 Coding agents break their own prefix: Claude Code puts a billing line with a nonce in its
-system prompt, some clients serialize tool schemas and tool-call arguments with their
-keys in another order from one turn to the next. Each rule below undoes one such habit.
+system prompt, opencode the day's date, some clients serialize tool schemas and tool-call
+arguments with their keys in another order from one turn to the next. Each rule below
+undoes one such habit.
 A rule is a pure function of the chat body (an OpenAI chat-completions body: ``messages``,
 ``tools``; the Messages and Responses adapters build one): it returns a new body (the
 one given is not changed) and how many places it rewrote (0: it did not fire).
@@ -189,6 +190,60 @@ def sorted_tool_arguments(body: Body) -> tuple[dict[str, Any], int]:
     return out, n
 
 
+# --- opencode-env-date --------------------------------------------------------------
+
+#: opencode's system prompt ends its ``<env>`` block with the day's date
+#: (``  Today's date: Sun Dec 06 2026``), before its skills and, in the template, every tool.
+ENV_DATE = re.compile(r"^[ \t]*Today's date: [^\n]*\n", re.MULTILINE)
+
+
+def _env_date(text: str) -> tuple[str, str | None]:
+    """``text`` without the date line of its ``<env>`` block, and the line (None: none)."""
+    start, end = text.find("<env>"), text.find("</env>")
+    if start == -1 or end < start:
+        return text, None
+    m = ENV_DATE.search(text, start, end + 1)
+    if m is None:
+        return text, None
+    return text[:m.start()] + text[m.end():], m.group(0).strip()
+
+
+def opencode_env_date(body: Body) -> tuple[dict[str, Any], int]:
+    """Move opencode's ``Today's date: …`` line from the ``<env>`` block of the system
+    prompt to the end of the first user message. The date changes once a day, and where
+    opencode puts it every tool and the whole conversation come after it: a session
+    resumed on another day recomputed three quarters of its prompt. After the first user
+    message (where Claude Code puts its environment), a new day costs only the
+    conversation. The model reads the same line, later."""
+    out = dict(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not isinstance(messages[0], dict) \
+            or messages[0].get("role") not in ("system", "developer"):
+        return out, 0
+    first = messages[0]
+    content = first.get("content")
+    if not isinstance(content, str):
+        return out, 0
+    text, line = _env_date(content)
+    user = next((i for i, m in enumerate(messages)
+                 if isinstance(m, dict) and m.get("role") == "user"), None)
+    if line is None or user is None:
+        return out, 0
+    u = messages[user]
+    uc = u.get("content")
+    if isinstance(uc, str):
+        moved: Any = f"{uc}\n\n{line}"
+    elif isinstance(uc, list):
+        moved = [*uc, {"type": "text", "text": f"\n\n{line}"}]
+    else:
+        return out, 0
+    new = list(messages)
+    new[0] = {**first, "content": text}
+    new[user] = {**u, "content": moved}
+    out["messages"] = new
+    return out, 1
+
+
 #: The rules, in the order they are applied; every one is on unless turned off.
 RULES: tuple[Rule, ...] = (
     Rule("claude-billing-header",
@@ -201,6 +256,10 @@ RULES: tuple[Rule, ...] = (
     Rule("sorted-tool-arguments",
          "sorts the keys of each assistant tool call's `arguments`, recursively",
          sorted_tool_arguments),
+    Rule("opencode-env-date",
+         "moves opencode's `Today's date: …` line from the system prompt's `<env>` block "
+         "to the end of the first user message",
+         opencode_env_date),
 )
 
 
