@@ -5,7 +5,8 @@ request bodies as the adapters' fixtures (``tests/data/agents/<client>-<version>
 
 For each client: session A (a turn that calls a tool, a turn that continues it), session B
 (a new session in the same repository, after a commit), the server restarted on the same
-root, session A resumed. Each model request's body is written as
+root, session A resumed, then resumed again on another day (a time zone whose date is not
+today's). Each model request's body is written as
 ``<client>-<version>-<label>.json`` (``a1-1``: session A, turn 1, first request), with what
 is machine-specific or secret-looking normalised (:func:`normalise`), and
 ``<client>-<version>-usage.json`` lists every request's prompt size and share from the cache.
@@ -18,6 +19,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +37,15 @@ _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12
 _HEX = re.compile(r"\b[0-9a-f]{40,64}\b")
 
 
-def normalise(text: str, workspace: Path) -> str:
-    """The workspace's paths as ``/work``, the machine's user and host names out, ids and
-    long hex digests (device ids, commit hashes) as fixed placeholders, in order of first
-    appearance (so equal ids stay equal and different ones different)."""
+def normalise(text: str, workspace: Path, seen: dict[str, str]) -> str:
+    """The workspace's paths as ``/work`` (the client's ``HOME`` is ``/work/home``; the
+    user is ``agent``), the kernel's version and the shell as fixed words, ids and long hex
+    digests (device ids, commit hashes) as placeholders in order of first appearance
+    (``seen``, shared by one client's files: equal ids stay equal across them, different
+    ones different)."""
     text = text.replace(str(workspace), "/work")
-    seen: dict[str, str] = {}
+    text = re.sub(r"(OS Version: )[^\\\n\"]+", r"\1Linux <kernel>", text)
+    text = re.sub(r"(<shell>|Shell: )[^<\\\n\"]+", r"\1bash", text)
 
     def sub(kind: str) -> Any:
         def f(m: re.Match[str]) -> str:
@@ -63,6 +68,9 @@ def _steps(s: Session, c: Client) -> None:
     assert s.turn(c.first("A new session: list the files.")).run.ok()
     s.restart()
     assert s.turn(c.resume("Back again: thanks.", sid), restarted=True).run.ok()
+    # the same session on another day: a time zone whose date is not today's (UTC)
+    other = "Etc/GMT+12" if time.gmtime().tm_hour < 12 else "Etc/GMT-14"
+    assert s.turn(c.resume("The next day.", sid), env={"TZ": other}).run.ok()
 
 
 def capture(c: Client, out: Path, bin_dir: Path) -> None:
@@ -70,12 +78,13 @@ def capture(c: Client, out: Path, bin_dir: Path) -> None:
     prefix = f"{NAMES[c.name]}-{version}"
     with tempfile.TemporaryDirectory() as tmp, session(c, Path(tmp), bin_dir) as s:
         _steps(s, c)
-        labels = ["a1", "a2", "b1", "a3"]
+        labels = ["a1", "a2", "b1", "a3", "a4"]
         rows = []
+        seen: dict[str, str] = {}
         for label, turn in zip(labels, s.turns, strict=True):
             for j, ex in enumerate(turn.model_requests(c.path), 1):
                 body = normalise(json.dumps(ex.json(), indent=1, ensure_ascii=False),
-                                 Path(tmp))
+                                 Path(tmp), seen)
                 name = f"{prefix}-{label}-{j}.json"
                 (out / name).write_text(body + "\n")
                 prompt, cached = usage(ex)

@@ -217,9 +217,11 @@ class Session:
                                            f"127.0.0.1:{self.recorder.port}")
         return clients.environment(self.home, self.bin_dir, settings, self.recorder.url)
 
-    def turn(self, argv: list[str], *, restarted: bool = False) -> Turn:
+    def turn(self, argv: list[str], *, restarted: bool = False,
+             env: dict[str, str] | None = None) -> Turn:
+        """Run a turn (``env``: variables to add, such as another ``TZ``)."""
         mark = len(self.recorder.exchanges)
-        r = clients.run(argv, cwd=self.repo, env=self.env())
+        r = clients.run(argv, cwd=self.repo, env={**self.env(), **(env or {})})
         t = Turn(r, self.recorder.since(mark), restarted)
         self.turns.append(t)
         return t
