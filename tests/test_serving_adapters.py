@@ -299,3 +299,82 @@ def test_a_long_prefill_keeps_both_streams_alive() -> None:
                         responses.ResponseStore())
     assert r.event(Progress(512, 4096)) == b": keepalive 512/4096\n\n"
     assert r.event(Progress(1024, 4096)) == b""
+
+
+# --- the real clients' captured requests (tests/data/agents/, tests/agents/capture.py) ---
+
+AGENTS = __import__("pathlib").Path(__file__).resolve().parent / "data" / "agents"
+
+
+def _captured(prefix: str) -> list[tuple[str, bytes]]:
+    files = sorted(AGENTS.glob(f"{prefix}-*.json"))
+    return [(f.name, f.read_bytes()) for f in files if not f.name.endswith("-usage.json")]
+
+
+def test_every_claude_code_request_is_accepted_as_sent() -> None:
+    """Claude Code 2.1.332: its environment as a system message after the first user
+    message, thinking adaptive and omitted, context_management, output_config.effort,
+    metadata.user_id as a JSON string, twelve tools of which one is deferred."""
+    captured = _captured("claude-code-2.1.332")
+    assert len(captured) >= 5
+    for name, raw in captured:
+        body = json.loads(raw)
+        assert body["thinking"] == {"type": "adaptive", "display": "omitted"}, name
+        assert isinstance(body["metadata"]["user_id"], str) and "context_management" in body
+        ex = anthropic_messages.parse(raw)
+        chat = ex.chat
+        roles = [m.role for m in chat.messages]
+        sent = ["system"] + [m["role"] for m in body["messages"]]
+        # the system message stays where it was sent, and says what it said
+        i = sent.index("system", 1)
+        assert roles[i] == "system", (name, roles)
+        text = body["messages"][i - 1]["content"]
+        text = text if isinstance(text, str) else "".join(b["text"] for b in text)
+        content = chat.messages[i].content
+        assert (content if isinstance(content, str) else "".join(p.text for p in content)) \
+            == text
+        # the deferred placeholder is left out of the prompt; every other tool is in it
+        deferred = [t["name"] for t in body["tools"] if t.get("defer_loading")]
+        assert deferred == ["DeferredToolPlaceholder"]
+        assert [t.function.name for t in chat.tools or []] == [
+            t["name"] for t in body["tools"] if not t.get("defer_loading")]
+        assert chat.chat_template_kwargs == {"enable_thinking": True}
+        assert chat.max_tokens == body["max_tokens"]
+
+
+def test_every_codex_request_is_accepted_as_sent() -> None:
+    """Codex 0.171.0: developer messages, a namespace tool and web_search (left out of the
+    prompt), include, prompt_cache_key, client_metadata, store false, no
+    max_output_tokens (the server's --max-tokens applies)."""
+    captured = _captured("codex-0.171.0")
+    assert len(captured) >= 5
+    for name, raw in captured:
+        body = json.loads(raw)
+        assert body["include"] == ["reasoning.encrypted_content"] and body["prompt_cache_key"]
+        ex = responses.parse(raw, responses.ResponseStore())
+        chat = ex.chat
+        assert chat.max_tokens is None, name
+        assert chat.messages[0].role == "system"  # the developer messages, one system
+        assert all(m.role != "system" for m in chat.messages[1:])
+        kinds = {t["type"] for t in body["tools"]}
+        assert {"function", "namespace", "web_search"} <= kinds
+        assert [t.function.name for t in chat.tools or []] == [
+            t["name"] for t in body["tools"] if t["type"] == "function"]
+
+
+def test_the_claude_code_request_is_the_same_chat_request_with_and_without_its_marks() -> None:
+    """The adapter makes one chat request of the blocks whether or not they are marked:
+    only the marks differ (they are read and taken out before the template)."""
+    raw = (AGENTS / "claude-code-2.1.332-a1-2.json").read_text()
+
+    def unmarked(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: unmarked(x) for k, x in v.items() if k != "cache_control"}
+        return [unmarked(x) for x in v] if isinstance(v, list) else v
+
+    marked = carry_cache_control(anthropic_messages.parse(raw.encode()).chat.body())
+    plain = carry_cache_control(anthropic_messages.parse(
+        json.dumps(unmarked(json.loads(raw))).encode()).chat.body())
+    marks = take_breakpoints(marked)  # the two system blocks after the billing line, the
+    assert [(b.message, b.part) for b in marks] == [(0, 1), (0, 2), (4, 0)]  # last result
+    assert marked == plain
