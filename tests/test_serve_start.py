@@ -144,7 +144,11 @@ def test_serve_says_what_it_serves_and_that_it_drains(
     start = [line for line in log.read_text().splitlines() if line.startswith("kvstore: ")]
     assert start == [f"kvstore: serving tiny-llama ({tiny}) on http://127.0.0.1:{port}, cache "
                      f"root {tmp_path / 'root'}, no checkpoints (this model's cache can be "
-                     "trimmed)"]
+                     "trimmed)",
+                     # the tiny model's ChatML template prints no tools
+                     "kvstore: this model's template renders no tools: agents that call tools "
+                     "will not work with it (requests with tools get a 400; --drop-tools "
+                     "accepts them and drops the tools)"]
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
                            timeout=60, max_retries=0)
     r = client.chat.completions.create(
@@ -156,7 +160,7 @@ def test_serve_says_what_it_serves_and_that_it_drains(
     lines = [line for line in log.read_text().splitlines() if line.startswith("kvstore: ")]
     root = tmp_path / "root"
     # the request's prompt and its reply, deferred (--defer-seconds): written at the stop
-    assert lines[1:] == [
+    assert lines[2:] == [
         "kvstore: SIGTERM: stopping: ending the requests in flight, then writing the "
         "snapshots still queued",
         f"kvstore: stopped serving; writing 1 queued snapshot to {root}",
