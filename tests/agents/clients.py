@@ -179,7 +179,10 @@ def environment(home: Path, bin_dir: Path, settings: Settings, tripwire: str
                 ) -> dict[str, str]:
     """A client's whole environment (see the module's docstring)."""
     env = {k: v for k, v in os.environ.items() if k in ("LANG", "LC_ALL", "TZ")}
-    env.update(HOME=str(home), PATH=f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", TERM="dumb",
+    node = shutil.which("node")  # Codex's launcher is a node script
+    path = [str(bin_dir), *([str(Path(node).parent)] if node else []), "/usr/local/bin",
+            "/usr/bin", "/bin"]
+    env.update(HOME=str(home), PATH=":".join(path), TERM="dumb",
                USER="agent", NO_COLOR="1", CI="1")
     for name in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY"):
         env[name] = env[name.lower()] = tripwire
