@@ -153,7 +153,7 @@ def test_the_suite_spawns_workers_in_a_clone_named_kvstore(tmp_path: Path) -> No
 
 
 def test_python_minus_P_runs_a_script_beside_a_clone(tmp_path: Path) -> None:
-    """What the README says to do from the folder that holds a clone: ``python -P``."""
+    """``python -P`` beside a clone (how the demo and the bench start their processes)."""
     holder = tmp_path / "src"
     holder.mkdir()
     (holder / "kvstore").symlink_to(REPO, target_is_directory=True)  # ~/src/kvstore, a clone
@@ -163,6 +163,24 @@ def test_python_minus_P_runs_a_script_beside_a_clone(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "-P", str(script)], capture_output=True, text=True,
                        cwd=holder, env=env, timeout=120)
     assert (p.returncode, p.stdout) == (0, "imported\n"), p.stderr
+
+
+def test_an_editable_install_works_beside_its_clone(tmp_path: Path) -> None:
+    """The README's first example run from the folder that holds a clone named kvstore,
+    as a new user runs it (``python example.py``, no ``-P``): there the clone's folder is a
+    namespace package named kvstore, and the editable install must still give the package
+    (it said ``cannot import name 'Namespace' from 'kvstore' (unknown location)``)."""
+    holder = tmp_path / "src"
+    holder.mkdir()
+    (holder / "kvstore").symlink_to(REPO, target_is_directory=True)  # ~/src/kvstore, a clone
+    script = holder / "example.py"
+    script.write_text("import kvstore\nfrom kvstore import Namespace, Store\n"
+                      "print(kvstore.__file__)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       cwd=holder, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert Path(p.stdout.strip()).resolve() == REPO / "kvstore" / "__init__.py"
 
 
 # --- item 11: the README's restore figures say which are verified ----------------------------

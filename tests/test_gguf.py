@@ -114,7 +114,8 @@ def test_convert_refuses_other_architectures_and_files(tmp_path: Path) -> None:
 def test_unknown_model_and_empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSTORE_MODELS", str(tmp_path))
     assert cached_model("smollm2") is None
-    with pytest.raises(ModelFetchError, match="unknown model 'gpt5'; known: smollm2"):
+    with pytest.raises(ModelFetchError, match="no model named 'gpt5' to fetch; kvstore "
+                                              "fetches smollm2 "):
         fetch_model("gpt5")
 
 

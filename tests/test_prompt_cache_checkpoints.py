@@ -190,3 +190,36 @@ def test_a_checkpoint_counts_among_its_requests_saves(store: kvstore.Store) -> N
     assert (rec.saves_queued, rec.saves_deferred, rec.reply) == (3, 0, "queued")
     assert pc.drain(30) and pc.saved == 3
     pc.close()
+
+
+def test_a_shallow_hit_says_so_while_the_deeper_snapshot_waits_to_be_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second question about a shared document restores the last checkpoint before the
+    question; the first question's own snapshot shares more of the document but cannot be
+    cut back to it, so the request's miss reason is ``shallow``, whether that snapshot is
+    on disk yet or still waiting in the write-behind queue (``kvstore serve``'s log said
+    ``miss=-`` whenever the second question came before the writer reached it)."""
+    from helpers.observers import Seen
+
+    with kvstore.Store.open(tmp_path / "root", durable=False, block_tokens=16) as store:
+        pc = _cache(store)
+        seen = Seen()
+        pc.observers.append(seen)
+        doc = list(range(1, 91))  # 90 tokens: 5 whole blocks of 16
+        first, second = [*doc, 500, 501, 502], [*doc, 600, 601, 602]
+        pc.insert_cache(KEY, doc[:64], _hybrid(doc[:64]), cache_type="checkpoint")
+        assert pc.drain(30) and pc.saved == 1
+        gate = _Gate(store, monkeypatch)
+        pc.insert_cache(KEY, first, _hybrid(first))  # the first question's end: held
+        assert gate.entered.wait(30)
+        for _ in range(2):  # while it waits, then once it is on disk
+            cache, rest = pc.fetch_nearest_cache(KEY, second)
+            assert cache is not None and rest == second[64:]
+            rec = seen.opened[-1]
+            assert (rec.reused_tokens, rec.tier, rec.miss, rec.shared) == (64, "local",
+                                                                           "shallow", 90)
+            gate.release.set()
+            assert pc.drain(30) and pc.saved == 2
+        assert pc.request_counts().partial_reasons == {"shallow": 2}
+        pc.close()

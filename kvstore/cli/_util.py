@@ -101,17 +101,31 @@ def no_root(f: F) -> F:
                         help="No progress bars or chatter; errors still go to stderr.")(f)
 
 
+#: The commands that act on the remote tier: they alone take ``--remote`` (``bench`` has an
+#: option of its own of that name, and takes the group's too).
+REMOTE_COMMANDS = ("push", "pull", "remote", "serve", "bench")
+
+
 def common(f: F) -> F:
-    """``--root``, ``--remote``, ``--quiet`` and ``--debug``, accepted by the group and by
-    every command that works on a root."""
+    """``--root``, ``--quiet`` and ``--debug``, accepted by the group and by every command
+    that works on a root."""
     f = no_root(f)
-    f = click.option("--root", type=click.Path(path_type=Path), expose_value=False,
-                     callback=_set("root"), metavar="DIR",
-                     help="Cache root (default: $KVSTORE_ROOT, else the user cache dir).")(f)
-    f = click.option("--remote", expose_value=False, callback=_set("remote"), metavar="URL",
-                     help="The shared remote tier, s3://BUCKET/PREFIX (default: "
-                          "$KVSTORE_REMOTE); used by push, pull, remote and serve.")(f)
-    return f
+    return click.option("--root", type=click.Path(path_type=Path), expose_value=False,
+                        callback=_set("root"), metavar="DIR",
+                        help="Cache root (default: $KVSTORE_ROOT, else the user cache "
+                             "dir).")(f)
+
+
+def with_remote(f: F) -> F:
+    """:func:`common` and ``--remote``: for the group and the commands that act on the
+    remote tier (:data:`REMOTE_COMMANDS`); elsewhere it would do nothing, so it is not
+    offered."""
+    f = common(f)
+    return click.option("--remote", expose_value=False, callback=_set("remote"),
+                        metavar="URL",
+                        help="The shared remote tier, s3://BUCKET/PREFIX (default: "
+                             "$KVSTORE_REMOTE); taken by push, pull, remote, serve and "
+                             "bench.")(f)
 
 
 json_option = click.option("--json", "as_json", is_flag=True,

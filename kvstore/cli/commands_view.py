@@ -175,7 +175,7 @@ def show(entry: str, all_tokens: bool, as_text: bool, model_dir: Path | None,
 def tokenizer_dirs(model_id: str) -> Iterator[Path]:
     """Where a model named ``model_id`` may be on this machine: ``kvstore model fetch``'s
     model cache (a directory of that name) and the Hugging Face cache (a repo of that id)."""
-    from ..mlx_lm.gguf import models_dir
+    from ..models import models_dir
 
     if model_id and "/" not in model_id and model_id not in (".", ".."):
         yield models_dir() / model_id

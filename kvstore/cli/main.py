@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import click
 
-from ._util import Options, UserError, common, oserror_line
+from ._util import REMOTE_COMMANDS, Options, UserError, oserror_line, with_remote
 from .commands_files import export, import_, inspect_
 from .commands_maintenance import compact, init, rm, stats, verify
 from .commands_remote import pull, push, remote_group
@@ -32,7 +32,7 @@ __all__ = ["BENCH_CONFIGS", "cli", "main"]
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
              invoke_without_command=True)
 @click.version_option(package_name="kvstore", prog_name="kvstore", message="%(prog)s %(version)s")
-@common
+@with_remote
 @click.pass_context
 def cli(ctx: click.Context) -> None:
     """A persistent, shared, deduplicated KV-cache store for MLX language models.
@@ -43,6 +43,10 @@ def cli(ctx: click.Context) -> None:
     """
     if ctx.invoked_subcommand is None:  # a bare `kvstore`: the help, like git and pip
         click.echo(ctx.get_help())
+    elif ctx.ensure_object(Options).remote and ctx.invoked_subcommand not in REMOTE_COMMANDS:
+        raise click.UsageError(  # it would do nothing there: refused, not ignored
+            f"--remote goes with {', '.join(REMOTE_COMMANDS[:-1])} or {REMOTE_COMMANDS[-1]}; "
+            f"'kvstore {ctx.invoked_subcommand}' does not use the remote tier")
 
 
 for _command in (init, stats, ls_, show, tree, rm, compact, verify, import_, export, inspect_,

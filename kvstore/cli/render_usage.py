@@ -21,13 +21,29 @@ def saved_text(c: Counts) -> str:
             f"{H.plural(c.prompt_tokens, 'prompt token')})")
 
 
+def lookups_text(lookups: int, hits: int, requests: int) -> str:
+    """``16 lookups, 3 loaded an entry (18.8%)``: the root's own lookups and loads, and,
+    when they are not one per request, why (a request that the memory tier answers in full
+    looks nothing up; a restore whose entry went bad looks again)."""
+    if not lookups:
+        return "none recorded"
+    text = (f"{H.plural(lookups, 'lookup')}, {H.format_count(hits)} loaded an entry "
+            f"({hits / lookups:.1%})")
+    if requests and lookups < requests:
+        text += (f", for {H.plural(requests, 'request')}: a request that memory answered in "
+                 "full looked nothing up in the root")
+    elif requests and lookups > requests:
+        text += (f", for {H.plural(requests, 'request')}: a restore whose entry went bad "
+                 "looks again, and a lookup of the Python API alone is no request")
+    return text
+
+
 def _reasons(why: dict[str, int]) -> str:
     return ", ".join(f"{k} {H.format_count(v)}" for k, v in sorted(why.items()) if v) or "-"
 
 
 def _column(c: Counts) -> list[str]:
     return [
-        saved_text(c),
         H.format_count(c.requests),
         *(f"{H.plural(getattr(c, f'{t}_requests'), 'request')}, "
           f"{H.plural(getattr(c, f'{t}_tokens'), 'token')}" for t, _ in TIER_LABELS),
@@ -40,8 +56,8 @@ def _column(c: Counts) -> list[str]:
 
 def usage_lines(u: Usage) -> list[str]:
     """The requests block of ``kvstore stats``: the root's lifetime, and since the last reset
-    when there was one."""
-    labels = ["tokens saved", "requests", *(label for _, label in TIER_LABELS),
+    when there was one (the share of tokens saved is the headline above it, not here)."""
+    labels = ["requests", *(label for _, label in TIER_LABELS),
               "computed", "missed", "miss reasons", "reused less"]
     life = u.lifetime
     head = [f"lifetime (since {H.format_time(life.since)})" if life.since else "lifetime"]

@@ -409,6 +409,7 @@ class CompactPlan(Plan[CompactReport]):
         report = CompactReport(physical_before=self.physical_before, grace=self.grace)
         if self.empty():
             report.physical_after, report.live_after = self.physical_before, self.live_after
+            _fill_held(report, _held_blocks(root, self.grace), self.grace)
             return report
         done = {"evict": 0, "sweep": 0}
         totals = {"evict": len(self.victims),

@@ -38,8 +38,8 @@ from .modes import (
 )
 
 _LAYOUT = ("index", "blocks", "tmp", "quarantine")
-# kvstore 0.1.0's `model fetch` put its model cache in <user cache>/kvstore/models, inside
-# the default root: a root may hold such a folder (kvstore.mlx_lm.gguf names the marker)
+# the `model fetch` of earlier versions put its model cache in <user cache>/kvstore/models,
+# inside the default root: a root may hold such a folder (kvstore.models names the marker)
 _LEGACY_MODELS = "models"
 _CONVERTED = ".kvstore-converted"
 _log = logging.getLogger("kvstore")

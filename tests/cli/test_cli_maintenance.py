@@ -70,7 +70,7 @@ def test_compact_dry_run_then_budget(fresh_root: Root) -> None:
     r = run("compact", "--dry-run", "--grace", "0", "--root", root)
     assert r.code == 0 and r.err == ""
     assert r.out.startswith("dry run: nothing was changed")
-    assert "freed blocks     2" in r.out and "freed bytes      3.2 KiB" in r.out
+    assert "would sweep 2 unreferenced blocks (3.2 KiB)" in r.out
     assert run_here("stats", "--root", root, "--json").json()["unreferenced_blocks"] == 2
     d = run("compact", "--grace", "0", "--json", "--root", root).json()
     assert d["dry_run"] is False and d["report"]["freed_blocks"] == 2
