@@ -17,6 +17,8 @@ loaded by a restore.
 from __future__ import annotations
 
 import ctypes
+import os
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -227,8 +229,20 @@ _LOCK = threading.Lock()
 _LOADED: dict[str, Runtime | None] = {}
 
 
+def _candidates() -> list[str]:
+    """The runtime's names: MLX's own, already in the process when MLX links it (``dlopen``
+    of its name returns it), then the copies pip's ``nvidia-cuda-runtime`` wheels install."""
+    out = list(_NAMES)
+    for base in sys.path:
+        for sub, name in (("cu13", "libcudart.so.13"), ("cuda_runtime", "libcudart.so.12")):
+            p = os.path.join(base or ".", "nvidia", sub, "lib", name)
+            if os.path.exists(p):
+                out.append(p)
+    return out
+
+
 def _load() -> Runtime | None:
-    for name in _NAMES:
+    for name in _candidates():
         try:
             return Runtime(ctypes.CDLL(name))
         except (OSError, AttributeError, CudaError):

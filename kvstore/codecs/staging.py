@@ -27,7 +27,7 @@ from typing import Protocol
 
 from .cudart import CudaError, Runtime, runtime
 
-__all__ = ["Copier", "Copy", "CudaCopier", "HostCopier", "address_of", "cuda_copier"]
+__all__ = ["Copier", "Copy", "CudaCopier", "HostCopier", "address_of", "cuda_copier", "cuda_device"]
 
 _log = logging.getLogger("kvstore")
 
@@ -266,7 +266,7 @@ def _stream(rt: Runtime) -> int:
 _TARGET: dict[str, tuple[Runtime, int] | None] = {}
 
 
-def _cuda_target() -> tuple[Runtime, int] | None:
+def cuda_device() -> tuple[Runtime, int] | None:
     """(runtime, device) of MLX's CUDA GPU whose managed memory host and card may share at
     once; None where there is none (looked up once a process)."""
     if "t" in _TARGET:
@@ -297,5 +297,5 @@ def cuda_copier() -> CudaCopier | None:
 
     if mx.default_device() != mx.gpu:
         return None
-    target = _cuda_target()
+    target = cuda_device()
     return None if target is None else CudaCopier(*target)
