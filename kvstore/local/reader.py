@@ -332,13 +332,29 @@ def _run_group(group: list[_Read]) -> None:
         job.run()
 
 
+def _by_block(reads: list[_Read]) -> list[list[_Read]]:
+    """The reads of each block, in file order: a thread that takes a block whole hashes each
+    piece as soon as it has read it, while it is in its core's cache (pieces of one block
+    spread over threads arrive out of order, wait, and are hashed later from memory)."""
+    blocks: dict[int, list[_Read]] = {}
+    for r in reads:
+        blocks.setdefault(r.slot, []).append(r)
+    return [sorted(b, key=lambda r: r.offset) for b in blocks.values()]
+
+
 def _run_reads(reads: list[_Read], zeros: list[memoryview]) -> None:
-    """Run the reads over the read threads and this one; zero the spare rows meanwhile."""
+    """Run the reads over the read threads and this one (whole blocks to a thread where there
+    are blocks enough); zero the spare rows meanwhile."""
     total = sum(r.nbytes for r in reads)
     futures = []
     if len(reads) > 1 and total >= _PARALLEL_BYTES:
-        groups = [[reads[i] for i in g]
-                  for g in balanced([r.nbytes for r in reads], READ_WORKERS)]
+        blocks = _by_block(reads)
+        if len(blocks) >= READ_WORKERS:
+            groups = [[r for i in g for r in blocks[i]] for g in
+                      balanced([sum(r.nbytes for r in b) for b in blocks], READ_WORKERS)]
+        else:  # too few blocks to keep every thread busy: their pieces spread over them
+            groups = [[reads[i] for i in g]
+                      for g in balanced([r.nbytes for r in reads], READ_WORKERS)]
         pool = read_pool()
         reads = groups[0]
         for g in groups[1:]:
