@@ -21,6 +21,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -34,7 +35,7 @@ _log = logging.getLogger("kvstore")
 #: Pinned staging memory a process keeps for its restores onto a GPU, at most.
 RING_BYTES = 512 << 20
 #: Seconds without a restore after which the pinned ring is given back.
-RING_IDLE_SECONDS = 30.0
+RING_IDLE_SECONDS = 300.0
 
 
 @dataclass(frozen=True)
@@ -163,9 +164,9 @@ class _Ring:
                 if self.size < nbytes or len(self.ptrs) < count:
                     self._free_locked(rt)
                     self.size = nbytes
-                    self.ptrs = [rt.host_alloc(nbytes) for _ in range(count)]
+                    self.ptrs = _pinned(rt, count, nbytes)
                 return self.ptrs[:count], True
-        return [rt.host_alloc(nbytes) for _ in range(count)], False
+        return _pinned(rt, count, nbytes), False
 
     def give(self, rt: Runtime) -> None:
         with self.lock:
@@ -191,6 +192,24 @@ class _Ring:
 
 
 _RING = _Ring()
+_SETUP = threading.local()
+
+
+def _pinned(rt: Runtime, count: int, nbytes: int) -> list[int]:
+    t = time.perf_counter()
+    try:
+        return [rt.host_alloc(nbytes) for _ in range(count)]
+    finally:
+        _SETUP.seconds = getattr(_SETUP, "seconds", 0.0) + time.perf_counter() - t
+
+
+def setup_seconds() -> float:
+    """Seconds this thread's restores spent pinning staging memory since the last call (a
+    cost of the first restore of a process, or of the first after an idle spell, not of
+    the bytes restored: a rate measured from a restore leaves it out)."""
+    got = getattr(_SETUP, "seconds", 0.0)
+    _SETUP.seconds = 0.0
+    return float(got)
 
 
 class CudaCopier:

@@ -33,6 +33,7 @@ from kvstore import Namespace, Store
 from kvstore.store.tenants import salt_tag, tenant_key, tenant_namespace
 from kvstore.store.usage import Counts, failure_reason
 
+from ..codecs.staging import setup_seconds
 from .cache_control import parse_pin_type
 from .crossover import Throughputs, cache_nbytes, measure_copy
 from .fingerprint import fingerprint_model, fingerprint_model_dir, namespace_for_path
@@ -624,6 +625,7 @@ class PersistentPromptCache:
             if pred is not None and pred.recompute and self.throughputs.skip():
                 self._count("recomputed")
                 return None, None, "recompute_faster"
+            setup_seconds()  # from here on: this restore's own one-time costs
             t = time.perf_counter()
             cache = self.store.load(match)
             # a usable match may still be shorter than what the store shares with the
@@ -635,7 +637,8 @@ class PersistentPromptCache:
                 why = self.store.miss_reason(query, namespace=namespace, reused=match.length)
                 why = why if why == "shallow" else None
             self.throughputs.note_restore(match.where, namespace, cache_nbytes(cache),
-                                          match.length, time.perf_counter() - t)
+                                          match.length,
+                                          time.perf_counter() - t - setup_seconds())
         except Exception as e:
             logger.warning("kvstore: store read failed; treating it as a miss", exc_info=True)
             return None, None, failure_reason(e)
