@@ -17,6 +17,13 @@ The restores run with the files in the page cache (``warm``) and after
 after the drop, so a machine whose page cache ignores the advice (a sandboxed kernel)
 shows it. The first token of every restore must equal the prefill's. Without a GPU
 the group is skipped with one line saying so.
+
+On a CUDA GPU (where restores go through pinned staging onto the card,
+:mod:`kvstore.local.staged`) each size also has, on the same block files: the same restore
+with the arrays filled on the host (``KVSTORE_GPU_RESTORE=0``: managed memory the card
+pulls across on first use), in rounds of its own; and the machine's limit rows of
+:mod:`kvstore.bench.gpu_limits` (the reads, the copies, and their pipeline, which every
+restore row is read against).
 """
 
 from __future__ import annotations
@@ -251,7 +258,10 @@ def gpu_rows(cfg: Config, scratch: Path, log: Callable[[str], None] = print, *,
                 new = [
                     Row("gpu", f"{name}: kvstore restore vs prefill", "s", kv_s,
                         median(prefill_s), "prefill from scratch", "speedup",
-                        extra={**extra, "target": 3.0 if n >= 32768 else 1.0}),
+                        # from the page cache: faster than the prefill, 3x from 32k on; after
+                        # eviction the disk's own speed is the goal (the limit rows)
+                        extra={**extra, **({"target": 3.0 if n >= 32768 else 1.0}
+                                           if where == "warm" else {})}),
                     Row("gpu", f"{name}: kvstore restore vs mlx-lm load_prompt_cache", "s",
                         kv_s, median(res["ml"]), "mlx-lm load_prompt_cache", "speedup",
                         extra=extra),
