@@ -223,6 +223,7 @@ class CudaCopier:
         self._kept = False
         self._events: list[int] = []
         self._sent: list[bool] = []
+        self._host: HostCopier | None = None  # where the arrays are not managed memory
 
     def ring(self, count: int, nbytes: int) -> list[memoryview]:
         self._ptrs, self._kept = _RING.take(self.rt, count, nbytes)
@@ -232,15 +233,30 @@ class CudaCopier:
                 for p in self._ptrs]
 
     def prepare(self, spans: Sequence[tuple[int, int]]) -> None:
+        if spans and not self.rt.is_managed(spans[0][0]):
+            # not the managed memory MLX 0.32 gives its CPU-stream arrays (another MLX):
+            # the host can write it, the card's engines may not; copied on the host instead
+            _log.warning("kvstore: restored arrays are not CUDA managed memory; filled on "
+                         "the host")
+            self._host = HostCopier()
+            return
         for ptr, nbytes in spans:
             if nbytes:
                 self.rt.prefetch(ptr, nbytes, self.device, self.stream)
 
     def zero(self, dst: int, pitch: int, width: int, height: int) -> None:
+        if self._host is not None:
+            self._host.zero(dst, pitch, width, height)
+            return
         self.rt.zero_2d(dst, pitch, width, height, self.stream)
 
     def send(self, slot: int, copies: Sequence[Copy]) -> None:
         base = self._ptrs[slot]
+        if self._host is not None:
+            for c in copies:
+                for i in range(c.height):
+                    ctypes.memmove(c.dst + i * c.dpitch, base + c.src + i * c.spitch, c.width)
+            return
         for c in copies:
             if c.height == 1 or (c.dpitch == c.width and c.spitch == c.width):
                 self.rt.copy(c.dst, base + c.src, c.width * c.height, self.stream)
