@@ -51,7 +51,8 @@ class _Location(ctypes.Structure):
 
 class _PointerAttributes(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
-                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p)]
+                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p),
+                ("reserved", ctypes.c_byte * 256)]  # room for fields later runtimes add
 
 
 _P = ctypes.c_void_p
