@@ -50,7 +50,8 @@ TIERS: dict[str, set[str]] = {
                     "local.gc", "local.modes", "mlx_lm/", "bench/", "demo", "models"},
     "kvstore.bench": {"kvstore", "errors", "_vio", "schema", "blocks/", "codecs/",
                       "catalog.settings", "remote", "remote.s3", "store", "local",
-                      "local.filesystem", "local.writer", "mlx_lm/", "demo", "tiny"},
+                      "local.filesystem", "local.staged", "local.writer", "mlx_lm/", "demo",
+                      "tiny"},
     "kvstore._human": {"errors"},
     # the model cache: the models kvstore fetches and where they are, without MLX
     "kvstore.models": {"errors"},

@@ -112,3 +112,50 @@ def test_the_prefill_rate_is_measured_from_fetch_to_the_prompts_snapshot(
     ppc.insert_cache(key, B + [1, 2], two_layer_kv(B + [1, 2]))  # the reply: not a prefill
     assert ppc.throughputs.prefill_tps == tps
     assert ppc.drain(30)
+
+
+def test_a_memory_hit_that_copies_a_whole_cache_for_a_few_tokens_is_computed_instead(
+        store: kvstore.Store, key: Any) -> None:
+    # memory holds a long conversation; the request shares only its first 9 tokens (a
+    # different conversation after them): the hit would hand out the whole entry's arrays,
+    # trimmed, and its first step would copy all of them to reuse 9 tokens
+    long = list(range(5000, 5400))
+    other = long[:9] + list(range(7000, 7040))
+    ppc = PersistentPromptCache(store, min_tokens=10**6)  # memory only: the store is empty
+    ppc.insert_cache(key, long, two_layer_kv(long))
+    seen = Seen()
+    ppc.observers.append(seen)
+    # a slow copy (1 kB/s) against a fast prefill (1000 tokens/s): computed instead
+    ppc.throughputs.note_copy(1000, 1.0)
+    ppc.throughputs.note_prefill(1000, 1.0)
+    nbytes = crossover.cache_nbytes(two_layer_kv(long))
+    pred = ppc.throughputs.predict_copy(nbytes, 9)
+    assert pred is not None and pred.recompute
+    cache, rest = ppc.fetch_nearest_cache(key, other)
+    assert cache is None and rest == other
+    assert [(r.tier, r.reused_tokens, r.miss) for r in seen.opened] == [
+        (None, 0, "recompute_faster")]
+    assert ppc.persist_stats().recomputed == 1
+    assert ppc.request_counts().miss_reasons == {"recompute_faster": 1}
+    # the same request whose whole prompt the entry holds: its copy saves 400 tokens' prefill
+    ppc.throughputs.copy_bps = float(nbytes)  # a second to copy it all, 0.4 s of prefill saved
+    cache, rest = ppc.fetch_nearest_cache(key, long + [1])
+    assert cache is None  # still dearer: copied at 1 entry/s against 1000 tokens/s
+    # a fast copy: the memory hit is taken, for 9 tokens too
+    ppc.throughputs.copy_bps = nbytes * 1000.0
+    cache, rest = ppc.fetch_nearest_cache(key, other)
+    assert cache is not None and rest == other[9:]
+    assert ppc.persist_stats().recomputed == 2
+
+
+def test_the_copy_rate_is_measured_once_a_process_before_a_memory_hit_is_judged(
+        store: kvstore.Store, key: Any) -> None:
+    long = list(range(5000, 5400))
+    ppc = PersistentPromptCache(store, min_tokens=10**6)
+    ppc.insert_cache(key, long, two_layer_kv(long))
+    cache, _ = ppc.fetch_nearest_cache(key, long[:9] + [1, 2])
+    assert cache is not None and ppc.throughputs.copy_bps is None  # no prefill rate yet
+    ppc.throughputs.note_prefill(1000, 1.0)
+    cache, _ = ppc.fetch_nearest_cache(key, long[:9] + [1, 2])
+    assert cache is not None  # this machine copies far faster than 1000 tokens a second
+    assert ppc.throughputs.copy_bps is not None and ppc.throughputs.copy_bps > 1e6

@@ -51,39 +51,52 @@ def limit_row(name: str, kv: float, limit: float, label: str, *,
     return Row("limit", name, "s", kv, limit, label, "speedup", extra=ext, part_of=part_of)
 
 
+_CHUNK = 1 << 20  # a limit read hashes what it read while it is in the core's cache
+
+
 def _clock() -> float:
     return time.perf_counter()
 
 
 class RawRead:
-    """The restore's limit: ``preadv`` of every block file into preallocated, evaluated arrays.
+    """The restore's limit: ``preadv`` of every block file into arrays, on ``threads`` threads.
 
-    The files are opened and read inside the timed call, spread over as many
-    threads as a restore reads with (the caller's among them), each whole file
-    one ``preadv`` into its own uint8 array; ``hash`` adds BLAKE3 of each file's
-    bytes on the thread that read them, as a verified restore must.
+    The files are opened and read inside the timed call, spread over the threads (the
+    caller's among them), each file into its own uint8 array: arrays allocated once and
+    reused (the default), or, with ``fresh``, new ones each call (NumPy's, whose pages the
+    kernel faults in on first touch, as a restore's new arrays). ``hash`` adds BLAKE3 of
+    each file, a chunk at a time as it is read, on the thread that read it, as a verified
+    restore must.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, threads: int = READ_WORKERS, fresh: bool = False) -> None:
         self.paths = [str(p) for p in block_files(root)]
         self.sizes = [os.stat(p).st_size for p in self.paths]
-        self.arrays = [mx.zeros((s,), dtype=mx.uint8) for s in self.sizes]
+        self.fresh = fresh
+        self.arrays = [] if fresh else [mx.zeros((s,), dtype=mx.uint8) for s in self.sizes]
         mx.eval(self.arrays)
         self.views = [memoryview(a).cast("B") for a in self.arrays]  # type: ignore[arg-type]
-        self.threads = READ_WORKERS
+        self.threads = threads
 
     def _job(self, idx: list[int], hash: bool) -> None:
+        import numpy as np
+
         for i in idx:
+            view = (memoryview(np.empty(self.sizes[i], np.uint8))  # type: ignore[arg-type]
+                    if self.fresh else self.views[i])
+            h = new_hasher("blake3") if hash else None
             fd = os.open(self.paths[i], os.O_RDONLY)
             try:
-                got = os.preadv(fd, [self.views[i]], 0)
+                for pos in range(0, self.sizes[i], _CHUNK):
+                    piece = view[pos : pos + _CHUNK]
+                    got = os.preadv(fd, [piece], pos)
+                    if got != len(piece):
+                        raise OSError(f"{self.paths[i]}: read {got} of {len(piece)} bytes")
+                    if h is not None:
+                        h.update(piece)
             finally:
                 os.close(fd)
-            if got != self.sizes[i]:
-                raise OSError(f"{self.paths[i]}: read {got} of {self.sizes[i]} bytes")
-            if hash:
-                h = new_hasher("blake3")
-                h.update(self.views[i])
+            if h is not None:
                 h.digest()
 
     def __call__(self, *, hash: bool = False) -> float:

@@ -31,6 +31,7 @@ class _Slot:
     waiting: list[tuple[int, int, Sequence[Buffer]]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     failed: str = ""  # why the block cannot be trusted, set by a reader
+    settled: bool = False  # read whole and found to hash to its name (:meth:`settle`)
 
 
 class BlockCheck:
@@ -52,6 +53,15 @@ class BlockCheck:
         self._tail = tail
         self._slots = [_Slot(d, size, new_hasher(algo)) for d, size in blocks]
         self._seq = itertools.count()
+
+    @property
+    def tail(self) -> bytes:
+        """The bytes the check itself adds at the end of every block (a salt), not read."""
+        return self._tail
+
+    def size(self, slot: int) -> int:
+        """The size of block ``slot``, as the read expects it (its tail included)."""
+        return self._slots[slot].size
 
     def feed(self, slot: int, offset: int, pieces: Sequence[Buffer]) -> None:
         """The bytes ``pieces`` (back to back) were read from ``offset`` of block ``slot``."""
@@ -76,6 +86,32 @@ class BlockCheck:
             s.hasher.update(p)
             s.done += len(p)
 
+    def settle(self, slot: int) -> bool:
+        """Whether block ``slot``, read whole, hashes to its name (an unverified read: whether
+        no reader failed it). Failed when not, so :meth:`bad` names it; a staged restore
+        asks before it copies a block's bytes on."""
+        s = self._slots[slot]
+        with s.lock:
+            if s.failed:
+                return False
+            if not self.hashing or s.settled:
+                return True
+            why = self._verdict(s)
+            if why:
+                s.failed = why
+                return False
+            s.settled = True
+            return True
+
+    def _verdict(self, s: _Slot) -> str:
+        """What is wrong with slot ``s``'s bytes ('' when they hash to its name)."""
+        if self._tail and s.done + len(self._tail) == s.size and not s.waiting:
+            self._hash(s, [self._tail])
+        if s.done != s.size or s.waiting:
+            return f"{s.done} of {s.size} bytes read"
+        got = s.hasher.digest()
+        return f"bytes hashing to {got.hex()}" if got != s.digest else ""
+
     def fail(self, slot: int, why: str) -> None:
         """A reader found the block unusable (a short read, say)."""
         s = self._slots[slot]
@@ -92,14 +128,9 @@ class BlockCheck:
             if s.failed:
                 out.setdefault(s.digest, s.failed)
                 continue
-            if not self.hashing:
+            if not self.hashing or s.settled:
                 continue
-            if self._tail and s.done + len(self._tail) == s.size and not s.waiting:
-                self._hash(s, [self._tail])
-            if s.done != s.size or s.waiting:
-                out.setdefault(s.digest, f"{s.done} of {s.size} bytes read")
-            else:
-                got = s.hasher.digest()
-                if got != s.digest:
-                    out.setdefault(s.digest, f"bytes hashing to {got.hex()}")
+            why = self._verdict(s)
+            if why:
+                out.setdefault(s.digest, why)
         return out

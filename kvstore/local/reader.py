@@ -327,31 +327,57 @@ class _Read:
             pos += sum(len(v) for v in batch)
 
 
-def _run_group(group: list[_Read]) -> None:
+def _zero(views: list[memoryview]) -> None:
+    for z in views:
+        for off in range(0, len(z), len(_ZEROS)):
+            piece = z[off : off + len(_ZEROS)]
+            piece[:] = _ZEROS[: len(piece)]
+
+
+def _run_group(group: list[_Read], zeros: list[memoryview] | None = None) -> None:
+    if zeros:
+        _zero(zeros)
     for job in group:
         job.run()
 
 
+def _by_block(reads: list[_Read]) -> list[list[_Read]]:
+    """The reads of each block, in file order: a thread that takes a block whole hashes each
+    piece as soon as it has read it, while it is in its core's cache (pieces of one block
+    spread over threads arrive out of order, wait, and are hashed later from memory)."""
+    blocks: dict[int, list[_Read]] = {}
+    for r in reads:
+        blocks.setdefault(r.slot, []).append(r)
+    return [sorted(b, key=lambda r: r.offset) for b in blocks.values()]
+
+
 def _run_reads(reads: list[_Read], zeros: list[memoryview]) -> None:
-    """Run the reads over the read threads and this one; zero the spare rows meanwhile."""
+    """Run the reads over the read threads and this one (whole blocks to a thread where there
+    are blocks enough); each thread zeroes its share of the spare rows first."""
     total = sum(r.nbytes for r in reads)
-    futures = []
-    if len(reads) > 1 and total >= _PARALLEL_BYTES:
+    if len(reads) <= 1 or total < _PARALLEL_BYTES:
+        _run_group(reads, zeros)
+        return
+    blocks = _by_block(reads)
+    if len(blocks) >= READ_WORKERS:
+        groups = [[r for i in g for r in blocks[i]] for g in
+                  balanced([sum(r.nbytes for r in b) for b in blocks], READ_WORKERS)]
+    else:  # too few blocks to keep every thread busy: their pieces spread over them
         groups = [[reads[i] for i in g]
                   for g in balanced([r.nbytes for r in reads], READ_WORKERS)]
-        pool = read_pool()
-        reads = groups[0]
-        for g in groups[1:]:
-            try:
-                futures.append(pool.submit(_run_group, g))
-            except RuntimeError:  # the interpreter is shutting down: read on this thread
-                reads = reads + g
+    shares: list[list[memoryview]] = [[] for _ in groups]
+    for i, z in enumerate(zeros):
+        shares[i % len(groups)].append(z)
+    pool = read_pool()
+    mine, my_zeros = groups[0], shares[0]
+    futures = []
+    for g, zs in zip(groups[1:], shares[1:], strict=True):
+        try:
+            futures.append(pool.submit(_run_group, g, zs))
+        except RuntimeError:  # the interpreter is shutting down: read on this thread
+            mine, my_zeros = mine + g, my_zeros + zs
     try:
-        for z in zeros:
-            for off in range(0, len(z), len(_ZEROS)):
-                piece = z[off : off + len(_ZEROS)]
-                piece[:] = _ZEROS[: len(piece)]
-        _run_group(reads)
+        _run_group(mine, my_zeros)
     finally:
         for f in futures:
             f.result()

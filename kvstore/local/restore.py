@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,6 +19,7 @@ from ..codecs.layout import (
     n_token_blocks,
     window_block_sizes,
 )
+from ..codecs.staging import Copier, cuda_copier
 from ..errors import (
     CacheMismatchError,
     CorruptBlockError,
@@ -31,8 +32,14 @@ from . import reader
 from .reader import Want, load_arrays, plan_runs
 from .repair import plan_for_blocks
 from .root import Root
+from .staged import load_staged
 
 _log = logging.getLogger("kvstore")
+
+#: The copy step of a restore onto a GPU: where MLX's default device is a CUDA GPU, the
+#: card's copy engines from pinned staging memory (:mod:`kvstore.local.staged`); None (the
+#: arrays are filled in place, on the host) elsewhere. Tests put a host copier here.
+copier_for_restore: Callable[[], Copier | None] = cuda_copier
 
 
 def read_entry(
@@ -216,7 +223,11 @@ def _materialize(
         state_blocks=len(m.state_blocks),
         state_block=m.state_block_bytes,
     )
-    arrays = load_arrays(shapes, plans, check, files)
+    copier = copier_for_restore()
+    if copier is not None:
+        arrays = load_staged(shapes, plans, check, files, copier)
+    else:
+        arrays = load_arrays(shapes, plans, check, files)
     out: list[Any] = []
     pos = 0
     for layer in m.layers:

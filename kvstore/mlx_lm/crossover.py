@@ -59,6 +59,7 @@ class Throughputs:
         self.restore_bps: dict[str, float] = {}
         self.bytes_per_token: dict[Hashable, float] = {}
         self.prefill_tps: float | None = None
+        self.copy_bps: float | None = None
         self._skipped = 0
 
     def note_restore(self, tier: str, namespace: Hashable, nbytes: int, tokens: int,
@@ -91,11 +92,43 @@ class Throughputs:
         return Prediction(restored, RESTORE_OVERHEAD + restored * bpt / bps,
                           max(computed, 0) / tps)
 
+    def note_copy(self, nbytes: int, seconds: float) -> None:
+        """A copy of ``nbytes`` in memory (the device's) took ``seconds``."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            self.copy_bps = _ema(self.copy_bps, nbytes / seconds)
+
+    def predict_copy(self, nbytes: int, computed: int) -> Prediction | None:
+        """A memory hit that copies ``nbytes`` (the whole entry it comes from) vs the prefill
+        of the ``computed`` tokens it would save; None until both rates are known."""
+        with self._lock:
+            bps, tps = self.copy_bps, self.prefill_tps
+        if bps is None or tps is None or computed <= 0:
+            return None
+        return Prediction(computed, RESTORE_OVERHEAD + nbytes / bps, computed / tps)
+
     def skip(self) -> bool:
         """Whether a restore predicted slower is skipped (False one time in PROBE_EVERY)."""
         with self._lock:
             self._skipped += 1
             return self._skipped % PROBE_EVERY != 0
+
+
+def measure_copy(nbytes: int, *, cap: int = 64 << 20) -> tuple[int, float]:
+    """(bytes, seconds) of one copy of ``min(nbytes, cap)`` bytes on MLX's default device:
+    what a memory hit pays a byte, measured once a process."""
+    import time
+
+    import mlx.core as mx
+
+    n = max(1 << 20, min(nbytes, cap))
+    a = mx.zeros((n,), dtype=mx.uint8)
+    mx.eval(a)
+    t = time.perf_counter()
+    b = a + 1  # a new buffer, every byte read and written
+    mx.eval(b)
+    return n, time.perf_counter() - t
 
 
 def cache_nbytes(cache: list[object]) -> int:

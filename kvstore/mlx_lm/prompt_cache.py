@@ -33,8 +33,9 @@ from kvstore import Namespace, Store
 from kvstore.store.tenants import salt_tag, tenant_key, tenant_namespace
 from kvstore.store.usage import Counts, failure_reason
 
+from ..codecs.staging import setup_seconds
 from .cache_control import parse_pin_type
-from .crossover import Throughputs, cache_nbytes
+from .crossover import Throughputs, cache_nbytes, measure_copy
 from .fingerprint import fingerprint_model, fingerprint_model_dir, namespace_for_path
 from .prefill import CHECKPOINT, parse_checkpoint_type
 from .requests import (
@@ -107,7 +108,7 @@ class PersistStats:
     deferred_bytes: int = 0
     superseded: int = 0  # deferred snapshots replaced by a later one of their conversation
     kv_bytes_added: int = 0  # the saves' logical bytes beyond what the root held before each
-    recomputed: int = 0  # store hits computed instead: predicted faster (miss recompute_faster)
+    recomputed: int = 0  # store or memory hits computed instead (miss recompute_faster)
 
     @property
     def write_amplification(self) -> float | None:
@@ -225,6 +226,7 @@ class PersistentPromptCache:
         self._counts: dict[str, int] = {}
         self._usage = Counts()  # this process's requests, by tier
         self.throughputs = Throughputs()  # restore and prefill rates (issue 37)
+        self._memory_recomputed = False  # the current fetch's memory hit was computed instead
         self._prefill_marks: dict[int, tuple[float, int]] = {}  # request id -> (when, tokens)
         self._writer = WriteBehind(store, queue_bytes=queue_bytes, reuse_prefix=reuse_prefix,
                                    defer_seconds=defer_seconds, on_save=self._saved)
@@ -279,6 +281,7 @@ class PersistentPromptCache:
         ``cached_tokens``) and, when it reused nothing or less than it might have, why.
         """
         t0 = time.perf_counter()
+        self._memory_recomputed = False
         context, self._context = self._context, None
         model_key = self._tenant(model_key)
         self._expire_pins()
@@ -288,6 +291,8 @@ class PersistentPromptCache:
         if pinned is not None:
             cache, rest = pinned
             have = len(tokens) - len(rest)
+        elif cache is not None and have > 0 and self._copy_dearer(cache, have):
+            cache, rest, have = None, list(tokens), 0  # computed instead (a hit never dearer)
         tier, miss, waiting = ("memory" if have else None), None, 0
         if cache is None or rest:
             # A snapshot still waiting to be written (a checkpoint the writer has not
@@ -300,6 +305,8 @@ class PersistentPromptCache:
                 cache, rest = pending
                 have, tier = len(tokens) - len(rest), "memory"
             found, where, miss = self._fetch_from_store(model_key, tokens, have)
+            if found is None and cache is None and self._memory_recomputed:
+                miss = "recompute_faster"
             if found is not None:
                 (cache, rest), tier = found, where
                 self._count("store_hits")
@@ -621,6 +628,7 @@ class PersistentPromptCache:
             if pred is not None and pred.recompute and self.throughputs.skip():
                 self._count("recomputed")
                 return None, None, "recompute_faster"
+            setup_seconds()  # from here on: this restore's own one-time costs
             t = time.perf_counter()
             cache = self.store.load(match)
             # a usable match may still be shorter than what the store shares with the
@@ -632,7 +640,8 @@ class PersistentPromptCache:
                 why = self.store.miss_reason(query, namespace=namespace, reused=match.length)
                 why = why if why == "shallow" else None
             self.throughputs.note_restore(match.where, namespace, cache_nbytes(cache),
-                                          match.length, time.perf_counter() - t)
+                                          match.length,
+                                          time.perf_counter() - t - setup_seconds())
         except Exception as e:
             logger.warning("kvstore: store read failed; treating it as a miss", exc_info=True)
             return None, None, failure_reason(e)
@@ -655,6 +664,22 @@ class PersistentPromptCache:
         if miss in (None, "no_entry", "other_model") and waiting // T * T > reused:
             return "shallow"
         return miss
+
+    def _copy_dearer(self, cache: list[Any], reused: int) -> bool:
+        """Whether a memory hit reusing ``reused`` tokens is predicted dearer than their
+        prefill: the cache it hands out shares the whole entry's arrays, so its first step
+        copies all of them (``cache_nbytes``), however few tokens it reuses. Counted and
+        noted for the request's miss reason when so (one in ``PROBE_EVERY`` is used anyway)."""
+        nbytes = cache_nbytes(cache)
+        tp = self.throughputs
+        if tp.copy_bps is None and tp.prefill_tps is not None:
+            tp.note_copy(*measure_copy(nbytes))  # once a process: the device's copy rate
+        pred = tp.predict_copy(nbytes, reused)
+        if pred is None or not pred.recompute or not tp.skip():
+            return False
+        self._count("recomputed")
+        self._memory_recomputed = True
+        return True
 
     def _note_prefill(self, rec: RequestRecord | None, n: int) -> None:
         """A snapshot of a request's first ``n`` prompt tokens: the tokens computed since its
