@@ -303,32 +303,49 @@ def _cached(r: Request) -> str:
 
 def table(turns: dict[str, list[Turn]]) -> str:
     """One client's turns as a Markdown table: per request, the store's figures and the
-    baseline's side by side."""
-    head = ("| turn | request | prompt tokens | from the cache, store | from the cache, "
-            "none | first token, store | first token, none | request end, store | "
-            "request end, none | turn, store | turn, none |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    rows = [head]
+    baseline's side by side; per turn, the client's whole run."""
+    rows = ["| turn | request | prompt tokens | from the cache: store | none | first token: "
+            "store | none | turn's end: store | none |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for ts, tn in zip(turns[ARMS[0]], turns[ARMS[1]], strict=True):
+        failed = [arm for arm, x in zip(ARMS, (ts, tn), strict=True) if not x.ok]
+        label = _LABELS.get(ts.label, ts.label) + (
+            f" (the client failed: {', '.join(failed)})" if failed else "")
         n = max(len(ts.requests), len(tn.requests))
         for i in range(n):
             rs = ts.requests[i] if i < len(ts.requests) else None
             rn = tn.requests[i] if i < len(tn.requests) else None
             last = i == n - 1
             prompt = "/".join(sorted({f"{r.prompt:,}" for r in (rs, rn) if r is not None}))
-            failed = [arm for arm, x in zip(ARMS, (ts, tn), strict=True) if not x.ok]
-            label = _LABELS.get(ts.label, ts.label) + (
-                f" (the client failed: {', '.join(failed)})" if failed else "")
             rows.append(
                 f"| {label if i == 0 else ''} | {i + 1} | {prompt} | "
                 f"{_cached(rs) if rs else '-'} | {_cached(rn) if rn else '-'} | "
-                f"{_s(rs.first_token_s) if rs else '-'} | {_s(rn.first_token_s) if rn else '-'}"
-                f" | {_s(rs.end_s) if rs else '-'} | {_s(rn.end_s) if rn else '-'} | "
+                f"{_s(rs.first_token_s) if rs else '-'} | "
+                f"{_s(rn.first_token_s) if rn else '-'} | "
                 f"{_s(ts.wall_s) if last else ''} | {_s(tn.wall_s) if last else ''} |")
     ws = sum(t.wall_s for t in turns[ARMS[0]])
     wn = sum(t.wall_s for t in turns[ARMS[1]])
-    rows.append(f"| all | | | | | | | | | {_s(ws)} | {_s(wn)} |")
+    rows.append(f"| all turns | | | | | | | {_s(ws)} | {_s(wn)} |")
     return "\n".join(rows)
+
+
+def turns_of(report: dict[str, Any]) -> dict[str, list[Turn]]:
+    """A client's turns as ``--json`` wrote them (``report["clients"][name]``)."""
+    out: dict[str, list[Turn]] = {}
+    for arm, turns in report.items():
+        out[arm] = [Turn(t["label"], t["wall_s"], t["ok"],
+                         [Request(**r) for r in t["requests"]], tuple(t["load"]))
+                    for t in turns]
+    return out
+
+
+def tables(report: dict[str, Any]) -> str:
+    """The whole run's tables, each under its client's name."""
+    head = (f"Model: {agent_model.Shape(**report['shape'])}. Baseline: "
+            f"`{report['baseline']}`. Load average {report['load_start'][0]:.2f} at the "
+            f"start, {report['load_end'][0]:.2f} at the end.\n")
+    return "\n".join([head, *(f"### {clients.CLIENTS[name]}\n\n{table(turns_of(turns))}\n"
+                              for name, turns in report["clients"].items())])
 
 
 def _commit() -> str:
@@ -353,36 +370,35 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write every figure to this file")
     ap.add_argument("--keep", type=Path, help="work in this directory and keep it (the "
                     "workspaces, the servers' logs and roots); default: a temporary one")
+    ap.add_argument("--from-json", type=Path, metavar="FILE",
+                    help="run nothing: print the tables of an earlier run's --json FILE")
     a = ap.parse_args()
+    if a.from_json is not None:
+        print(tables(json.loads(a.from_json.read_text())))
+        return
     shape = agent_model.Shape.parse(a.shape)
     baseline = shlex.split(a.baseline_args)
     baseline_env = dict(v.split("=", 1) for v in a.baseline_env)
+    said = " ".join([*(f"{k}={v}" for k, v in baseline_env.items()), shlex.join(baseline)])
     bin_dir = clients.install()
     report: dict[str, Any] = {
         "shape": asdict(shape), "baseline_args": baseline, "baseline_env": baseline_env,
-        "serve_options": clients.serve_options(), "versions": clients.versions(),
-        "commit": _commit(), "cpus": os.cpu_count(), "load_start": os.getloadavg(),
-        "clients": {}}
-    said = " ".join([*(f"{k}={v}" for k, v in baseline_env.items()), shlex.join(baseline)])
+        "baseline": said, "serve_options": clients.serve_options(),
+        "versions": clients.versions(), "commit": _commit(), "cpus": os.cpu_count(),
+        "load_start": os.getloadavg(), "clients": {}}
     print(f"bench_agents: model {shape}; baseline: {said}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="bench-agents-") as tmp:
         base = a.keep if a.keep is not None else Path(tmp)
-        out = []
         for name in a.clients:
-            client = CLIENTS[name]
             d = base / name
             d.mkdir(parents=True, exist_ok=False)
-            turns = run_client(client, d, bin_dir, shape, baseline, baseline_env)
+            turns = run_client(CLIENTS[name], d, bin_dir, shape, baseline, baseline_env)
             report["clients"][name] = {arm: [asdict(t) for t in ts]
                                        for arm, ts in turns.items()}
-            out.append(f"### {clients.CLIENTS[name]}\n\n{table(turns)}\n")
     report["load_end"] = os.getloadavg()
     if a.json is not None:
         a.json.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"Model: {shape}. Baseline: `{said}`. Load average "
-          f"{report['load_start'][0]:.2f} at the start, {report['load_end'][0]:.2f} at "
-          f"the end.\n")
-    print("\n".join(out))
+    print(tables(report))
 
 
 if __name__ == "__main__":

@@ -103,3 +103,32 @@ def test_request_lines(bench: ModuleType) -> None:
         {"id": "3", "model": "m", "prompt": "29772", "reused": "29743", "source": "memory",
          "computed": "29", "part_ours": "a b", "part": "-"},
         {"id": "1", "prompt": "16", "reused": "0", "source": "none"}]
+
+
+def test_the_tables_of_a_run_are_printed_again_from_its_json(bench: ModuleType) -> None:
+    Turn, Request = bench.Turn, bench.Request
+    store = [Turn("1", 46.88, True, [Request(29702, 0, "none", 45.8, 45.84, 200),
+                                     Request(29770, 29706, "memory", 0.34, 0.36, 200)]),
+             Turn("3", 0.97, True, [Request(29819, 29795, "local", 0.31, 0.34, 200)])]
+    none = [Turn("1", 92.09, True, [Request(29703, 0, "none", 45.85, 45.9, 200),
+                                    Request(29771, 0, "none", 45.56, 45.58, 200)]),
+            Turn("3", 45.64, False, [Request(29820, 0, "-", 44.92, 44.94, 200)])]
+    report = {"shape": {"layers": 2, "hidden": 64, "heads": 2, "kv_heads": 1,
+                        "intermediate": 128},
+              "baseline": "X=1 --prompt-cache-size 0", "load_start": [1.96, 2.0, 2.0],
+              "load_end": [2.35, 2.0, 2.0],
+              "clients": {"claude": {"store": [bench.asdict(t) for t in store],
+                                     "none": [bench.asdict(t) for t in none]}}}
+    text = bench.tables(json.loads(json.dumps(report)))
+    assert text.splitlines()[0] == (
+        "Model: 2 layers, hidden 64, 2 heads of 32, 1 KV heads, MLP 128. Baseline: "
+        "`X=1 --prompt-cache-size 0`. Load average 1.96 at the start, 2.35 at the end.")
+    rows = [line for line in text.splitlines() if line.startswith("| ")][1:]
+    assert rows == [
+        "| 1, calls a tool | 1 | 29,702/29,703 | 0 (0.0%) | 0 (0.0%) | 45.80 s | 45.85 s"
+        " |  |  |",
+        "|  | 2 | 29,770/29,771 | 29,706 (99.8%, memory) | 0 (0.0%) | 0.34 s | 45.56 s | "
+        "46.88 s | 92.09 s |",
+        "| 3, restarted, resumes (the client failed: none) | 1 | 29,819/29,820 | "
+        "29,795 (99.9%, local) | 0 (0.0%) | 0.31 s | 44.92 s | 0.97 s | 45.64 s |",
+        "| all turns | | | | | | | 47.85 s | 137.73 s |"]
