@@ -14,7 +14,7 @@ it, both servers restarted on their roots, and a turn that resumes the session b
 The model is the scripted agent model of ``tests/agents/agent_model.py`` at ``--shape``
 (default ``2x64x2x1``: 2 layers, hidden 64, 2 heads of 32, 1 KV head), whose answers are
 the same at every size and whose prefill costs what its shape does: on a 2-core x86 CPU
-45-65 s for 30k tokens, a few hundred tokens a second. (The tests' one-layer shape
+45-75 s for 30k tokens, a few hundred tokens a second. (The tests' one-layer shape
 prefills 30k tokens in a tenth of a second: MLX computes no attention for it.)
 
 Per request, from the recording proxy in front of each server: the time to the event
@@ -26,6 +26,8 @@ from the cache; from the server's request log, where it can be read (``kvstore r
 Usage: python tools/bench_agents.py [--clients claude codex opencode] [--shape 2x64x2x1]
        [--baseline-args '--prompt-cache-size 0 --min-tokens 100000000']
        [--baseline-env DISABLE_PROMPT_CACHING=1] [--json FILE] [--keep DIR]
+       python tools/bench_agents.py --from-json FILE    # an earlier run's tables again
+       python tools/bench_agents.py --prefill 30720 [--shape S]   # a shape's prefill alone
 
 Prints a Markdown table per client (and the load average before and after each turn).
 Needs Node.js and npm (the clients are installed into their cache on first use).
@@ -348,6 +350,28 @@ def tables(report: dict[str, Any]) -> str:
                               for name, turns in report["clients"].items())])
 
 
+def prefill_rate(shape: agent_model.Shape, tokens: int, d: Path) -> dict[str, Any]:
+    """What a prefill of ``tokens`` costs the model at ``shape``, in this process, as
+    mlx-lm's generation runs it (chunks of 2048 that evaluate the cache, then the last
+    token's logits): seconds, and tokens a second."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+
+    from kvstore.tiny import sample_text
+
+    model_dir = agent_model.make_agent_model(d / "model", "Read", {"file_path": "x"}, shape)
+    model, tok = mlx_lm.load(str(model_dir))
+    text = tok.encode(sample_text(2000, seed=5))
+    prompt = mx.array((text * (tokens // len(text) + 1))[:tokens])
+    t0 = time.perf_counter()
+    for _ in generate_step(prompt, model, max_tokens=1, prefill_step_size=2048):
+        break
+    seconds = time.perf_counter() - t0
+    return {"shape": str(shape), "tokens": tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds), "load": os.getloadavg()[0]}
+
+
 def _commit() -> str:
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
                        text=True, timeout=30)
@@ -372,11 +396,18 @@ def main() -> None:
                     "workspaces, the servers' logs and roots); default: a temporary one")
     ap.add_argument("--from-json", type=Path, metavar="FILE",
                     help="run nothing: print the tables of an earlier run's --json FILE")
+    ap.add_argument("--prefill", type=int, metavar="TOKENS",
+                    help="run no client: time a prefill of TOKENS tokens at --shape, in "
+                         "this process, and print it")
     a = ap.parse_args()
     if a.from_json is not None:
         print(tables(json.loads(a.from_json.read_text())))
         return
     shape = agent_model.Shape.parse(a.shape)
+    if a.prefill is not None:
+        with tempfile.TemporaryDirectory(prefix="bench-agents-") as tmp:
+            print(json.dumps(prefill_rate(shape, a.prefill, Path(tmp))))
+        return
     baseline = shlex.split(a.baseline_args)
     baseline_env = dict(v.split("=", 1) for v in a.baseline_env)
     said = " ".join([*(f"{k}={v}" for k, v in baseline_env.items()), shlex.join(baseline)])

@@ -99,8 +99,12 @@ class Shape:
         return cls(*parts)
 
     def __str__(self) -> str:
-        return (f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads of "
-                f"{self.hidden // self.heads}, {self.kv_heads} KV heads, MLP {self.intermediate}")
+        def n(count: int, what: str) -> str:
+            return f"{count} {what}{'' if count == 1 else 's'}"
+
+        return (f"{n(self.layers, 'layer')}, hidden {self.hidden}, {n(self.heads, 'head')} of "
+                f"{self.hidden // self.heads}, {n(self.kv_heads, 'KV head')}, MLP "
+                f"{self.intermediate}")
 
 
 def call_text(name: str, arguments: dict[str, Any]) -> str:

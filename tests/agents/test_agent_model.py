@@ -95,6 +95,8 @@ def test_shape_parse() -> None:
     assert Shape.parse("2x64x2x1") == Shape(2, 64, 2, 1, 128)
     assert Shape.parse("3X96x4x2x200") == Shape(3, 96, 4, 2, 200)
     assert Shape() == Shape(1, 32, 2, 1, 64)  # the tests' model, as it was
+    assert str(Shape()) == "1 layer, hidden 32, 2 heads of 16, 1 KV head, MLP 64"
+    assert str(Shape(2, 64, 1, 1, 128)) == "2 layers, hidden 64, 1 head of 64, 1 KV head, MLP 128"
     for bad, says in [("2x64x2", "LAYERSxHIDDEN"), ("2x64xtwox1", "LAYERSxHIDDEN"),
                       ("0x64x2x1", "at least 1"), ("2x64x3x1", "multiple"),
                       ("2x64x4x3", "multiple"), ("1x4x2x1", "at least 5")]:

@@ -121,7 +121,7 @@ def test_the_tables_of_a_run_are_printed_again_from_its_json(bench: ModuleType) 
                                      "none": [bench.asdict(t) for t in none]}}}
     text = bench.tables(json.loads(json.dumps(report)))
     assert text.splitlines()[0] == (
-        "Model: 2 layers, hidden 64, 2 heads of 32, 1 KV heads, MLP 128. Baseline: "
+        "Model: 2 layers, hidden 64, 2 heads of 32, 1 KV head, MLP 128. Baseline: "
         "`X=1 --prompt-cache-size 0`. Load average 1.96 at the start, 2.35 at the end.")
     rows = [line for line in text.splitlines() if line.startswith("| ")][1:]
     assert rows == [
