@@ -15,11 +15,20 @@ generation prompt with a trigger token that starts the script:
 
 The template renders an assistant turn of the history with the same trigger, so a reply
 rendered back matches the tokens that were generated, as a real model's would.
+
+Its size (:class:`Shape`: layers, hidden size, heads) changes what a prefill costs and
+nothing of what it answers: the residual stream is the token's embedding at every size.
+The tests use the smallest, one layer: a prefill chunk evaluates only the cache, whose keys
+and values of a first layer come from the embeddings alone, so MLX computes no attention
+and 30k tokens take a tenth of a second. ``tools/bench_agents.py`` uses a larger shape, whose
+prefill costs what a small real model's does (each layer but the last computes its
+attention, as a real model's prefill does).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +64,58 @@ TEMPLATE = (
 )
 
 
+@dataclass(frozen=True)
+class Shape:
+    """The llama's size: what a prefill costs, never what the model answers."""
+
+    layers: int = 1
+    hidden: int = 32
+    heads: int = 2
+    kv_heads: int = 1
+    intermediate: int = 64
+
+    def __post_init__(self) -> None:
+        if min(self.layers, self.hidden, self.heads, self.kv_heads, self.intermediate) < 1:
+            raise ValueError(f"every part of a shape is at least 1: {self!r}")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"the hidden size must be a multiple of the heads, and the heads "
+                             f"of the key-value heads: {self!r}")
+        if self.hidden < 5:  # directions 0-4 carry the script
+            raise ValueError(f"the hidden size must be at least 5: {self!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> Shape:
+        """``LAYERSxHIDDENxHEADSxKV_HEADS[xINTERMEDIATE]`` (intermediate: twice the hidden
+        size), e.g. ``2x64x2x1``."""
+        try:
+            parts = [int(p) for p in text.lower().split("x")]
+        except ValueError:
+            parts = []
+        if len(parts) not in (4, 5):
+            raise ValueError(f"a shape is LAYERSxHIDDENxHEADSxKV_HEADS[xINTERMEDIATE], "
+                             f"got {text!r}")
+        if len(parts) == 4:
+            parts.append(2 * parts[1])
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        def n(count: int, what: str) -> str:
+            return f"{count} {what}{'' if count == 1 else 's'}"
+
+        return (f"{n(self.layers, 'layer')}, hidden {self.hidden}, {n(self.heads, 'head')} of "
+                f"{self.hidden // self.heads}, {n(self.kv_heads, 'KV head')}, MLP "
+                f"{self.intermediate}")
+
+
 def call_text(name: str, arguments: dict[str, Any]) -> str:
     """The text of a call as the model writes it between ``<tool_call>`` and its end."""
     return json.dumps({"name": name, "arguments": arguments})
 
 
-def make_agent_model(path: Path, tool: str, arguments: dict[str, Any]) -> Path:
-    """Write the model to ``path``: it calls ``tool`` with ``arguments`` when asked."""
+def make_agent_model(path: Path, tool: str, arguments: dict[str, Any],
+                     shape: Shape = Shape()) -> Path:
+    """Write the model to ``path``: it calls ``tool`` with ``arguments`` when asked; its
+    size is ``shape``."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.models import llama
@@ -81,7 +135,9 @@ def make_agent_model(path: Path, tool: str, arguments: dict[str, Any]) -> Path:
     vocab = tok.get_vocab_size()
 
     config = json.loads((d / "config.json").read_text())
-    config.update(vocab_size=vocab)
+    config.update(vocab_size=vocab, num_hidden_layers=shape.layers, hidden_size=shape.hidden,
+                  num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                  intermediate_size=shape.intermediate)
     (d / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tc = json.loads((d / "tokenizer_config.json").read_text())
     tc.update(chat_template=TEMPLATE, tool_parser_type="json_tools")

@@ -1,7 +1,8 @@
 """A recording HTTP proxy on 127.0.0.1 between a coding agent and ``kvstore serve``: every
 request is passed on as it came (method, path with its query, headers, body) and its answer
 streamed back as it arrives, and each exchange is kept: the request, the status, when the
-first byte of the answer came and when the last did, and the answer's bytes.
+first byte of the answer came, when each piece of it did and when the last did, and the
+answer's bytes.
 
 Given to the client as its ``HTTPS_PROXY``/``HTTP_PROXY`` too, it is a tripwire: a request
 for any other host (telemetry, an update check, a model list) is refused and kept in
@@ -9,7 +10,7 @@ for any other host (telemetry, an update check, a model list) is refused and kep
 
 It knows nothing of the server but HTTP, so the tests that use it hold for any server that
 answers the same requests. Bounded: bodies of at most ``MAX_BODY`` bytes, ``MAX_EXCHANGES``
-kept, each connection's socket with a timeout.
+kept, ``MAX_ARRIVALS`` pieces of an answer timed, each connection's socket with a timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 MAX_BODY = 64 << 20
 MAX_EXCHANGES = 2000
+MAX_ARRIVALS = 100_000  # pieces of one answer timed
 #: Headers not passed on: hop by hop, or set again by the connection to the server.
 _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te",
         "trailer", "host", "content-length"}
@@ -43,6 +45,15 @@ class Exchange:
     first_byte: float | None = None  # seconds from the request to the answer's first byte
     ended: float | None = None  # seconds from the request to the answer's end
     answer: bytearray = field(default_factory=bytearray)
+    #: ``(seconds from the request, bytes of the answer so far)`` as each piece came
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
+
+    def arrived(self, offset: int) -> float | None:
+        """Seconds from the request until the answer's byte at ``offset`` had come."""
+        for when, size in self.arrivals:
+            if size > offset:
+                return when
+        return None
 
     def json(self) -> Any:
         return json.loads(self.body) if self.body else None
@@ -173,10 +184,13 @@ class Recorder:
                 chunk = r.read1(1 << 16)
                 if not chunk:
                     break
+                now = time.monotonic() - ex.started
                 if ex.first_byte is None:
-                    ex.first_byte = time.monotonic() - ex.started
+                    ex.first_byte = now
                 if len(ex.answer) < MAX_BODY:
                     ex.answer += chunk
+                    if len(ex.arrivals) < MAX_ARRIVALS:
+                        ex.arrivals.append((now, len(ex.answer)))
                 try:
                     h.wfile.write(chunk)
                     h.wfile.flush()
