@@ -94,7 +94,8 @@ def startup_rows(cfg: Config, scratch: Path) -> list[Row]:
     ids = _small_root(root, n)
     victims = iter(ids[1:])
     base = ["--root", str(root), "-q"]
-    label = "the same with mlx_lm.models.cache imported first (every command, before issue 27)"
+    label = ("the same with mlx_lm.models.cache imported first (what every command "
+             "paid when the codecs imported mlx-lm)")
     rows: list[Row] = []
     res = interleave({"kv": lambda: _opened(root, ""), "old": lambda: _opened(root, _BEFORE)},
                      cfg.reps)
