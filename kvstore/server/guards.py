@@ -15,7 +15,8 @@ a deadline for a request's head (:class:`GuardedH11Protocol`).
   ``Content-Length`` is a 413 before a byte is read, a chunked body is counted as it comes;
   the body must keep coming (:data:`BODY_IDLE` s between two parts, :data:`BODY_TOTAL` s in
   all: else 408).
-- **Head**: at most :data:`MAX_HEAD_BYTES` (h11's limit: a 400), complete within
+- **Head**: at most :data:`MAX_HEAD_BYTES` (a 431; h11's own limit, a 400, when it arrives
+  in parts), complete within
   :data:`HEAD_TIMEOUT` s of the connection's start or of the previous answer's end (else the
   connection is closed); an idle connection is closed after uvicorn's keep-alive timeout.
 """
@@ -92,11 +93,13 @@ class Settings:
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                  403: "invalid_request_error", 404: "invalid_request_error",
                  408: "invalid_request_error", 411: "invalid_request_error",
-                 413: "invalid_request_error", 429: "rate_limit_error"}
+                 413: "invalid_request_error", 429: "rate_limit_error",
+                 431: "invalid_request_error"}
 _ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 408: "timeout_error",
                     411: "invalid_request_error", 413: "request_too_large",
-                    429: "rate_limit_error", 529: "overloaded_error"}
+                    429: "rate_limit_error", 431: "invalid_request_error",
+                    529: "overloaded_error"}
 
 
 def api_of(path: str) -> str:
@@ -220,6 +223,13 @@ class Guard:
         headers: dict[bytes, bytes] = {}
         for k, v in scope["headers"]:
             headers.setdefault(k.lower(), v)
+        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + sum(
+            len(k) + len(v) + 4 for k, v in scope["headers"])
+        if head > MAX_HEAD_BYTES:  # h11 bounds only a head that arrives in several parts
+            await respond(send, 431, error_body(
+                path, 431, f"the request's headers are over the limit of {MAX_HEAD_BYTES} "
+                "bytes"), close=True)
+            return
         host = headers[b"host"].decode("latin-1") if b"host" in headers else None
         origin = headers[b"origin"].decode("latin-1") if b"origin" in headers else None
 
