@@ -397,3 +397,121 @@ def test_stop_refuses_new_jobs_and_finishes_the_running_ones(tiny: Any, make: An
         eng.submit(Job(prompt=tokens(90, 10), max_tokens=2))
     assert e.value.stopping
     assert eng.healthy()
+
+
+# --- other caches: sliding windows, hybrids, checkpoints ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def kinds(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    loaded: dict[str, Any] = {}
+
+    def load(kind: str) -> tuple[Any, Any, tuple[str, None, None]]:
+        if kind not in loaded:
+            path = make_tiny_model(tmp_path_factory.mktemp(kind) / kind, kind,
+                                   sliding_window=64)
+            model, tok = mlx_lm.load(str(path))
+            loaded[kind] = (model, tok, (str(path), None, None))
+        return loaded[kind]  # type: ignore[no-any-return]
+
+    return load
+
+
+def _engine(kind: Any, store: kvstore.Store, **kw: Any) -> Engine:
+    model, tok, key = kind
+    pc = PersistentPromptCache(store, min_tokens=T)
+    pc.observers.append(Finished())
+    return Engine(model, tok, pc, model_key=key, **kw)
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "lfm2", "qwen3_5"])
+def test_windowed_and_hybrid_models_give_their_own_tokens_batched(
+        kinds: Any, store: kvstore.Store, name: str) -> None:
+    kind = kinds(name)
+    eng = _engine(kind, store, max_concurrency=3, prefill_chunk=48)
+    prompts = [tokens(100 + i, n) for i, n in enumerate((150, 40, 90))]
+    hs = [eng.submit(Job(prompt=p, max_tokens=12)) for p in prompts]
+    eng.start()
+    try:
+        for p, h in zip(prompts, hs, strict=True):
+            assert ids(drain(h)[0]) == greedy(kind, p, 12)
+    finally:
+        assert eng.stop(30) == 0
+        eng.cache.close()
+
+
+def test_checkpoints_of_a_model_whose_cache_cannot_be_trimmed(
+        kinds: Any, store: kvstore.Store) -> None:
+    """Every 128 prompt tokens the cache goes to the store as a checkpoint (not into
+    memory); a prompt that parts from it later restores the deepest one before the
+    parting. A trimmable model gets none."""
+    lfm2 = kinds("lfm2")
+    eng = _engine(lfm2, store, prefill_chunk=100, checkpoint_every=128)
+    first = tokens(110, 600)
+    h = eng.submit(Job(prompt=first, max_tokens=3))
+    eng.start()
+    try:
+        assert eng.checkpoint_every == 128
+        assert ids(drain(h)[0]) == greedy(lfm2, first, 3)
+        assert eng.cache.drain(30)
+        ckpts = sorted(e.n_tokens for e in store.entries() if e.priority == "checkpoint")
+        assert ckpts == [128, 256, 384, 512]
+        assert records(eng)[0].saves_queued == 5  # and the reply
+        # chunks end at each checkpoint: 100, 128, 228, 256, 356, 384, 484, 512, 599
+        assert eng.counts()["prefill_chunks"] == 9
+        second = first[:450] + tokens(111, 30)
+        toks, _, done = drain(eng.submit(Job(prompt=second, max_tokens=3)))
+        assert done.cached_tokens == 384
+        assert ids(toks) == greedy(lfm2, second, 3)
+    finally:
+        assert eng.stop(30) == 0
+        eng.cache.close()
+
+
+def test_no_checkpoints_for_a_trimmable_model(tiny: Any, make: Any, store: kvstore.Store
+                                              ) -> None:
+    eng = make(checkpoint_every=128)
+    eng.start()
+    drain(eng.submit(Job(prompt=tokens(120, 600), max_tokens=2)))
+    assert eng.checkpoint_every == 0
+    assert eng.cache.drain(30)
+    assert [e.priority for e in store.entries()] == ["assistant"]
+
+
+# --- events, metrics ---------------------------------------------------------------------
+
+
+def test_events_in_asyncio_and_outcomes_in_the_metrics(tiny: Any, make: Any,
+                                                       store: kvstore.Store) -> None:
+    import asyncio
+
+    from kvstore.mlx_lm.metrics import ServeMetrics
+
+    eng = make(max_concurrency=2, prefill_chunk=32)
+    metrics = ServeMetrics(store, lambda: [eng.cache])
+    eng.cache.observers.append(metrics)
+    prompt = tokens(130, 100)
+    eng.start()
+
+    async def run() -> tuple[list[Any], list[Any]]:
+        a = eng.submit(Job(prompt=prompt, max_tokens=5))
+        b = eng.submit(Job(prompt=tokens(131, 100), max_tokens=500))
+
+        async def take(h: Handle, cancel_after: int | None) -> list[Any]:
+            got = []
+            async for ev in h.events():
+                got.append(ev)
+                if cancel_after is not None and sum(isinstance(e, Token) for e in got) == 2:
+                    h.cancel()
+            return got
+
+        return await asyncio.wait_for(asyncio.gather(take(a, None), take(b, 2)), 60)
+
+    a_events, b_events = asyncio.run(run())
+    assert [e.id for e in a_events if isinstance(e, Token)] == greedy(tiny, prompt, 5)
+    assert isinstance(a_events[-1], Done) and isinstance(b_events[-1], Done)
+    assert b_events[-1].finish == "cancelled" and b_events[-1].generated < 500
+    text = metrics.exposition(None)[0].decode()
+    assert 'kvstore_request_outcomes_total{outcome="cancelled"} 1.0' in text
+    assert f'kvstore_request_outcomes_total{{outcome="{a_events[-1].finish}"}} 1.0' in text
+    assert 'kvstore_request_outcomes_total{outcome="error"} 0.0' in text
