@@ -500,9 +500,6 @@ class _Drive:
 
 def _stop_sequence(answer: Answer) -> str | None:
     """The stop string that ended the answer, if one did."""
-    for name in ("stop_sequence", "stop_string", "matched_stop", "stopped_by"):
-        v = getattr(answer, name, None)
-        if isinstance(v, str):
-            return v
-    return None
+    v = getattr(answer, "stop_word", None)
+    return v if isinstance(v, str) else None
 

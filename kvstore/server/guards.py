@@ -300,9 +300,13 @@ class Guard:
             return await receive()
 
         async def send_cors(message: Message) -> None:
-            if message["type"] == "http.response.start" and cors:
+            if message["type"] == "http.response.start":
                 message = dict(message)
-                message["headers"] = [*message.get("headers", []), *cors]
+                extra = list(cors)
+                if message["status"] >= 400:  # a refused request: the client starts afresh
+                    extra.append((b"connection", b"close"))
+                if extra:
+                    message["headers"] = [*message.get("headers", []), *extra]
             await send(message)
 
         await self.app(scope, replay, send_cors)

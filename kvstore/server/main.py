@@ -417,17 +417,6 @@ class Loaded:
         self.listed = short_id(self.asked, self.path)
         self.names = aliases(self.asked, self.path, self.listed)
 
-    @property
-    def context_length(self) -> int | None:
-        for key in ("max_position_embeddings", "max_sequence_length", "n_positions",
-                    "seq_length", "context_length"):
-            v = self.config.get(key)
-            if v is None and isinstance(self.config.get("text_config"), dict):
-                v = self.config["text_config"].get(key)
-            if isinstance(v, int) and v > 0:
-                return v
-        return None
-
 
 def load_model(asked: str, path: str, a: argparse.Namespace) -> Loaded:
     """The model and tokenizer as mlx_lm.server's ``ModelProvider`` loads them (the same
@@ -578,7 +567,7 @@ def run(a: argparse.Namespace, loaded: Loaded, root: Path) -> int:
 
     from .app import App, Settings
     from .engine import Engine
-    from .openai import Served
+    from .openai import Served, model_limits
 
     with Store.open(root, durable=not a.no_durable, max_bytes=a.max_bytes,
                     verify_reads=not a.no_verify_reads, remote=a.remote,
@@ -594,15 +583,17 @@ def run(a: argparse.Namespace, loaded: Loaded, root: Path) -> int:
                             max_concurrency=a.max_concurrency, max_queue=a.max_queue,
                             prefill_chunk=a.prefill_step_size,
                             checkpoint_every=a.checkpoint_every)
+            vocab, context = model_limits(loaded.config)
             served = Served(
                 model_id=loaded.listed, aliases=loaded.names, tokenizer=loaded.tokenizer,
-                vocab_size=_vocab_size(loaded), context_length=loaded.context_length,
+                vocab_size=vocab or _vocab_size(loaded), context_length=context,
                 abilities=loaded.abilities, drop_tools=a.drop_tools, rules=a.rule_set,
                 excerpts=a.log_excerpts,
-                defaults={"temperature": a.temp, "top_p": a.top_p, "top_k": a.top_k,
+                defaults={"temp": a.temp, "top_p": a.top_p, "top_k": a.top_k,
                           "min_p": a.min_p, "max_tokens": a.max_tokens,
                           "chat_template_args": dict(a.chat_template_args or {}),
-                          "max_prompt_tokens": a.max_prompt_tokens})
+                          "max_prompt_tokens": a.max_prompt_tokens,
+                          "num_draft_tokens": 0})
             sock = bind(a.host, a.port)
             port = int(sock.getsockname()[1])
             settings = Settings(api_key=a.api_key, host=a.host, port=port,
@@ -634,11 +625,7 @@ def run(a: argparse.Namespace, loaded: Loaded, root: Path) -> int:
 
 
 def _vocab_size(loaded: Loaded) -> int:
-    v = loaded.config.get("vocab_size")
-    if not isinstance(v, int) and isinstance(loaded.config.get("text_config"), dict):
-        v = loaded.config["text_config"].get("vocab_size")
-    if isinstance(v, int) and v > 0:
-        return v
+    """The tokenizer's vocabulary size, for a config that does not say."""
     return int(getattr(loaded.tokenizer, "vocab_size", 0) or len(loaded.tokenizer.vocab))
 
 
