@@ -38,8 +38,8 @@ from kvstore.serving.rules import UnknownRuleError, select
 from kvstore.serving.templates import FALLBACK, Abilities, probe
 from kvstore.store.tiers import DEFAULT_DEADLINE
 
-__all__ = ["ServeError", "serve_main", "parse_size", "exit_now", "check_listen",
-           "check_model", "short_id", "build_cache"]
+__all__ = ["ServeError", "build_cache", "check_listen", "check_model", "exit_now", "load_model",
+           "parse_size", "run", "serve", "serve_main", "short_id"]
 
 logger = logging.getLogger("kvstore.serve")
 
@@ -495,6 +495,9 @@ def serve_main(argv: list[str]) -> int:
     except ServeError as e:
         print(f"kvstore: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the server was up (while the model loads)
+        print("kvstore: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -561,67 +564,76 @@ def _serve(argv: list[str]) -> int:
 
 
 def run(a: argparse.Namespace, loaded: Loaded, root: Path) -> int:
-    """Open the root, serve until SIGTERM or Ctrl-C, drain; the exit code."""
+    """Bind the port, open the root, serve until SIGTERM or Ctrl-C, drain; the exit code."""
     from kvstore.mlx_lm.metrics import ServeMetrics
     from kvstore.mlx_lm.requests import RequestLog
 
+    sock = bind(a.host, a.port)
+    try:
+        with Store.open(root, durable=not a.no_durable, max_bytes=a.max_bytes,
+                        verify_reads=not a.no_verify_reads, remote=a.remote,
+                        remote_deadline=a.remote_deadline) as store:
+            made: list[Any] = []
+            metrics = ServeMetrics(store, lambda: made)
+            cache = build_cache(store, a, [metrics, RequestLog(logger)])
+            made.append(cache)
+            started: list[bool] = []
+            try:
+                serve(a, loaded, store, cache, metrics, sock, started)
+            finally:
+                if started:
+                    st = cache.persist_stats()
+                    queued = st.pending + st.deferred
+                    print(f"kvstore: stopped serving; writing {queued} queued snapshot"
+                          f"{'' if queued == 1 else 's'} to {store.root}", file=sys.stderr,
+                          flush=True)
+                if not cache.close(timeout=None):
+                    logger.warning("kvstore: %d snapshots were not written", cache.pending)
+                if started:
+                    logger.info("kvstore: %s", cache.persist_stats().summary())
+    finally:
+        sock.close()
+    return 0
+
+
+def serve(a: argparse.Namespace, loaded: Loaded, store: Store, cache: Any, metrics: Any,
+          sock: socket.socket, started: list[bool]) -> None:
+    """Start the engine and serve the app on ``sock`` until SIGTERM or Ctrl-C (``started``
+    gets an item once the start line is printed); the engine is stopped on the way out."""
     from .app import App, Settings
     from .engine import Engine
     from .openai import Served, model_limits
 
-    with Store.open(root, durable=not a.no_durable, max_bytes=a.max_bytes,
-                    verify_reads=not a.no_verify_reads, remote=a.remote,
-                    remote_deadline=a.remote_deadline) as store:
-        made: list[Any] = []
-        metrics = ServeMetrics(store, lambda: made)
-        cache = build_cache(store, a, [metrics, RequestLog(logger)])
-        made.append(cache)
-        started = False
-        try:
-            engine = Engine(loaded.model, loaded.tokenizer, cache,
-                            model_key=(loaded.path, a.adapter_path, None),
-                            max_concurrency=a.max_concurrency, max_queue=a.max_queue,
-                            prefill_chunk=a.prefill_step_size,
-                            checkpoint_every=a.checkpoint_every)
-            vocab, context = model_limits(loaded.config)
-            served = Served(
-                model_id=loaded.listed, aliases=loaded.names, tokenizer=loaded.tokenizer,
-                vocab_size=vocab or _vocab_size(loaded), context_length=context,
-                abilities=loaded.abilities, drop_tools=a.drop_tools, rules=a.rule_set,
-                excerpts=a.log_excerpts,
-                defaults={"temp": a.temp, "top_p": a.top_p, "top_k": a.top_k,
-                          "min_p": a.min_p, "max_tokens": a.max_tokens,
-                          "chat_template_args": dict(a.chat_template_args or {}),
-                          "max_prompt_tokens": a.max_prompt_tokens,
-                          "num_draft_tokens": 0})
-            sock = bind(a.host, a.port)
-            port = int(sock.getsockname()[1])
-            settings = Settings(api_key=a.api_key, host=a.host, port=port,
-                                allowed_hosts=list(a.allowed_host),
-                                cors_origins=list(a.cors_origin),
-                                metrics_on_api_port=a.metrics_on_api_port)
-            app = App(engine, served, metrics, settings)
-            engine.start()
-            with _metrics_apart(metrics, a.metrics_host, a.metrics_port):
-                line = start_line(loaded, store.root, a.host, port, a.checkpoint_every,
-                                  engine.checkpoint_every, a.drop_tools)
-                started = True
-                _Server.serve_on(app, sock, line, a)
-            if app.left:
-                logger.warning("kvstore: %d requests still unanswered", app.left)
-            engine.stop(5.0)
-        finally:
-            if started:
-                st = cache.persist_stats()
-                queued = st.pending + st.deferred
-                print(f"kvstore: stopped serving; writing {queued} queued snapshot"
-                      f"{'' if queued == 1 else 's'} to {store.root}", file=sys.stderr,
-                      flush=True)
-            if not cache.close(timeout=None):
-                logger.warning("kvstore: %d snapshots were not written", cache.pending)
-            if started:
-                logger.info("kvstore: %s", cache.persist_stats().summary())
-    return 0
+    engine = Engine(loaded.model, loaded.tokenizer, cache,
+                    model_key=(loaded.path, a.adapter_path, None),
+                    max_concurrency=a.max_concurrency, max_queue=a.max_queue,
+                    prefill_chunk=a.prefill_step_size, checkpoint_every=a.checkpoint_every)
+    vocab, context = model_limits(loaded.config)
+    served = Served(
+        model_id=loaded.listed, aliases=loaded.names, tokenizer=loaded.tokenizer,
+        vocab_size=vocab or _vocab_size(loaded), context_length=context,
+        abilities=loaded.abilities, drop_tools=a.drop_tools, rules=a.rule_set,
+        excerpts=a.log_excerpts,
+        defaults={"temp": a.temp, "top_p": a.top_p, "top_k": a.top_k, "min_p": a.min_p,
+                  "max_tokens": a.max_tokens,
+                  "chat_template_args": dict(a.chat_template_args or {}),
+                  "max_prompt_tokens": a.max_prompt_tokens, "num_draft_tokens": 0})
+    port = int(sock.getsockname()[1])
+    settings = Settings(api_key=a.api_key, host=a.host, port=port,
+                        allowed_hosts=list(a.allowed_host), cors_origins=list(a.cors_origin),
+                        metrics_on_api_port=a.metrics_on_api_port)
+    app = App(engine, served, metrics, settings)
+    engine.start()
+    try:
+        with _metrics_apart(metrics, a.metrics_host, a.metrics_port):
+            line = start_line(loaded, store.root, a.host, port, a.checkpoint_every,
+                              engine.checkpoint_every, a.drop_tools)
+            started.append(True)
+            _Server.serve_on(app, sock, line, a)
+        if app.left:
+            logger.warning("kvstore: %d requests still unanswered", app.left)
+    finally:
+        engine.stop(5.0)
 
 
 def _vocab_size(loaded: Loaded) -> int:
