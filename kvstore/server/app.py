@@ -53,7 +53,8 @@ __all__ = ["App", "PING_SECONDS", "Settings", "carry_cache_control", "created_to
 logger = logging.getLogger("kvstore.serve")
 
 PING_SECONDS = 10.0  # a comment line on a stream that has had nothing else to send
-SHUTDOWN = "the server is shutting down"
+SHUTDOWN = "shutdown"  # the reason a job is cancelled with when the server stops
+_SHUTTING_DOWN = "the server is shutting down"
 _STOPPED = "generation stopped before the answer was complete"
 _chunk = msgspec.json.Encoder()
 
@@ -193,14 +194,18 @@ class App:
                            f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
         return value
 
-    def _submit(self, job: Any, path: str) -> Handle:
+    def _submit(self, prepared: Any, path: str) -> Handle:
+        job = prepared.job
+        cuts = getattr(prepared, "cuts", None)
+        if cuts and not job.cuts:  # the prompt cache's snapshots on the way (segment ends)
+            job.cuts = dict(cuts)
         try:
             handle: Handle = self.engine.submit(job)
         except Busy as e:
             retry = max(1, round(getattr(e, "retry_after", 1.0) or 1.0))
             status = 529 if path.startswith("/v1/messages") else (
                 503 if getattr(e, "stopping", False) else 429)
-            message = SHUTDOWN if getattr(e, "stopping", False) else (
+            message = _SHUTTING_DOWN if getattr(e, "stopping", False) else (
                 f"the server is busy ({e}): try again in {retry} s")
             raise _Refused(Response(error_body(path, status, message), status,
                                     headers={"Retry-After": str(retry)},
@@ -240,7 +245,7 @@ class App:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                handle.cancel("disconnected")
+                handle.cancel()
                 return
 
     async def _run_whole(self, request: Request, handle: Handle,
@@ -265,7 +270,7 @@ class App:
     def _ended_early(self, done: Done) -> str | None:
         """What to tell the client when the job did not end normally, else None."""
         if done.finish == SHUTDOWN:
-            return f"{_STOPPED}: {SHUTDOWN}"
+            return f"{_STOPPED}: {_SHUTTING_DOWN}"
         if done.finish == "error":
             return f"{_STOPPED}: {done.error or 'an error in the engine'}"
         return None
@@ -285,7 +290,7 @@ class App:
                 raise ApiError(400, "invalid_request_error",
                                "Request should be a JSON dictionary")
             prepared = (prepare_chat if kind == "chat" else prepare_text)(body, self.served)
-            handle = self._submit(prepared.job, request.url.path)
+            handle = self._submit(prepared, request.url.path)
         except ApiError as e:
             return _mlx_error(e)
         except _Refused as r:
@@ -350,7 +355,7 @@ class App:
             yield b"data: " + _chunk.encode(_openai_error(500, f"{type(e).__name__}: {e}")) \
                 + b"\n\n"
         finally:
-            handle.cancel("disconnected")  # a no-op once the job is done
+            handle.cancel()  # the client left (a no-op once the job is done): "cancelled"
             self.handles.discard(handle)
 
     # --- the agent APIs -------------------------------------------------------------------
@@ -394,7 +399,7 @@ class App:
             self._check_depth(raw)
             ex = parse(raw)
             prepared = prepare_chat(carry_cache_control(ex.chat.body()), self.served)
-            handle = self._submit(prepared.job, path)
+            handle = self._submit(prepared, path)
         except ApiError as e:
             return Response(errors(e), e.status, media_type="application/json")
         except _Refused as r:
@@ -451,7 +456,7 @@ class App:
             logger.exception("kvstore: a stream failed")
             yield drive.ex.stream_error(ApiError(500, "api_error", f"{type(e).__name__}: {e}"))
         finally:
-            handle.cancel("disconnected")
+            handle.cancel()
             self.handles.discard(handle)
 
 
