@@ -374,7 +374,7 @@ class App:
             raw = await request.body()
             self._check_depth(raw)
             chat = anthropic_messages.count_request(raw)
-            prepared = prepare_chat(carry_cache_control(chat.body()), self.served)
+            prepared = _inner(chat.body(), self.served)
             return JSONResponse({"input_tokens": len(prepared.job.prompt)})
         except ApiError as e:
             return Response(errors(e), e.status, media_type="application/json")
@@ -398,7 +398,7 @@ class App:
             raw = await request.body()
             self._check_depth(raw)
             ex = parse(raw)
-            prepared = prepare_chat(carry_cache_control(ex.chat.body()), self.served)
+            prepared = _inner(ex.chat.body(), self.served)
             handle = self._submit(prepared, path)
         except ApiError as e:
             return Response(errors(e), e.status, media_type="application/json")
@@ -458,6 +458,15 @@ class App:
         finally:
             handle.cancel()
             self.handles.discard(handle)
+
+
+def _inner(body: dict[str, Any], served: Served) -> Any:
+    """An agent API's chat request through the chat path; its refusal names no field (the
+    chat request's fields are not the API's)."""
+    try:
+        return prepare_chat(carry_cache_control(body), served)
+    except ApiError as e:
+        raise ApiError(e.status, e.kind, e.message) from None
 
 
 class _Drive:
