@@ -583,3 +583,16 @@ def test_healthy_is_false_when_the_loop_died(tiny: Any, make: Any,
     with pytest.raises(RuntimeError, match="not running"):
         eng.submit(Job(prompt=[5, 6], max_tokens=1))
     eng._thread = None  # nothing to stop at the end
+
+
+def test_checkpoint_every_none_is_the_models_default(kinds: Any, store: kvstore.Store) -> None:
+    from kvstore.mlx_lm.prefill import default_every
+
+    lfm2 = kinds("lfm2")
+    eng = _engine(lfm2, store, checkpoint_every=None)
+    eng.start()
+    try:
+        assert eng.checkpoint_every == default_every(lfm2[0], T) >= 1024
+    finally:
+        assert eng.stop(30) == 0
+        eng.cache.close()
