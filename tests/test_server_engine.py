@@ -194,7 +194,7 @@ def test_cancel_mid_prefill_keeps_what_was_computed(tiny: Any, make: Any) -> Non
 
     def then(calls: int, shape: Any) -> None:
         if calls == 3:  # before the third chunk
-            handles[0].cancel()
+            handles[0].cancel("disconnected")
 
     eng = make(prefill_chunk=32, model=Gate(tiny[0], then))
     prompt = tokens(5, 400)
@@ -202,7 +202,7 @@ def test_cancel_mid_prefill_keeps_what_was_computed(tiny: Any, make: Any) -> Non
     eng.start()
     toks, pre, done = drain(handles[0])
     assert toks == []
-    assert (done.finish, done.cached_tokens, done.generated) == ("cancelled", 0, 0)
+    assert (done.finish, done.cached_tokens, done.generated) == ("disconnected", 0, 0)
     assert [p.done for p in pre] == [32, 64, 96]  # the third chunk ran; no fourth
     assert eng.counts()["prefill_tokens"] == 96
     assert eng.counts()["cancelled"] == 1
@@ -562,6 +562,7 @@ def test_stop_ends_what_is_left_after_its_timeout(tiny: Any, make: Any) -> None:
     assert eng.stop(0.3) == 1
     toks, _, done = drain(h)
     assert done.finish == "cancelled" and 0 < done.generated < 1000
+    assert (eng.counts()["cancelled"], eng.counts()["completed"]) == (1, 0)
     assert eng.healthy()
     assert records(eng)[0].outcome == "cancelled"
 

@@ -749,12 +749,14 @@ class Engine:
             self._finish(w, r.finish_reason)
 
     def _cancel(self, w: _Work, reason: str) -> None:
-        """End an admitted job, keeping what its cache holds."""
+        """End an admitted job, keeping what its cache holds. Its record's outcome is the
+        reason when that is ``stop`` (a stop string) or ``error``, else ``cancelled``."""
+        outcome = reason if reason in ("stop", "error") else "cancelled"
         if w.state == "decode" and w.uid is not None and self._bg is not None:
             self._decoding.pop(w.uid, None)
             caches = self._bg.remove([w.uid], return_prompt_caches=True)
             if w.record is not None:
-                w.record.outcome = reason
+                w.record.outcome = outcome
             if w.uid in caches:
                 cache, tokens = caches[w.uid]
                 self._insert(w, list(tokens), cache, "assistant")
@@ -763,7 +765,7 @@ class Engine:
                 self._insert(w, w.job.prompt[:w.pos], w.cache, "user")
             w.cache = None
             self._release(w, ended=True)
-        self._end_record(w, reason)
+        self._end_record(w, outcome)
         self._finish(w, reason)
 
     def _end_record(self, w: _Work, outcome: str) -> None:
@@ -794,11 +796,16 @@ class Engine:
         self._finish(w, "error", error=f"{type(e).__name__}: {e}")
 
     def _finish(self, w: _Work, finish: str, *, error: str | None = None) -> None:
+        if finish == "error":
+            kind = "errors"
+        elif finish == "cancelled" or (finish == w.handle.cancelled and finish != "stop"):
+            kind = "cancelled"  # the client's reason: cancelled, disconnected, shutdown...
+        else:
+            kind = "completed"
         with self._cond:
             if w in self._active:
                 self._active.remove(w)
-            self._counts[{"error": "errors", "cancelled": "cancelled"}.get(finish,
-                                                                           "completed")] += 1
+            self._counts[kind] += 1
         record = w.record
         w.state = "done"
         w.handle._put(Done(finish, len(w.job.prompt), w.start, w.generated, record, error))
