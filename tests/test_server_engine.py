@@ -194,7 +194,7 @@ def test_cancel_mid_prefill_keeps_what_was_computed(tiny: Any, make: Any) -> Non
 
     def then(calls: int, shape: Any) -> None:
         if calls == 3:  # before the third chunk
-            handles[0].cancel()
+            handles[0].cancel("disconnected")
 
     eng = make(prefill_chunk=32, model=Gate(tiny[0], then))
     prompt = tokens(5, 400)
@@ -202,7 +202,7 @@ def test_cancel_mid_prefill_keeps_what_was_computed(tiny: Any, make: Any) -> Non
     eng.start()
     toks, pre, done = drain(handles[0])
     assert toks == []
-    assert (done.finish, done.cached_tokens, done.generated) == ("cancelled", 0, 0)
+    assert (done.finish, done.cached_tokens, done.generated) == ("disconnected", 0, 0)
     assert [p.done for p in pre] == [32, 64, 96]  # the third chunk ran; no fourth
     assert eng.counts()["prefill_tokens"] == 96
     assert eng.counts()["cancelled"] == 1
@@ -515,3 +515,85 @@ def test_events_in_asyncio_and_outcomes_in_the_metrics(tiny: Any, make: Any,
     assert 'kvstore_request_outcomes_total{outcome="cancelled"} 1.0' in text
     assert f'kvstore_request_outcomes_total{{outcome="{a_events[-1].finish}"}} 1.0' in text
     assert 'kvstore_request_outcomes_total{outcome="error"} 0.0' in text
+
+
+def test_a_job_that_comes_after_a_prefill_passed_its_prefix_gets_a_copy(
+        tiny: Any, make: Any) -> None:
+    submitted = threading.Event()
+
+    def then(calls: int, shape: Any) -> None:
+        if calls == 5:  # the fifth chunk waits for the second job
+            assert submitted.wait(30)
+
+    eng = make(max_concurrency=2, prefill_chunk=256, model=Gate(tiny[0], then))
+    prefix = tokens(140, 1000)
+    first, second = prefix + tokens(141, 500), prefix + tokens(142, 30)
+    a = eng.submit(Job(prompt=first, max_tokens=3))
+    eng.start()
+    assert [drain_prefill(a) for _ in range(4)] == [256, 512, 768, 1024]
+    b = eng.submit(Job(prompt=second, max_tokens=3))
+    submitted.set()
+    toks, _, done = drain(b)
+    assert done.cached_tokens == 1000 and ids(toks) == greedy(tiny, second, 3)
+    assert ids(drain(a)[0]) == greedy(tiny, first, 3)
+    assert eng.counts()["shared_copies"] == 1
+    assert eng.counts()["prefill_tokens"] == 1499 + 29  # each prompt but its last token
+
+
+def drain_prefill(h: Handle) -> int:
+    ev = h.get(timeout=30)
+    assert isinstance(ev, Prefill)
+    return ev.done
+
+
+def test_stop_ends_what_is_left_after_its_timeout(tiny: Any, make: Any) -> None:
+    eng = make(prefill_chunk=16)
+
+    def hook(job: Job, sampler: Any, processors: list[Any]) -> tuple[Any, list[Any]]:
+        def slow(logprobs: mx.array) -> mx.array:
+            threading.Event().wait(0.05)
+            return sampler(logprobs)
+        return slow, processors
+
+    eng.sampling_hook = hook
+    h = eng.submit(Job(prompt=tokens(150, 40), max_tokens=1000))
+    eng.start()
+    assert isinstance(h.get(timeout=30), Prefill)
+    assert eng.stop(0.3) == 1
+    toks, _, done = drain(h)
+    assert done.finish == "cancelled" and 0 < done.generated < 1000
+    assert (eng.counts()["cancelled"], eng.counts()["completed"]) == (1, 0)
+    assert eng.healthy()
+    assert records(eng)[0].outcome == "cancelled"
+
+
+def test_healthy_is_false_when_the_loop_died(tiny: Any, make: Any,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = make()
+    assert not eng.healthy()  # not started
+
+    def broken() -> None:
+        raise SystemExit("the loop broke")
+
+    monkeypatch.setattr(eng, "_loop", broken)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)
+    eng.start()
+    assert eng._thread is not None
+    eng._thread.join(10)
+    assert not eng.healthy()
+    with pytest.raises(RuntimeError, match="not running"):
+        eng.submit(Job(prompt=[5, 6], max_tokens=1))
+    eng._thread = None  # nothing to stop at the end
+
+
+def test_checkpoint_every_none_is_the_models_default(kinds: Any, store: kvstore.Store) -> None:
+    from kvstore.mlx_lm.prefill import default_every
+
+    lfm2 = kinds("lfm2")
+    eng = _engine(lfm2, store, checkpoint_every=None)
+    eng.start()
+    try:
+        assert eng.checkpoint_every == default_every(lfm2[0], T) >= 1024
+    finally:
+        assert eng.stop(30) == 0
+        eng.cache.close()

@@ -166,7 +166,8 @@ class Handle:
 
     def cancel(self, reason: str = "cancelled") -> None:
         """End the job within one decode step or prefill chunk; its Done's finish is
-        ``reason``. Idempotent: the first reason stands; nothing after its Done."""
+        ``reason``. Tokens of the steps before it took effect may still come first.
+        Idempotent: the first reason stands; nothing after its Done."""
         with self._cond:
             if self._reason is not None or self._done:
                 return
@@ -240,6 +241,7 @@ class _Work:
         self.leader: _Work | None = None  # waiting for its prefill to pass ``wait_at``
         self.wait_at = 0
         self.failed: BaseException | None = None  # its sampler or a logits processor raised
+        self.shared: set[int] = set()  # prefixes of its cache inserted for others
 
     def guarded(self, sampler: Any, processors: list[Any]) -> tuple[Any, list[Any]]:
         """The job's sampler and logits processors, each failure of theirs kept in
@@ -292,7 +294,11 @@ _entropy = random.SystemRandom()
 class Engine:
     """The scheduler: see the module's docstring. ``checkpoint_every``: a checkpoint every
     that many prompt tokens for a model whose cache cannot be trimmed (0: none; None:
-    :func:`kvstore.mlx_lm.prefill.default_every` for the model)."""
+    :func:`kvstore.mlx_lm.prefill.default_every` for the model). ``prompt_cache_bytes``
+    (mlx-lm's ``--prompt-cache-bytes``): the prompt cache's memory tier is trimmed at each
+    fetch to that less what the running jobs' caches hold. ``share_min``: the shortest
+    prefix shared with another job's prefill that a job waits for (or is given a copy
+    of)."""
 
     def __init__(
         self,
@@ -307,6 +313,7 @@ class Engine:
         checkpoint_every: int | None = 0,
         retry_after: float = 1.0,
         share_min: int = SHARE_MIN,
+        prompt_cache_bytes: int | None = None,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
@@ -325,6 +332,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.retry_after = retry_after
         self.share_min = share_min
+        self.prompt_cache_bytes = prompt_cache_bytes
         self._every_asked = checkpoint_every
         self.checkpoint_every = 0  # decided at start()
         self._cond = threading.Condition(threading.Lock())
@@ -341,7 +349,8 @@ class Engine:
         self._turn = 0  # round robin over the prefills
         self._counts: dict[str, int] = dict.fromkeys(
             ("submitted", "completed", "cancelled", "errors", "busy", "prefill_tokens",
-             "prefill_chunks", "decode_steps", "generated_tokens", "shared_waits"), 0)
+             "prefill_chunks", "decode_steps", "generated_tokens", "shared_waits",
+             "shared_copies"), 0)
         self._eos = make_stop_sequences(tokenizer, [])  # type: ignore[no-untyped-call]
         self._xtc_special = list(tokenizer.encode("\n")) + list(tokenizer.eos_token_ids)
         #: Called with each job's sampler and logits processors before it is decoded
@@ -416,7 +425,8 @@ class Engine:
         ``queued`` and the counters since the start: ``submitted``, ``completed``,
         ``cancelled``, ``errors``, ``busy`` (refused), ``prefill_tokens`` (the prompt
         tokens the model was run on), ``prefill_chunks``, ``decode_steps``,
-        ``generated_tokens``, ``shared_waits`` (jobs that waited for another's prefill)."""
+        ``generated_tokens``, ``shared_waits`` (jobs that waited for another's prefill),
+        ``shared_copies`` (prefixes of a prefill copied for a job that came later)."""
         with self._cond:
             out = dict(self._counts)
             out["queued"] = len(self._queue)
@@ -530,6 +540,7 @@ class Engine:
                         leader.cuts[at] = "system"  # into memory, where the fetch looks first
                     self._count("shared_waits")
                 else:
+                    self._share_passed(w)
                     self._fetch(w)
             except Exception as e:  # noqa: BLE001
                 self._fail(w, e)
@@ -546,6 +557,26 @@ class Engine:
             if n >= self.share_min and n > other.pos and n > at:
                 best, at = other, n
         return best, at
+
+    def _share_passed(self, w: _Work) -> None:
+        """When a job being prefilled has computed a prefix of ``w``'s prompt already (at
+        least ``share_min`` tokens, beyond what its own fetch gave) and its cache can be
+        trimmed, insert a copy of that cache trimmed to the prefix: ``w``'s fetch finds it."""
+        for other in self._active:
+            if other.state != "prefill" or other.job.salt != w.job.salt or other.cache is None:
+                continue
+            n = min(common_prefix(other.job.prompt, w.job.prompt), len(w.job.prompt) - 1)
+            if n < self.share_min or not other.start < n <= other.pos or n in other.shared:
+                continue
+            if not _cache.can_trim_prompt_cache(other.cache):
+                continue
+            snapshot = copy.deepcopy(other.cache)
+            if other.pos > n:
+                _cache.trim_prompt_cache(snapshot, other.pos - n)
+            self._insert(other, other.job.prompt[:n], snapshot, "system")
+            other.shared.add(n)
+            self._count("shared_copies")
+            return
 
     def _release(self, leader: _Work, ended: bool = False) -> None:
         """Let the jobs waiting for ``leader`` fetch: it passed their prefix, or ended."""
@@ -577,6 +608,12 @@ class Engine:
         w.cache, w.pos, w.start = list(cache), n, n
         w.cuts = self._cuts(w)
         w.state = "prefill"
+        if self.prompt_cache_bytes is not None:  # the running jobs' caches count too
+            held = sum(int(c.nbytes) for x in self._active if x.cache is not None
+                       for c in x.cache)
+            if self._bg is not None:
+                held += int(self._bg.prompt_cache_nbytes)
+            pc.trim_to(n_bytes=max(0, self.prompt_cache_bytes - held))
 
     def _cuts(self, w: _Work) -> dict[int, str]:
         job, end = w.job, len(w.job.prompt) - 1
@@ -712,12 +749,14 @@ class Engine:
             self._finish(w, r.finish_reason)
 
     def _cancel(self, w: _Work, reason: str) -> None:
-        """End an admitted job, keeping what its cache holds."""
+        """End an admitted job, keeping what its cache holds. Its record's outcome is the
+        reason when that is ``stop`` (a stop string) or ``error``, else ``cancelled``."""
+        outcome = reason if reason in ("stop", "error") else "cancelled"
         if w.state == "decode" and w.uid is not None and self._bg is not None:
             self._decoding.pop(w.uid, None)
             caches = self._bg.remove([w.uid], return_prompt_caches=True)
             if w.record is not None:
-                w.record.outcome = reason
+                w.record.outcome = outcome
             if w.uid in caches:
                 cache, tokens = caches[w.uid]
                 self._insert(w, list(tokens), cache, "assistant")
@@ -726,7 +765,7 @@ class Engine:
                 self._insert(w, w.job.prompt[:w.pos], w.cache, "user")
             w.cache = None
             self._release(w, ended=True)
-        self._end_record(w, reason)
+        self._end_record(w, outcome)
         self._finish(w, reason)
 
     def _end_record(self, w: _Work, outcome: str) -> None:
@@ -757,11 +796,16 @@ class Engine:
         self._finish(w, "error", error=f"{type(e).__name__}: {e}")
 
     def _finish(self, w: _Work, finish: str, *, error: str | None = None) -> None:
+        if finish == "error":
+            kind = "errors"
+        elif finish == "cancelled" or (finish == w.handle.cancelled and finish != "stop"):
+            kind = "cancelled"  # the client's reason: cancelled, disconnected, shutdown...
+        else:
+            kind = "completed"
         with self._cond:
             if w in self._active:
                 self._active.remove(w)
-            self._counts[{"error": "errors", "cancelled": "cancelled"}.get(finish,
-                                                                           "completed")] += 1
+            self._counts[kind] += 1
         record = w.record
         w.state = "done"
         w.handle._put(Done(finish, len(w.job.prompt), w.start, w.generated, record, error))
