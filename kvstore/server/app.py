@@ -123,8 +123,8 @@ class App:
         if settings.metrics_on_api_port:
             routes.append(Route("/metrics", self.metrics_page, methods=["GET"]))
         self.router = Starlette(routes=routes)
-        self.router.add_exception_handler(404, self._not_found)  # type: ignore[arg-type]
-        self.router.add_exception_handler(405, self._not_found)  # type: ignore[arg-type]
+        self.router.add_exception_handler(404, self._not_found)
+        self.router.add_exception_handler(405, self._not_found)
         self.asgi = Guard(self.router, settings)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -249,7 +249,7 @@ class App:
                 return
 
     async def _run_whole(self, request: Request, handle: Handle,
-                         on: Callable[[Token | Prefill | Done], None]) -> Done:
+                         on: Callable[[Token | Prefill | Done], object]) -> Done:
         """Feed each event to ``on`` until the job's Done, cancelling the job if the client
         leaves meanwhile."""
         watcher = asyncio.ensure_future(self._watch_disconnect(request, handle))

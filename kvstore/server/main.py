@@ -69,7 +69,7 @@ class ServeError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # type: ignore[override]
+    def error(self, message: str) -> Any:
         raise ServeError(f"{message} (see 'kvstore serve --help')")
 
 
@@ -428,9 +428,9 @@ def load_model(asked: str, path: str, a: argparse.Namespace) -> Loaded:
     if a.chat_template:
         tokenizer_config["chat_template"] = a.chat_template
     try:
-        model, tokenizer, config = load(path, adapter_path=a.adapter_path,
-                                        tokenizer_config=tokenizer_config, return_config=True,
-                                        trust_remote_code=a.trust_remote_code)
+        loaded: Any = load(path, adapter_path=a.adapter_path, tokenizer_config=tokenizer_config,
+                           return_config=True, trust_remote_code=a.trust_remote_code)
+        model, tokenizer, config = loaded
         if a.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         abilities = template_abilities(tokenizer, a.chat_template_args)
