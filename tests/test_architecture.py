@@ -45,9 +45,13 @@ TIERS: dict[str, set[str]] = {
     "kvstore.mlx_lm": {"kvstore", "errors", "_crash", "_human", "schema", "codecs/",
                        "formats.errors", "models", "serving/", "store", "store.tenants",
                        "store.tiers", "store.usage"},
+    # kvstore serve: the engine, the protocol layer, HTTP and the command (issue 43)
+    "kvstore.server": {"kvstore", "_human", "mlx_lm/", "serving/", "store.tenants",
+                       "store.tiers"},
     "kvstore.cli": {"kvstore", "errors", "_human", "schema", "codecs.layout", "catalog.keys",
                     "formats.errors", "formats.v3", "remote", "store", "store.usage",
-                    "local.gc", "local.modes", "mlx_lm/", "bench/", "demo", "models"},
+                    "local.gc", "local.modes", "mlx_lm/", "server/", "bench/", "demo",
+                    "models"},
     "kvstore.bench": {"kvstore", "errors", "_vio", "schema", "blocks/", "codecs/",
                       "catalog.settings", "remote", "remote.s3", "store", "local",
                       "local.filesystem", "local.staged", "local.writer", "mlx_lm/", "demo",
@@ -57,7 +61,7 @@ TIERS: dict[str, set[str]] = {
     "kvstore.models": {"errors"},
     "kvstore.tiny": set(),
     "kvstore.demo": {"kvstore", "errors", "mlx_lm/", "tiny"},
-    "kvstore.serve": {"mlx_lm/"},
+    "kvstore.serve": {"server/"},
     "kvstore.__main__": {"cli/"},
     "kvstore": {"errors", "schema", "formats.errors", "formats.v3", "formats.v5file", "store"},
 }
