@@ -183,3 +183,84 @@ def test_left_out_mlx_lm_options_are_one_line_each(model: Path, tmp_path: Path) 
                            capture_output=True, text=True, env=env, timeout=60)
         assert (p.returncode, p.stdout, p.stderr) == (2, "", f"kvstore: error: {want}\n")
     assert not (tmp_path / "root").exists()
+
+
+# --- one request's failure, in process: a 500 in its API's shape, and the server goes on ----
+
+
+class _Failing:
+    """An engine whose jobs fail as ``how`` says: ``submit`` (it raises), ``events`` (the
+    events raise after one token), else they answer one token and end."""
+
+    def __init__(self) -> None:
+        self.how = ""
+
+    def healthy(self) -> bool:
+        return True
+
+    def submit(self, job: Any) -> Any:
+        from kvstore.server.engine import Done, Token
+
+        if self.how == "submit":
+            raise RuntimeError("boom in submit")
+        how = self.how
+
+        class Handle:
+            def cancel(self, reason: str = "cancelled") -> None:
+                pass
+
+            async def events(self) -> Any:
+                yield Token(id=5, text="hi")
+                if how == "events":
+                    raise RuntimeError("boom in events")
+                yield Done(finish="length", prompt_tokens=len(job.prompt), cached_tokens=0,
+                           generated=1)
+
+        return Handle()
+
+
+@pytest.fixture(scope="module")
+def in_process(model: Path) -> Iterator[tuple[Any, _Failing]]:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from starlette.testclient import TestClient
+
+    from kvstore.server.app import App, Settings
+    from kvstore.server.openai import Served
+    from kvstore.serving.templates import Abilities
+
+    tok = load_tokenizer(model)
+    served = Served(model_id="tiny-llama", aliases={"tiny-llama"}, tokenizer=tok,
+                    vocab_size=len(tok.vocab), context_length=4096,
+                    abilities=Abilities(tools=False, mid_system=True),
+                    defaults={"temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                              "max_tokens": 8, "chat_template_args": {}})
+    engine = _Failing()
+    app = App(engine, served, None, Settings(port=80))
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        yield client, engine
+
+
+@pytest.mark.parametrize("how", ["submit", "events"])
+def test_a_failure_inside_one_request_is_a_500_in_its_apis_shape_and_the_next_is_answered(
+        in_process: tuple[Any, _Failing], how: str) -> None:
+    client, engine = in_process
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    message = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    engine.how = how
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "server_error"
+    assert f"RuntimeError: boom in {how}" in r.json()["error"]["message"]
+    r = client.post("/v1/messages", json=message)
+    assert r.status_code == 500 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "api_error"
+    assert f"RuntimeError: boom in {how}" in r.json()["error"]["message"]
+    if how == "events":  # after the stream began: its last event says so
+        lines = client.post("/v1/chat/completions", json={**chat, "stream": True}).text
+        last = json.loads(lines.strip().splitlines()[-1][len("data: "):])
+        assert last["error"]["message"] == "RuntimeError: boom in events"
+        text = client.post("/v1/messages", json={**message, "stream": True}).text
+        assert "event: error" in text and "boom in events" in text
+    engine.how = ""
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hi"

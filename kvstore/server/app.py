@@ -78,6 +78,28 @@ def carry_cache_control(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+def _json(obj: Any, status: int = 200) -> Response:
+    """A JSON answer (msgspec: a NaN or infinite logprob is ``null``, never a 500)."""
+    return Response(_chunk.encode(obj), status, media_type="application/json")
+
+
+class _Stream(StreamingResponse):
+    """A stream whose job is cancelled however the response ends, even one whose body was
+    never started (its client left at once)."""
+
+    def __init__(self, content: AsyncIterator[bytes], handle: Handle, app: App) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.handle, self.app = handle, app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.handle.cancel()  # the client left (a no-op once the job is done)
+            self.app.handles.discard(self.handle)
+
+
 class _Refused(Exception):
     """An answer already made (a status and body), raised out of a handler."""
 
@@ -95,8 +117,8 @@ def _mlx_error(err: ApiError) -> Response:
     """A chat/text completion's refusal, in mlx_lm.server's shape (``{"error": "..."}``) for
     a 4xx, OpenAI's for a 5xx."""
     if err.status >= 500:
-        return JSONResponse(_openai_error(err.status, err.message), status_code=err.status)
-    return JSONResponse({"error": err.message}, status_code=err.status)
+        return _json(_openai_error(err.status, err.message), err.status)
+    return _json({"error": err.message}, err.status)
 
 
 class App:
@@ -297,25 +319,23 @@ class App:
             return r.response
         except Exception as e:  # noqa: BLE001 - one request's failure, told to its client
             logger.exception("kvstore: %s failed", request.url.path)
-            return JSONResponse(_openai_error(500, f"{type(e).__name__}: {e}"), 500)
+            return _json(_openai_error(500, f"{type(e).__name__}: {e}"), 500)
         rid = f"chatcmpl-{uuid.uuid4()}" if kind == "chat" else f"cmpl-{uuid.uuid4()}"
         answer = Answer(prepared, self.served, rid, int(time.time()))
         if prepared.stream:
-            return StreamingResponse(self._openai_stream(handle, answer),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _Stream(self._openai_stream(handle, answer), handle, self)
         try:
             done = await self._run_whole(request, handle, lambda ev: self._feed(answer, handle,
                                                                                 ev))
             early = self._ended_early(done)
             if early is not None:
                 logger.error("kvstore: %s", early)
-                return JSONResponse(_openai_error(500, early), 500)
-            return JSONResponse(answer.response())
+                return _json(_openai_error(500, early), 500)
+            return _json(answer.response())
         except Exception as e:  # noqa: BLE001
             handle.cancel("error")
             logger.exception("kvstore: %s failed", request.url.path)
-            return JSONResponse(_openai_error(500, f"{type(e).__name__}: {e}"), 500)
+            return _json(_openai_error(500, f"{type(e).__name__}: {e}"), 500)
 
     @staticmethod
     def _feed(answer: Answer, handle: Handle, ev: Token | Prefill | Done) -> list[dict[str, Any]]:
@@ -375,7 +395,7 @@ class App:
             self._check_depth(raw)
             chat = anthropic_messages.count_request(raw)
             prepared = _inner(chat.body(), self.served)
-            return JSONResponse({"input_tokens": len(prepared.job.prompt)})
+            return _json({"input_tokens": len(prepared.job.prompt)})
         except ApiError as e:
             return Response(errors(e), e.status, media_type="application/json")
         except Exception as e:  # noqa: BLE001
@@ -411,9 +431,7 @@ class App:
         answer = Answer(prepared, self.served, f"chatcmpl-{uuid.uuid4()}", int(time.time()))
         drive = _Drive(ex, answer, handle, len(prepared.job.prompt))
         if ex.stream:
-            return StreamingResponse(self._agent_stream(drive, errors),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _Stream(self._agent_stream(drive, errors), handle, self)
         try:
             done = await self._run_whole(request, handle, drive.on)
             early = self._ended_early(done)
