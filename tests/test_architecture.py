@@ -229,6 +229,21 @@ def _tier_errors(name: str, target: str, table: dict[str, set[str]] | None = Non
     return f"({tier}) imports {target}, which its row of docs/ARCHITECTURE.md does not allow"
 
 
+def test_nothing_imports_mlx_lms_server() -> None:
+    """Issue 43: ``kvstore serve`` is a server of its own; mlx-lm is a library to it, and
+    nothing of ``mlx_lm.server`` (a demonstration server whose internals change in each
+    release) is imported, at module level, in a function or for typing."""
+    found = [(m, line) for m in MODULES for t, line in _imports(m)
+             if t == "mlx_lm.server" or t.startswith("mlx_lm.server.")]
+    assert found == []
+
+
+def test_the_mlx_lm_server_check_can_fail(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from mlx_lm.server import APIHandler\n")
+    assert [n for n in _import_nodes(bad) if getattr(n, "module", "") == "mlx_lm.server"]
+
+
 def test_the_tier_check_can_fail() -> None:
     assert _tier_errors("kvstore.local.blocks", "kvstore.store.store")
     assert _tier_errors("kvstore.local.root", "kvstore.store.errors")
@@ -239,7 +254,9 @@ def test_the_tier_check_can_fail() -> None:
     assert _tier_errors("kvstore.store.tiers", "kvstore.local.catalog")
     assert _tier_errors("kvstore.store.tiers", "kvstore.local") is None
     assert _tier_errors("kvstore.local.gc", "kvstore.index") is None  # its own part
-    assert _tier_errors("kvstore.mlx_lm.serve", "kvstore.cli.render")
+    assert _tier_errors("kvstore.mlx_lm.metrics", "kvstore.cli.render")
+    assert _tier_errors("kvstore.server.app", "kvstore.cli.render")
+    assert _tier_errors("kvstore.serving.chat", "kvstore.server.app")
     assert _tier_errors("kvstore.local.gc", "kvstore")
     assert _tier_errors("kvstore.local.gc", "kvstore.blocks") is None
     # above the store: a module the row names, not its siblings; a package's own names
@@ -254,8 +271,8 @@ def test_the_tier_check_can_fail() -> None:
     assert _tier_errors("kvstore.bench.limits", "kvstore.local.reader")
     # a list changed in the table is a list changed in the check
     changed = {**TIERS, "kvstore.demo": {"kvstore", "tiny"}}
-    assert _tier_errors("kvstore.demo", "kvstore.mlx_lm.serve", changed)
-    assert _tier_errors("kvstore.demo", "kvstore.mlx_lm.serve") is None
+    assert _tier_errors("kvstore.demo", "kvstore.mlx_lm.prompt_cache", changed)
+    assert _tier_errors("kvstore.demo", "kvstore.mlx_lm.prompt_cache") is None
 
 
 def _doc_table(text: str) -> dict[str, set[str]]:

@@ -90,21 +90,6 @@ class ServeMetrics(CacheObserver):
         encoder, content_type = choose_encoder(accept or "")
         return encoder(self.registry), content_type
 
-    def run_http_server(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """mlx-lm's ``_run_http_server``, serving ``/metrics`` too (it takes the handler
-        class as an argument that ``run`` never passes)."""
-        from http.server import ThreadingHTTPServer
-
-        import mlx_lm.server as server
-
-        def run(host: str, port: int, response_generator: Any,
-                server_class: Any = ThreadingHTTPServer,
-                handler_class: Any = server.APIHandler) -> Any:
-            return original(host, port, response_generator, server_class,
-                            self.handler(handler_class))
-
-        return run
-
     def serve_apart(self, host: str, port: int) -> Any:
         """An HTTP server of its own answering ``GET /metrics`` at ``host:port`` (every
         other path a 404), serving in a daemon thread; ``shutdown()`` and
@@ -139,19 +124,6 @@ class ServeMetrics(CacheObserver):
         handler.send_header("Content-Length", str(len(body)))
         handler.end_headers()
         handler.wfile.write(body)
-
-    def handler(self, base: type[Any]) -> type[Any]:
-        """``base`` (mlx-lm's ``APIHandler``) answering ``GET /metrics`` too."""
-        metrics = self
-
-        class MetricsHandler(base):  # type: ignore[misc]
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                if urlsplit(self.path).path != "/metrics":
-                    super().do_GET()
-                    return
-                metrics.answer(self)
-
-        return MetricsHandler
 
 
 class _Figures(Collector):
