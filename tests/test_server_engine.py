@@ -597,3 +597,45 @@ def test_checkpoint_every_none_is_the_models_default(kinds: Any, store: kvstore.
     finally:
         assert eng.stop(30) == 0
         eng.cache.close()
+
+
+def test_at_most_one_chunk_of_prefill_between_decode_steps_shared_by_short_prompts(
+        tiny: Any, make: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, int, bool]] = []  # (batch, tokens, any job decoding) of each call
+    engines: list[Engine] = []
+
+    def then(n: int, shape: Any) -> None:
+        calls.append((int(shape[0]), int(shape[1]), bool(engines[0]._decoding)))
+
+    log: list[tuple[int, Any]] = []
+    put = Handle._put
+
+    def logged(self: Handle, ev: Any) -> None:
+        log.append((id(self), ev))
+        put(self, ev)
+
+    monkeypatch.setattr(Handle, "_put", logged)
+    eng = make(max_concurrency=5, prefill_chunk=128, model=Gate(tiny[0], then))
+    engines.append(eng)
+    prompts = [tokens(160 + i, 30) for i in range(4)]
+    shorts = [eng.submit(Job(prompt=p, max_tokens=4)) for p in prompts]
+    long_p = tokens(170, 1000)
+    long_h = eng.submit(Job(prompt=long_p, max_tokens=4))
+    eng.start()
+    for p, h in zip(prompts, shorts, strict=True):
+        assert ids(drain(h)[0]) == greedy(tiny, p, 4)
+    assert ids(drain(long_h)[0]) == greedy(tiny, long_p, 4)
+    # the four short prompts were all computed before any job's first token
+    first_token = next(i for i, (_, ev) in enumerate(log) if isinstance(ev, Token))
+    ends = [ev for _, ev in log[:first_token] if isinstance(ev, Prefill) and ev.done == ev.total]
+    assert len(ends) == 4
+    # while jobs are decoding, at most 128 prompt tokens between two decode calls (one
+    # token a sequence): the long prompt's chunks, or the short ones together
+    run = worst = 0
+    for _, n, decoding in calls:
+        if n == 1:
+            run = 0
+        elif decoding:
+            run += n
+            worst = max(worst, run)
+    assert worst == 128
