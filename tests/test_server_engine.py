@@ -639,3 +639,36 @@ def test_at_most_one_chunk_of_prefill_between_decode_steps_shared_by_short_promp
             run += n
             worst = max(worst, run)
     assert worst == 128
+
+
+def test_cuts_and_breakpoints_keep_the_cache_where_they_say(
+        kinds: Any, store: kvstore.Store) -> None:
+    """On a model whose cache cannot be trimmed, only a cut gives a later prompt that parts
+    after it its prefix: a segment end (``system``) and a breakpoint (pinned)."""
+    from kvstore.mlx_lm.cache_control import pin_type
+
+    lfm2 = kinds("lfm2")
+    eng = _engine(lfm2, store, prefill_chunk=512)
+    first = tokens(180, 300)
+    h = eng.submit(Job(prompt=first, max_tokens=2, cuts={200: "system"},
+                       breakpoints={150: 300.0, 250: 300.0}))
+    eng.start()
+    try:
+        drain(h)
+        assert eng.counts()["prefill_chunks"] == 4  # 150, 200, 250, 299
+        pins = {len(p.tokens): p.cache_type for p in eng.cache._pins.values()}
+        assert pins == {150: "user", 250: "user"}
+        for n in (150, 200, 250):
+            other = first[:n] + tokens(181 + n, 20)
+            assert drain(eng.submit(Job(prompt=other, max_tokens=2)))[2].cached_tokens == n
+        unmarked = first[:120] + tokens(190, 20)
+        assert drain(eng.submit(Job(prompt=unmarked, max_tokens=2)))[2].cached_tokens == 0
+        # a pinned type given as a cut is the protocol's (the breakpoint's own priority)
+        h = eng.submit(Job(prompt=tokens(191, 100), max_tokens=2,
+                           cuts={60: pin_type(300.0, "system")}, breakpoints={60: 300.0}))
+        drain(h)
+        assert sorted(p.cache_type for p in eng.cache._pins.values()) == [
+            "system", "user", "user"]
+    finally:
+        assert eng.stop(30) == 0
+        eng.cache.close()
