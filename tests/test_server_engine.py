@@ -597,3 +597,78 @@ def test_checkpoint_every_none_is_the_models_default(kinds: Any, store: kvstore.
     finally:
         assert eng.stop(30) == 0
         eng.cache.close()
+
+
+def test_at_most_one_chunk_of_prefill_between_decode_steps_shared_by_short_prompts(
+        tiny: Any, make: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, int, bool]] = []  # (batch, tokens, any job decoding) of each call
+    engines: list[Engine] = []
+
+    def then(n: int, shape: Any) -> None:
+        calls.append((int(shape[0]), int(shape[1]), bool(engines[0]._decoding)))
+
+    log: list[tuple[int, Any]] = []
+    put = Handle._put
+
+    def logged(self: Handle, ev: Any) -> None:
+        log.append((id(self), ev))
+        put(self, ev)
+
+    monkeypatch.setattr(Handle, "_put", logged)
+    eng = make(max_concurrency=5, prefill_chunk=128, model=Gate(tiny[0], then))
+    engines.append(eng)
+    prompts = [tokens(160 + i, 30) for i in range(4)]
+    shorts = [eng.submit(Job(prompt=p, max_tokens=4)) for p in prompts]
+    long_p = tokens(170, 1000)
+    long_h = eng.submit(Job(prompt=long_p, max_tokens=4))
+    eng.start()
+    for p, h in zip(prompts, shorts, strict=True):
+        assert ids(drain(h)[0]) == greedy(tiny, p, 4)
+    assert ids(drain(long_h)[0]) == greedy(tiny, long_p, 4)
+    # the four short prompts were all computed before any job's first token
+    first_token = next(i for i, (_, ev) in enumerate(log) if isinstance(ev, Token))
+    ends = [ev for _, ev in log[:first_token] if isinstance(ev, Prefill) and ev.done == ev.total]
+    assert len(ends) == 4
+    # while jobs are decoding, at most 128 prompt tokens between two decode calls (one
+    # token a sequence): the long prompt's chunks, or the short ones together
+    run = worst = 0
+    for _, n, decoding in calls:
+        if n == 1:
+            run = 0
+        elif decoding:
+            run += n
+            worst = max(worst, run)
+    assert worst == 128
+
+
+def test_cuts_and_breakpoints_keep_the_cache_where_they_say(
+        kinds: Any, store: kvstore.Store) -> None:
+    """On a model whose cache cannot be trimmed, only a cut gives a later prompt that parts
+    after it its prefix: a segment end (``system``) and a breakpoint (pinned)."""
+    from kvstore.mlx_lm.cache_control import pin_type
+
+    lfm2 = kinds("lfm2")
+    eng = _engine(lfm2, store, prefill_chunk=512)
+    first = tokens(180, 300)
+    h = eng.submit(Job(prompt=first, max_tokens=2, cuts={200: "system"},
+                       breakpoints={150: 300.0, 250: 300.0}))
+    eng.start()
+    try:
+        drain(h)
+        assert eng.counts()["prefill_chunks"] == 4  # 150, 200, 250, 299
+        pins = {len(p.tokens): p.cache_type for p in eng.cache._pins.values()}
+        assert pins == {150: "user", 250: "user"}
+        for n in (150, 200, 250):
+            other = first[:n] + tokens(181 + n, 20)
+            assert drain(eng.submit(Job(prompt=other, max_tokens=2)))[2].cached_tokens == n
+        unmarked = first[:120] + tokens(190, 20)
+        assert drain(eng.submit(Job(prompt=unmarked, max_tokens=2)))[2].cached_tokens == 0
+        # a pinned type given as a cut is the protocol's (the breakpoint's own priority)
+        h = eng.submit(Job(prompt=tokens(191, 100), max_tokens=2,
+                           cuts={60: pin_type(300.0, "system")}, breakpoints={60: 300.0}))
+        drain(h)
+        assert sorted(p.cache_type for p in eng.cache._pins.values()) == [
+            "system", "user", "user"]
+    finally:
+        assert eng.stop(30) == 0
+        eng.cache.close()

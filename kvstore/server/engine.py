@@ -7,12 +7,13 @@ A :class:`Job` (a prompt's tokens, how many to generate, how to sample) is hande
 1. fetches the longest cached prefix of its prompt from the
    :class:`~kvstore.mlx_lm.prompt_cache.PersistentPromptCache` (``set_tenant``,
    ``set_request``, ``set_breakpoints``, ``fetch_nearest_cache``: as mlx-lm's server did);
-2. prefills the rest itself, ``prefill_chunk`` tokens at a time, one chunk of one job
-   between two decode steps, so that a long prompt holds the others up by at most one
-   chunk a step. A chunk also ends at each *cut*: a cache breakpoint, a segment end the
-   protocol asked for (:attr:`Job.cuts`), a checkpoint (every ``checkpoint_every`` tokens,
-   for a model whose cache cannot be trimmed) and a prefix another job is waiting for;
-   the cache there is inserted into the prompt cache with the cut's type;
+2. prefills the rest itself, at most ``prefill_chunk`` tokens between two decode steps
+   (one chunk of one job, or the chunks of several short ones, each job once a step and
+   in turn), so that a long prompt holds the others up by at most one chunk a step. A
+   chunk also ends at each *cut*: a cache breakpoint, a segment end the protocol asked
+   for (:attr:`Job.cuts`), a checkpoint (every ``checkpoint_every`` tokens, for a model
+   whose cache cannot be trimmed) and a prefix another job is waiting for; the cache
+   there is inserted into the prompt cache with the cut's type;
 3. decodes it together with the other running jobs in one
    :class:`mlx_lm.generate.BatchGenerator` (continuous batching, up to
    ``max_concurrency`` jobs), streaming a :class:`Token` per token;
@@ -500,12 +501,19 @@ class Engine:
     def _tick(self) -> None:
         self._take_cancels()
         self._admit()
-        w = self._next_prefill()
-        if w is not None:
+        # at most prefill_chunk prompt tokens between two decode steps: one chunk of one
+        # job, or several short ones (each job once a step, in turn)
+        budget, served = self.prefill_chunk, set[int]()
+        while budget > 0:
+            w = self._next_prefill(served)
+            if w is None:
+                break
+            served.add(id(w))
             try:
-                self._prefill_chunk(w)
+                budget -= self._prefill_chunk(w, budget)
             except Exception as e:  # noqa: BLE001 - one job's failure ends that job
                 self._fail(w, e)
+                break
         if self._decoding:
             self._decode_step()
 
@@ -628,17 +636,21 @@ class Engine:
                 cuts.setdefault(p, kind)
         return cuts
 
-    def _next_prefill(self) -> _Work | None:
-        ready = [w for w in self._active if w.state == "prefill"]
+    def _next_prefill(self, served: set[int]) -> _Work | None:
+        """The next job to prefill, in turn, among those not ``served`` this step."""
+        ready = [w for w in self._active if w.state == "prefill" and id(w) not in served]
         if not ready:
             return None
         self._turn = (self._turn + 1) % len(ready)
         return ready[self._turn]
 
-    def _prefill_chunk(self, w: _Work) -> None:
+    def _prefill_chunk(self, w: _Work, most: int) -> int:
+        """Prefill ``w``'s next chunk (at most ``most`` tokens, up to its next cut); the
+        tokens computed."""
         prompt, end = w.job.prompt, len(w.job.prompt) - 1
         assert w.cache is not None
-        stop = min([w.pos + self.prefill_chunk, end, *(p for p in w.cuts if p > w.pos)])
+        start = w.pos
+        stop = min([w.pos + most, end, *(p for p in w.cuts if p > w.pos)])
         if stop > w.pos:
             self.model(mx.array(prompt[w.pos:stop])[None], cache=w.cache)
             mx.eval([c.state for c in w.cache])
@@ -654,6 +666,7 @@ class Engine:
             self._to_decode(w)
         else:
             w.handle._put(Prefill(w.pos - w.start, len(prompt) - w.start))
+        return w.pos - start
 
     def _insert(self, w: _Work, tokens: Sequence[int], cache: list[Any], kind: str) -> None:
         try:
