@@ -264,3 +264,26 @@ def test_a_failure_inside_one_request_is_a_500_in_its_apis_shape_and_the_next_is
     engine.how = ""
     r = client.post("/v1/chat/completions", json=chat)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hi"
+
+
+def test_another_tenants_short_request_is_answered_while_a_long_one_streams(
+        served: tuple[int, Path, int]) -> None:
+    """Issue 43: salts do not serialize the batch; a tenant's long generation holds up
+    another tenant's short request by at most a step or two."""
+    port, log, _ = served
+    s, _ = _stream(port, "/v1/chat/completions", {
+        "messages": USER, "cache_salt": "tenant-a", **LONG})
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        t0 = time.monotonic()
+        c.request("POST", "/v1/chat/completions", body=json.dumps({
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "cache_salt": "tenant-b"}), headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        body = json.loads(r.read())
+        assert r.status == 200 and body["usage"]["completion_tokens"] == 2
+        assert time.monotonic() - t0 < 2.0
+        c.close()
+        assert s.recv(65536)  # the long one still streams
+    finally:
+        s.close()
