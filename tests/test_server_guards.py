@@ -297,3 +297,17 @@ def test_a_bind_beyond_loopback_without_a_key_is_refused_with_one_line(
                         "--api-key KEY (or $KVSTORE_API_KEY); --allow-unauthenticated-remote "
                         "serves without one\n")
     assert not (tmp_path / "root").exists()
+
+
+@pytest.mark.parametrize("bad", [{"stop": [1]}, {"logit_bias": {"99999999": 5}},
+                                 {"logit_bias": {"1": "x"}}, {"max_tokens": -1},
+                                 {"top_p": 7}, {"messages": "hi"}])
+def test_a_request_that_could_hurt_the_engine_is_a_400_and_the_next_is_answered(
+        guarded: tuple[int, Path], bad: dict[str, Any]) -> None:
+    """Issue 43's attacks on mlx_lm.server: a ``"stop": [1]`` stopped its generation thread,
+    a ``logit_bias`` id past the vocabulary ended the process."""
+    port, _ = guarded
+    status, _, body = _req(port, "POST", "/v1/chat/completions", {**CHAT, **bad})
+    assert status == 400 and isinstance(body["error"], str), body
+    _ok(port)
+    assert _req(port, "GET", "/health", key=None)[::2] == (200, {"status": "ok"})
