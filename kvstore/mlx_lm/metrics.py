@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 __all__ = ["ServeMetrics"]
 
 TIERS = ("memory", "local", "remote")
+#: How a request ended, as ``kvstore serve``'s engine says (RequestRecord.outcome); any
+#: other reason a client gave its cancel is counted as ``cancelled``.
+OUTCOMES = ("stop", "length", "cancelled", "error")
 
 
 class ServeMetrics(CacheObserver):
@@ -57,6 +60,7 @@ class ServeMetrics(CacheObserver):
         self._lock = threading.Lock()
         self.rewrites: dict[str, int] = {}  # rule name: requests it fired in
         self.partings: dict[tuple[str, str], int] = {}  # (role, block): requests
+        self.outcomes: dict[str, int] = dict.fromkeys(OUTCOMES, 0)  # requests by how they ended
         self.registry.register(_Figures(self))
 
     # --- the observer -----------------------------------------------------------------
@@ -66,6 +70,9 @@ class ServeMetrics(CacheObserver):
 
     def finished(self, rec: RequestRecord) -> None:
         with self._lock:
+            if rec.outcome is not None:
+                ended = rec.outcome if rec.outcome in self.outcomes else "cancelled"
+                self.outcomes[ended] += 1
             for rule in rec.rewrites:
                 self.rewrites[rule] = self.rewrites.get(rule, 0) + 1
             if rec.parting is not None:
@@ -186,6 +193,14 @@ class _Figures(Collector):
         yield why
         with self.m._lock:
             fired, parted = dict(self.m.rewrites), dict(self.m.partings)
+            ended = dict(self.m.outcomes)
+        out = CounterMetricFamily("kvstore_request_outcomes", "Requests by how they ended: "
+                                  "stop (an end of turn or a stop string), length, cancelled "
+                                  "(the client went away or cancelled), error",
+                                  labels=["outcome"])
+        for name in OUTCOMES:
+            out.add_metric([name], ended[name])
+        yield out
         rw = CounterMetricFamily("kvstore_rewrites", "Requests a prefix-stability rule "
                                  "rewrote, by rule", labels=["rule"])
         for name in rule_names():
