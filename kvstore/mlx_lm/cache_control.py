@@ -22,10 +22,13 @@ and :mod:`kvstore.local.gc` for how long and within which share of the budgets.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
+
+from .writebehind import common_prefix
 
 __all__ = [
     "FIELD",
@@ -33,6 +36,7 @@ __all__ = [
     "TTLS",
     "Breakpoint",
     "parse_pin_type",
+    "positions",
     "pin_type",
     "take_breakpoints",
 ]
@@ -148,3 +152,33 @@ def _partial(messages: Sequence[Any], tools: Sequence[Any] | None,
     return msgs, list(tools) if tools else None, "system" if role in ("system", "developer") \
         else "user"
 
+
+def positions(server: Any, generator: Any, tokenizer: Any, messages: Sequence[Any],
+              tools: Sequence[Any] | None, args: Any, prompt: Sequence[int],
+              marks: Sequence[Breakpoint]) -> dict[int, tuple[float, str]]:
+    """Each mark's token position in ``prompt`` (the messages up to its block rendered as
+    mlx-lm's server module, handed in as ``server``, renders the whole prompt, without a
+    generation prompt, then the common prefix with ``prompt``) -> ``(ttl, priority)``;
+    positions that are 0 or the whole prompt are left out (no cut can be made there). The
+    longest TTL wins where two meet. The old server's placement, kept as the oracle of
+    tests/test_server_openai.py (:mod:`kvstore.server.render` places marks now)."""
+    chat_args = dict(getattr(generator.model_provider.cli_args, "chat_template_args", None)
+                     or {})
+    if getattr(args, "chat_template_kwargs", None):
+        chat_args.update(args.chat_template_kwargs)
+    out: dict[int, tuple[float, str]] = {}
+    for bp in marks:
+        msgs, tl, priority = _partial(messages, tools, bp)
+        msgs = copy.deepcopy(msgs)
+        try:
+            server.process_message_content(msgs)
+            rendered = tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=False, **{**chat_args, "tools": tl, "tokenize": True})
+            n = common_prefix(list(rendered), list(prompt))
+        except Exception:  # noqa: BLE001 - a template that cannot render a part: no pin
+            logger.warning("kvstore: cache breakpoint %s not placed", bp, exc_info=True)
+            continue
+        if 0 < n < len(prompt):
+            ttl = max(bp.ttl, out.get(n, (0.0, ""))[0])
+            out[n] = (ttl, priority)
+    return out
