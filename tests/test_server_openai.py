@@ -11,6 +11,7 @@ import copy
 import io
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -700,3 +701,154 @@ def test_keepalives_are_mlx_lms_comment_lines(tok: Any) -> None:
         == ": keepalive 2048/5000\n\n"
     whole = prepare_chat({"messages": CHAT}, served(tok))
     assert Answer(whole, served(tok), "r", 1).keepalive(Prefill(1, 2)) is None
+
+
+# --- end to end: the engine answers as mlx_lm.server 0.32.2 answered -------------------------
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any, Served, Path]]:
+    """An engine of the tiny model over a fresh root (started), its Served, the model."""
+    import mlx_lm
+
+    import kvstore
+    from kvstore.mlx_lm import PersistentPromptCache
+    from kvstore.server.engine import Engine
+
+    base = tmp_path_factory.mktemp("e2e")
+    path = make_tiny_model(base / "model", "llama")
+    model, tok = mlx_lm.load(str(path))
+    vocab, context = model_limits(json.loads((path / "config.json").read_text()))
+    assert vocab is not None
+    s = Served(model_id="model", aliases={"model"}, tokenizer=tok, vocab_size=vocab,
+               context_length=context, abilities=template_abilities(tok, {}),
+               rules=tuple(rule_names()), fingerprint="fp",
+               defaults={"temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                         "max_tokens": 512, "chat_template_args": {}})
+    with kvstore.Store.open(base / "root", durable=False, block_tokens=16) as store:
+        pc = PersistentPromptCache(store, min_tokens=16)
+        eng = Engine(model, tok, pc, model_key=(str(path), None, None))
+        eng.start()
+        try:
+            yield eng, tok, s, path
+        finally:
+            assert eng.stop(30) == 0
+            pc.close()
+
+
+def run_engine(eng: Any, s: Served, body: dict[str, Any]) -> tuple[Answer, list[Any]]:
+    """``prepare`` -> ``engine.submit`` -> events fed to the answer, as the app does: a stop
+    string cancels the job with "stop"."""
+    kind = "chat" if "messages" in body else "text"
+    p = prepare_chat(body, s) if kind == "chat" else prepare_text(body, s)
+    a = Answer(p, s, "rid", 1700000000)
+    h = eng.submit(p.job)
+    out: list[Any] = []
+    while True:
+        ev = h.get(timeout=120)
+        out += a.feed(ev)
+        if a.stop_hit:
+            h.cancel("stop")
+        if isinstance(ev, Done):
+            break
+    if p.stream:
+        out.append("[DONE]")
+    else:
+        out = [a.response()]
+    return a, out
+
+
+def ask_mlx(port: int, path: str, body: dict[str, Any]) -> list[Any]:
+    """mlx_lm.server's answer: the JSON body, or a stream's ``data:`` objects."""
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        raw = r.read().decode()
+    if not body.get("stream"):
+        return [json.loads(raw)]
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:])
+            for line in raw.split("\n\n") if line.startswith("data: ")]
+
+
+def _same_ids(objs: list[Any]) -> list[Any]:
+    for o in objs:
+        if isinstance(o, dict):
+            o.update(id="rid", created=1700000000, system_fingerprint="fp")
+    return objs
+
+
+def test_the_engine_answers_as_mlx_lm_server_answered(e2e: Any, tmp_path: Path) -> None:
+    """The same bodies to mlx_lm.server 0.32.2 (a subprocess on 127.0.0.1) and to
+    prepare -> engine -> Answer: the same JSON, the same stream chunks (ids, ``created`` and
+    the fingerprint aside; every request a first one, nothing cached on either side; the
+    model is "default_model": plain mlx_lm.server looks any other name up on the hub)."""
+    from helpers.serving import server_process
+
+    eng, tok, s, path = e2e
+    system = sample_text(30, seed=11)
+    bodies: list[tuple[str, dict[str, Any]]] = []
+    for i, stream in enumerate((False, True)):
+        extra = {"stream": stream, "stream_options": {"include_usage": True}} if stream else {}
+        bodies += [
+            ("/v1/chat/completions", {"max_tokens": 12, "messages": [
+                {"role": "system", "content": f"{system} ({i})"},
+                {"role": "user", "content": "What is the river?"}], **extra}),
+            ("/v1/chat/completions", {"max_tokens": 6, "logprobs": True, "messages": [
+                {"role": "user", "content": [{"type": "text", "text": f"Say {i}"}]}], **extra}),
+            ("/v1/completions", {"prompt": f"The river {i} was",
+                                 "max_tokens": 10, **extra}),
+        ]
+    with server_process("mlx_lm.server", ["--model", str(path)], tmp_path / "mlx.log"
+                        ) as (port, _):
+        theirs = [_same_ids(ask_mlx(port, route, body)) for route, body in bodies]
+    for (_, body), expected in zip(bodies, theirs, strict=True):
+        _, mine = run_engine(eng, s, body)
+        assert mine == expected, body
+    # the answers say something: the tiny model's greedy text, 12 tokens of it
+    first = theirs[0][0]
+    assert first["usage"]["completion_tokens"] == 12 and first["choices"][0]["message"]["content"]
+
+
+def test_a_stop_string_through_the_engine(e2e: Any) -> None:
+    """A stop string the greedy answer reaches: the answer is the text before it, the
+    job is cancelled with "stop" at that token, ``finish_reason`` "stop"."""
+    eng, tok, s, _ = e2e
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "Tell me of the river."}],
+                            "max_tokens": 16}
+    _, (free,) = run_engine(eng, s, body)
+    text = free["choices"][0]["message"]["content"]
+    assert free["usage"]["completion_tokens"] == 16 and len(text) > 10
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    before = text[:text.find(stop)]
+    for stream in (False, True):
+        a, out = run_engine(eng, s, {**body, "stop": [stop], "stream": stream})
+        assert a.stop_hit and a.stop_word == stop
+        if stream:
+            got = "".join(c["choices"][0]["delta"].get("content", "") for c in out[:-1])
+            assert out[-2]["choices"][0]["finish_reason"] == "stop"
+        else:
+            got = out[0]["choices"][0]["message"]["content"] or ""
+            assert out[0]["choices"][0]["finish_reason"] == "stop"
+            assert out[0]["usage"]["completion_tokens"] < 16
+        assert got == before
+    assert a.done is not None and a.done.finish == "stop"  # cancel("stop")'s Done
+
+
+def test_a_capped_request_and_the_next_one_through_the_engine(e2e: Any) -> None:
+    """max_tokens 10^9 is cut to the ceiling and runs to it; a bad request after it is a
+    400 that never reaches the engine; the next request is answered normally."""
+    eng, tok, s, _ = e2e
+    capped = Served(**{**s.__dict__, "defaults": {**s.defaults, "max_tokens": 8}})
+    _, (r,) = run_engine(eng, capped, {"messages": CHAT, "max_tokens": 10 ** 9,
+                                       "logit_bias": {"5": 1.0}})
+    assert r["usage"]["completion_tokens"] == 8 and r["choices"][0]["finish_reason"] == "length"
+    before = eng.counts()["submitted"]
+    for bad in ({"stop": [1]}, {"logit_bias": {"99999999": 5}}, {"temperature": float("nan")}):
+        with pytest.raises(ApiError):
+            prepare_chat({"messages": CHAT, **bad}, s)
+    assert eng.counts()["submitted"] == before
+    _, (ok,) = run_engine(eng, s, {"messages": CHAT, "max_tokens": 3})
+    assert ok["usage"]["completion_tokens"] == 3

@@ -219,7 +219,8 @@ def prepare_chat(body: Mapping[str, Any], served: Served) -> Prepared:
         context.decode = lambda toks: str(tok.decode(list(toks)))
     job = Job(prompt=rendered.prompt, max_tokens=params.max_tokens, sampling=params.sampling,
               top_logprobs=params.top_logprobs, logprobs=params.logprobs, salt=params.salt,
-              breakpoints={n: ttl for n, (ttl, _) in found.items()}, context=context)
+              breakpoints={n: ttl for n, (ttl, _) in found.items()}, context=context,
+              cuts=cuts)
     return Prepared(job=job, kind="chat", stream=params.stream,
                     include_usage=params.include_usage, stops=params.stops, model=params.model,
                     tools=tools, initial_state=rendered.initial_state, cuts=cuts,
