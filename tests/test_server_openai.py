@@ -21,7 +21,7 @@ from mlx_lm import server as mls
 from mlx_lm.generate import make_text_state_machine
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from kvstore.mlx_lm.cache_control import pin_type, positions, take_breakpoints
+from kvstore.mlx_lm.cache_control import _partial, pin_type, take_breakpoints
 from kvstore.server.engine import Done, Prefill, Token
 from kvstore.server.openai import (
     Answer,
@@ -228,6 +228,26 @@ def _agent_body(marked: bool) -> dict[str, Any]:
         "tools": [tool]}
 
 
+def old_positions(tokenizer: Any, messages: list[Any], tools: list[Any], prompt: list[int],
+                  marks: list[Any]) -> dict[int, tuple[float, str]]:
+    """The old server's placement of each mark (kvstore.mlx_lm.cache_control.positions
+    before the new server): the messages up to the mark, through mlx_lm.server's own
+    process_message_content and the template without a generation prompt, then the common
+    prefix with the prompt."""
+    out: dict[int, tuple[float, str]] = {}
+    for bp in marks:
+        msgs, tl, priority = _partial(messages, tools, bp)
+        msgs = copy.deepcopy(msgs)
+        mls.process_message_content(msgs)
+        rendered = tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tools=tl,
+                                                 tokenize=True)
+        n = next((i for i, (a, b) in enumerate(zip(rendered, prompt, strict=False)) if a != b),
+                 min(len(rendered), len(prompt)))
+        if 0 < n < len(prompt):
+            out[n] = (max(bp.ttl, out.get(n, (0.0, ""))[0]), priority)
+    return out
+
+
 def test_marks_render_the_same_tokens_and_the_rules_fire_with_or_without_them(
         tool_tok: Any) -> None:
     s = served(tool_tok)
@@ -245,10 +265,8 @@ def test_marks_render_the_same_tokens_and_the_rules_fire_with_or_without_them(
     from kvstore.serving.rules import rewrite
 
     body, _ = rewrite(body, rule_names())
-    gen = SimpleNamespace(model_provider=SimpleNamespace(
-        cli_args=SimpleNamespace(chat_template_args={})))
-    old = positions(mls, gen, tool_tok, body["messages"], body["tools"],
-                    SimpleNamespace(chat_template_kwargs=None), with_marks.job.prompt, marks)
+    old = old_positions(tool_tok, body["messages"], body["tools"], with_marks.job.prompt,
+                        marks)
     # the system text's mark and the tool's meet (this template renders the tools in the
     # system message), then the user's end
     assert len(old) == 2 and sorted(p for _, p in old.values()) == ["system", "user"]
