@@ -52,7 +52,7 @@ field                      what kvstore serve does
                            first one the text reaches; ``finish_reason`` ``stop``
 ``chat_template_kwargs``   an object or null, over ``--chat-template-args`` (``tools``,
                            ``tokenize``, ``add_generation_prompt``, ``messages``,
-                           ``conversation``, ``return_dict``: 400)
+                           ``conversation``, ``return_dict``, ``chat_template``: 400)
 ``n``                      1 or absent (one choice only; more: 400)
 ``draft_model``,           ``draft_model``: a string, ignored (the server's ``--draft-model``,
 ``num_draft_tokens``       if any, is used); ``num_draft_tokens`` an integer >= 0
@@ -87,8 +87,10 @@ logger = logging.getLogger("kvstore.serve")
 MAX_TOP_LOGPROBS = 20
 _MAX_CONTEXT_SIZE = 1 << 31
 #: chat_template_kwargs that would collide with the arguments the renderer passes itself
+#: and a template of the request's own (``chat_template``: a Jinja program the server would
+#: run; the operator's --chat-template-args may still name one)
 RESERVED_TEMPLATE_ARGS = ("tools", "tokenize", "add_generation_prompt", "messages",
-                          "conversation", "return_dict")
+                          "conversation", "return_dict", "chat_template")
 
 
 @dataclass
