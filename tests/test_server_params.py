@@ -82,3 +82,13 @@ def test_the_ceiling_holds_for_max_completion_tokens_too() -> None:
         parse_params({"max_completion_tokens": -5}, DEFAULTS, 100)
     assert (e.value.message, e.value.param) == ("max_tokens must be at least 1",
                                                 "max_completion_tokens")
+
+
+def test_a_ceiling_apart_from_the_default() -> None:
+    """``max_tokens_ceiling`` (when the server sets one): a request without max_tokens gets
+    the default, one that asks for more than the default gets it up to the ceiling."""
+    d = {**DEFAULTS, "max_tokens": 512, "max_tokens_ceiling": 32768}
+    assert parse_params({}, d, 100).max_tokens == 512
+    assert parse_params({"max_tokens": 32000}, d, 100).max_tokens == 32000
+    assert parse_params({"max_tokens": 10 ** 9}, d, 100).max_tokens == 32768
+    assert parse_params({"max_tokens": 32000}, DEFAULTS, 100).max_tokens == 512

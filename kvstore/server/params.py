@@ -225,7 +225,8 @@ def parse_params(body: Mapping[str, Any], defaults: Mapping[str, Any], vocab_siz
                  ) -> Params:
     """The checked parameters of a chat or text completion ``body``. ``defaults``: the
     server's ``temp``, ``top_p``, ``top_k``, ``min_p``, ``max_tokens`` (the default and the
-    ceiling), ``num_draft_tokens``; ``vocab_size``: the model's output size."""
+    ceiling, unless ``max_tokens_ceiling`` is given apart), ``num_draft_tokens``;
+    ``vocab_size``: the model's output size."""
     model = _get(body, "model", "default_model")
     if not isinstance(model, str):
         raise invalid("requested_model must be of type str", param="model")
@@ -245,8 +246,9 @@ def parse_params(body: Mapping[str, Any], defaults: Mapping[str, Any], vocab_siz
         raise invalid("draft_model must be of type str", param="draft_model")
     _int(body, "num_draft_tokens", int(defaults.get("num_draft_tokens", 3)), lo=0)
 
-    ceiling = int(defaults.get("max_tokens", 512))
-    max_tokens, asked = _max_tokens(body, ceiling, ceiling)
+    default = int(defaults.get("max_tokens", 512))
+    ceiling = int(defaults.get("max_tokens_ceiling") or default)
+    max_tokens, asked = _max_tokens(body, default, ceiling)
     top_k = _int(body, "top_k", int(defaults.get("top_k", 0)), lo=0)
     sampling = Sampling(
         temperature=_number(body, "temperature", float(defaults.get("temp", 0.0)), lo=0),
