@@ -870,3 +870,29 @@ def test_a_capped_request_and_the_next_one_through_the_engine(e2e: Any) -> None:
     assert eng.counts()["submitted"] == before
     _, (ok,) = run_engine(eng, s, {"messages": CHAT, "max_tokens": 3})
     assert ok["usage"]["completion_tokens"] == 3
+
+
+def test_a_prompt_that_opens_its_thinking_starts_the_reply_reasoning(tok: Any) -> None:
+    """A generation prompt that ends inside a think block (Qwen3's with thinking on): the
+    reply starts in ``reasoning`` and the thinking tail is a segment of its own, as mlx-lm's
+    ``_tokenize`` has it. Here the tiny template's ``assistant`` header plays the think
+    start."""
+    t = copy.copy(tok)
+    start = tuple(tok.encode("assistant", add_special_tokens=False))
+    object.__setattr__(t, "_think_start", "assistant")
+    object.__setattr__(t, "_think_end", "</think>")
+    object.__setattr__(t, "_think_start_tokens", start)
+    object.__setattr__(t, "_think_end_tokens", (999_002,))
+    body = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "Hi"}]}
+    p = prepare_chat(body, served(t, rules=()))
+    prompt, cuts, initial = mlx_tokenize(t, body, {})
+    assert p.job.prompt == prompt
+    assert (p.initial_state, initial) == ("reasoning", "reasoning")
+    assert p.cuts == cuts and sorted(cuts.values()) == ["system", "user"]
+    a = Answer(p, served(t), "r", 1)
+    a.feed(Token(10, "Thinking", -0.1))
+    a.feed(Token(11, "</think>Hi!", -0.1))
+    a.feed(Done("stop", len(prompt), 0, 2))
+    m = a.response()["choices"][0]["message"]
+    assert (m["reasoning"], m["content"]) == ("Thinking", "Hi!")
