@@ -28,8 +28,8 @@ field                      what kvstore serve does
 ``stream_options``         an object or null; ``include_usage`` (default false): a last chunk
                            with ``usage`` and no choices
 ``max_tokens``,            a positive integer; ``max_completion_tokens`` wins when both are
-``max_completion_tokens``  given; absent: ``--max-tokens``, which is also the ceiling (a larger
-                           value is cut to it, with a log line)
+``max_completion_tokens``  given; absent: ``--max-tokens``, which is also the ceiling unless the
+                           server sets one apart (a larger value is cut to it, with a log line)
 ``temperature``            a finite number >= 0 (default ``--temp``)
 ``top_p``                  a finite number in [0, 1] (default ``--top-p``)
 ``top_k``                  an integer >= 0 (default ``--top-k``; 0: off; one >= the vocabulary
