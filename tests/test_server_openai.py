@@ -208,6 +208,11 @@ def test_text_completions_encode_the_prompt_as_mlx_lm(tok: Any) -> None:
         prepare_text({"prompt": [5, 768]}, served(tok))
     with pytest.raises(ApiError, match="Request did not contain a prompt"):
         prepare_text({}, served(tok))
+    if not tok.encode(""):  # no BOS: an empty prompt gives the engine nothing to start from
+        with pytest.raises(ApiError, match="the prompt is empty: it renders no tokens"):
+            prepare_text({"prompt": ""}, served(tok))
+    else:
+        assert prepare_text({"prompt": ""}, served(tok)).job.prompt == tok.encode("")
 
 
 # --- breakpoints and rules ------------------------------------------------------------------

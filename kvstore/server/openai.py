@@ -139,6 +139,8 @@ def _limit(served: Served) -> int | None:
 
 def _check_length(n: int, served: Served, param: str) -> None:
     """A prompt the model cannot take: a 400 before any prefill."""
+    if n == 0:
+        raise invalid("the prompt is empty: it renders no tokens", param=param)
     limit = served.defaults.get("max_prompt_tokens")
     if served.context_length is not None and n > served.context_length:
         raise invalid(f"the prompt is {n} tokens, more than the model's context of "
@@ -181,7 +183,7 @@ def _render(served: Served, param: str, fn: Any, *args: Any, **kw: Any) -> Rende
         _check_length(e.tokens, served, param)
         raise  # not reached: the limit is the server's
     except Exception as e:  # noqa: BLE001 - the template's or the content's error: the client's
-        raise invalid(str(e) or type(e).__name__, param="messages") from None
+        raise invalid(str(e) or type(e).__name__, param=param) from None
     return out
 
 
