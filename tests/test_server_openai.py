@@ -11,6 +11,8 @@ import copy
 import io
 import json
 import logging
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,7 +22,7 @@ from mlx_lm import server as mls
 from mlx_lm.generate import make_text_state_machine
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from kvstore.mlx_lm.cache_control import pin_type, positions, take_breakpoints
+from kvstore.mlx_lm.cache_control import _partial, pin_type, take_breakpoints
 from kvstore.server.engine import Done, Prefill, Token
 from kvstore.server.openai import (
     Answer,
@@ -207,6 +209,11 @@ def test_text_completions_encode_the_prompt_as_mlx_lm(tok: Any) -> None:
         prepare_text({"prompt": [5, 768]}, served(tok))
     with pytest.raises(ApiError, match="Request did not contain a prompt"):
         prepare_text({}, served(tok))
+    if not tok.encode(""):  # no BOS: an empty prompt gives the engine nothing to start from
+        with pytest.raises(ApiError, match="the prompt is empty: it renders no tokens"):
+            prepare_text({"prompt": ""}, served(tok))
+    else:
+        assert prepare_text({"prompt": ""}, served(tok)).job.prompt == tok.encode("")
 
 
 # --- breakpoints and rules ------------------------------------------------------------------
@@ -227,6 +234,26 @@ def _agent_body(marked: bool) -> dict[str, Any]:
         "tools": [tool]}
 
 
+def old_positions(tokenizer: Any, messages: list[Any], tools: list[Any], prompt: list[int],
+                  marks: list[Any]) -> dict[int, tuple[float, str]]:
+    """The old server's placement of each mark (kvstore.mlx_lm.cache_control.positions
+    before the new server): the messages up to the mark, through mlx_lm.server's own
+    process_message_content and the template without a generation prompt, then the common
+    prefix with the prompt."""
+    out: dict[int, tuple[float, str]] = {}
+    for bp in marks:
+        msgs, tl, priority = _partial(messages, tools, bp)
+        msgs = copy.deepcopy(msgs)
+        mls.process_message_content(msgs)
+        rendered = tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tools=tl,
+                                                 tokenize=True)
+        n = next((i for i, (a, b) in enumerate(zip(rendered, prompt, strict=False)) if a != b),
+                 min(len(rendered), len(prompt)))
+        if 0 < n < len(prompt):
+            out[n] = (max(bp.ttl, out.get(n, (0.0, ""))[0]), priority)
+    return out
+
+
 def test_marks_render_the_same_tokens_and_the_rules_fire_with_or_without_them(
         tool_tok: Any) -> None:
     s = served(tool_tok)
@@ -244,10 +271,8 @@ def test_marks_render_the_same_tokens_and_the_rules_fire_with_or_without_them(
     from kvstore.serving.rules import rewrite
 
     body, _ = rewrite(body, rule_names())
-    gen = SimpleNamespace(model_provider=SimpleNamespace(
-        cli_args=SimpleNamespace(chat_template_args={})))
-    old = positions(mls, gen, tool_tok, body["messages"], body["tools"],
-                    SimpleNamespace(chat_template_kwargs=None), with_marks.job.prompt, marks)
+    old = old_positions(tool_tok, body["messages"], body["tools"], with_marks.job.prompt,
+                        marks)
     # the system text's mark and the tool's meet (this template renders the tools in the
     # system message), then the user's end
     assert len(old) == 2 and sorted(p for _, p in old.values()) == ["system", "user"]
@@ -700,3 +725,217 @@ def test_keepalives_are_mlx_lms_comment_lines(tok: Any) -> None:
         == ": keepalive 2048/5000\n\n"
     whole = prepare_chat({"messages": CHAT}, served(tok))
     assert Answer(whole, served(tok), "r", 1).keepalive(Prefill(1, 2)) is None
+
+
+# --- end to end: the engine answers as mlx_lm.server 0.32.2 answered -------------------------
+
+_MODELS = os.environ.get("KVSTORE_MODELS")  # as the user set it, before the suite's fixture
+
+
+def _engine_of(path: Path, base: Path) -> Iterator[tuple[Any, Any, Served, Path]]:
+    """An engine of the model at ``path`` over a fresh root (started), its Served, the
+    model's directory."""
+    import mlx_lm
+
+    import kvstore
+    from kvstore.mlx_lm import PersistentPromptCache
+    from kvstore.server.engine import Engine
+
+    model, tok = mlx_lm.load(str(path))
+    vocab, context = model_limits(json.loads((path / "config.json").read_text()))
+    assert vocab is not None
+    s = Served(model_id="model", aliases={"model"}, tokenizer=tok, vocab_size=vocab,
+               context_length=context, abilities=template_abilities(tok, {}),
+               rules=tuple(rule_names()), fingerprint="fp",
+               defaults={"temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                         "max_tokens": 512, "chat_template_args": {}})
+    with kvstore.Store.open(base / "root", durable=False, block_tokens=16) as store:
+        pc = PersistentPromptCache(store, min_tokens=16)
+        eng = Engine(model, tok, pc, model_key=(str(path), None, None))
+        eng.start()
+        try:
+            yield eng, tok, s, path
+        finally:
+            assert eng.stop(30) == 0
+            pc.close()
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any, Served, Path]]:
+    """An engine of the tiny model."""
+    base = tmp_path_factory.mktemp("e2e")
+    yield from _engine_of(make_tiny_model(base / "model", "llama"), base)
+
+
+@pytest.fixture(scope="module")
+def e2e_smollm2(tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[tuple[Any, Any, Served, Path]]:
+    """An engine of SmolLM2-135M-Instruct (the model cache's: fetched once)."""
+    from kvstore.mlx_lm.gguf import fetch_model
+
+    saved = os.environ.pop("KVSTORE_MODELS", None)
+    try:
+        if _MODELS is not None:
+            os.environ["KVSTORE_MODELS"] = _MODELS
+        path = fetch_model("smollm2")
+    finally:
+        if saved is not None:
+            os.environ["KVSTORE_MODELS"] = saved
+        else:
+            os.environ.pop("KVSTORE_MODELS", None)
+    yield from _engine_of(path, tmp_path_factory.mktemp("e2e-smollm2"))
+
+
+def run_engine(eng: Any, s: Served, body: dict[str, Any]) -> tuple[Answer, list[Any]]:
+    """``prepare`` -> ``engine.submit`` -> events fed to the answer, as the app does: a stop
+    string cancels the job with "stop"."""
+    kind = "chat" if "messages" in body else "text"
+    p = prepare_chat(body, s) if kind == "chat" else prepare_text(body, s)
+    a = Answer(p, s, "rid", 1700000000)
+    h = eng.submit(p.job)
+    out: list[Any] = []
+    while True:
+        ev = h.get(timeout=120)
+        out += a.feed(ev)
+        if a.stop_hit:
+            h.cancel("stop")
+        if isinstance(ev, Done):
+            break
+    if p.stream:
+        out.append("[DONE]")
+    else:
+        out = [a.response()]
+    return a, out
+
+
+def ask_mlx(port: int, path: str, body: dict[str, Any]) -> list[Any]:
+    """mlx_lm.server's answer: the JSON body, or a stream's ``data:`` objects."""
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        raw = r.read().decode()
+    if not body.get("stream"):
+        return [json.loads(raw)]
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:])
+            for line in raw.split("\n\n") if line.startswith("data: ")]
+
+
+def _same_ids(objs: list[Any]) -> list[Any]:
+    for o in objs:
+        if isinstance(o, dict):
+            o.update(id="rid", created=1700000000, system_fingerprint="fp")
+    return objs
+
+
+def test_the_engine_answers_as_mlx_lm_server_answered(e2e: Any, tmp_path: Path) -> None:
+    """The same bodies to mlx_lm.server 0.32.2 (a subprocess on 127.0.0.1) and to
+    prepare -> engine -> Answer: the same JSON, the same stream chunks (ids, ``created`` and
+    the fingerprint aside; every request a first one, nothing cached on either side; the
+    model is "default_model": plain mlx_lm.server looks any other name up on the hub)."""
+    _same_as_mlx_lm(e2e, tmp_path)
+
+
+@pytest.mark.model
+def test_smollm2_answers_as_mlx_lm_server_answered(e2e_smollm2: Any, tmp_path: Path) -> None:
+    """The same with SmolLM2's own template and tokenizer (real words, spaces and all)."""
+    _same_as_mlx_lm(e2e_smollm2, tmp_path)
+
+
+def _same_as_mlx_lm(e2e: Any, tmp_path: Path) -> None:
+    from helpers.serving import server_process
+
+    eng, tok, s, path = e2e
+    system = sample_text(30, seed=11)
+    bodies: list[tuple[str, dict[str, Any]]] = []
+    for i, stream in enumerate((False, True)):
+        extra = {"stream": stream, "stream_options": {"include_usage": True}} if stream else {}
+        bodies += [
+            ("/v1/chat/completions", {"max_tokens": 12, "messages": [
+                {"role": "system", "content": f"{system} ({i})"},
+                {"role": "user", "content": "What is the river?"}], **extra}),
+            ("/v1/chat/completions", {"max_tokens": 6, "logprobs": True, "messages": [
+                {"role": "user", "content": [{"type": "text", "text": f"Say {i}"}]}], **extra}),
+            ("/v1/completions", {"prompt": f"The river {i} was",
+                                 "max_tokens": 10, **extra}),
+        ]
+    with server_process("mlx_lm.server", ["--model", str(path)], tmp_path / "mlx.log"
+                        ) as (port, _):
+        theirs = [_same_ids(ask_mlx(port, route, body)) for route, body in bodies]
+    for (_, body), expected in zip(bodies, theirs, strict=True):
+        _, mine = run_engine(eng, s, body)
+        assert mine == expected, body
+    # the answers say something (the model's greedy text, up to 12 tokens of it)
+    first = theirs[0][0]
+    assert 0 < first["usage"]["completion_tokens"] <= 12
+    assert first["choices"][0]["message"]["content"]
+
+
+def test_a_stop_string_through_the_engine(e2e: Any) -> None:
+    """A stop string the greedy answer reaches: the answer is the text before it, the
+    job is cancelled with "stop" at that token, ``finish_reason`` "stop"."""
+    eng, tok, s, _ = e2e
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "Tell me of the river."}],
+                            "max_tokens": 16}
+    _, (free,) = run_engine(eng, s, body)
+    text = free["choices"][0]["message"]["content"]
+    assert free["usage"]["completion_tokens"] == 16 and len(text) > 10
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    before = text[:text.find(stop)]
+    for stream in (False, True):
+        a, out = run_engine(eng, s, {**body, "stop": [stop], "stream": stream})
+        assert a.stop_hit and a.stop_word == stop
+        if stream:
+            got = "".join(c["choices"][0]["delta"].get("content", "") for c in out[:-1])
+            assert out[-2]["choices"][0]["finish_reason"] == "stop"
+        else:
+            got = out[0]["choices"][0]["message"]["content"] or ""
+            assert out[0]["choices"][0]["finish_reason"] == "stop"
+            assert out[0]["usage"]["completion_tokens"] < 16
+        assert got == before
+    assert a.done is not None and a.done.finish == "stop"  # cancel("stop")'s Done
+
+
+def test_a_capped_request_and_the_next_one_through_the_engine(e2e: Any) -> None:
+    """max_tokens 10^9 is cut to the ceiling and runs to it; a bad request after it is a
+    400 that never reaches the engine; the next request is answered normally."""
+    eng, tok, s, _ = e2e
+    capped = Served(**{**s.__dict__, "defaults": {**s.defaults, "max_tokens": 8}})
+    _, (r,) = run_engine(eng, capped, {"messages": CHAT, "max_tokens": 10 ** 9,
+                                       "logit_bias": {"5": 1.0}})
+    assert r["usage"]["completion_tokens"] == 8 and r["choices"][0]["finish_reason"] == "length"
+    before = eng.counts()["submitted"]
+    for bad in ({"stop": [1]}, {"logit_bias": {"99999999": 5}}, {"temperature": float("nan")}):
+        with pytest.raises(ApiError):
+            prepare_chat({"messages": CHAT, **bad}, s)
+    assert eng.counts()["submitted"] == before
+    _, (ok,) = run_engine(eng, s, {"messages": CHAT, "max_tokens": 3})
+    assert ok["usage"]["completion_tokens"] == 3
+
+
+def test_a_prompt_that_opens_its_thinking_starts_the_reply_reasoning(tok: Any) -> None:
+    """A generation prompt that ends inside a think block (Qwen3's with thinking on): the
+    reply starts in ``reasoning`` and the thinking tail is a segment of its own, as mlx-lm's
+    ``_tokenize`` has it. Here the tiny template's ``assistant`` header plays the think
+    start."""
+    t = copy.copy(tok)
+    start = tuple(tok.encode("assistant", add_special_tokens=False))
+    object.__setattr__(t, "_think_start", "assistant")
+    object.__setattr__(t, "_think_end", "</think>")
+    object.__setattr__(t, "_think_start_tokens", start)
+    object.__setattr__(t, "_think_end_tokens", (999_002,))
+    body = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "Hi"}]}
+    p = prepare_chat(body, served(t, rules=()))
+    prompt, cuts, initial = mlx_tokenize(t, body, {})
+    assert p.job.prompt == prompt
+    assert (p.initial_state, initial) == ("reasoning", "reasoning")
+    assert p.cuts == cuts and sorted(cuts.values()) == ["system", "user"]
+    a = Answer(p, served(t), "r", 1)
+    a.feed(Token(10, "Thinking", -0.1))
+    a.feed(Token(11, "</think>Hi!", -0.1))
+    a.feed(Done("stop", len(prompt), 0, 2))
+    m = a.response()["choices"][0]["message"]
+    assert (m["reasoning"], m["content"]) == ("Thinking", "Hi!")

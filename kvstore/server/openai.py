@@ -46,7 +46,7 @@ from kvstore.serving.templates import FALLBACK, Abilities, no_tools_message, sys
 
 from .engine import Done, Job, Prefill, Token
 from .params import parse_params
-from .render import Rendered, breakpoint_positions, render_chat, render_text
+from .render import PromptTooLong, Rendered, breakpoint_positions, render_chat, render_text
 from .tools import Machine, ToolCallFormatter
 
 __all__ = ["Answer", "Prepared", "Served", "model_limits", "new_request_id", "prepare_chat",
@@ -129,15 +129,25 @@ def new_request_id(kind: Literal["chat", "text"]) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4()}"
 
 
-def _check_length(n: int, served: Served) -> None:
+def _limit(served: Served) -> int | None:
+    """The most prompt tokens a request may have: the model's context, or less
+    (``--max-prompt-tokens``)."""
+    limits = [int(n) for n in (served.context_length, served.defaults.get("max_prompt_tokens"))
+              if n is not None]
+    return min(limits) if limits else None
+
+
+def _check_length(n: int, served: Served, param: str) -> None:
     """A prompt the model cannot take: a 400 before any prefill."""
+    if n == 0:
+        raise invalid("the prompt is empty: it renders no tokens", param=param)
     limit = served.defaults.get("max_prompt_tokens")
     if served.context_length is not None and n > served.context_length:
         raise invalid(f"the prompt is {n} tokens, more than the model's context of "
-                      f"{served.context_length} tokens", param="messages")
+                      f"{served.context_length} tokens", param=param)
     if limit is not None and n > int(limit):
         raise invalid(f"the prompt is {n} tokens, more than the server takes "
-                      f"(--max-prompt-tokens {int(limit)})", param="messages")
+                      f"(--max-prompt-tokens {int(limit)})", param=param)
 
 
 def _check_messages(messages: object) -> list[dict[str, Any]]:
@@ -163,14 +173,17 @@ def _template_args(served: Served, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return args
 
 
-def _render(fn: Any, *args: Any) -> Rendered:
+def _render(served: Served, param: str, fn: Any, *args: Any, **kw: Any) -> Rendered:
     """A rendering, its failure a 400 (mlx-lm answered a 404 with the error's text)."""
     try:
-        out: Rendered = fn(*args)
+        out: Rendered = fn(*args, **kw)
     except ApiError:
         raise
+    except PromptTooLong as e:
+        _check_length(e.tokens, served, param)
+        raise  # not reached: the limit is the server's
     except Exception as e:  # noqa: BLE001 - the template's or the content's error: the client's
-        raise invalid(str(e) or type(e).__name__, param="messages") from None
+        raise invalid(str(e) or type(e).__name__, param=param) from None
     return out
 
 
@@ -206,8 +219,8 @@ def prepare_chat(body: Mapping[str, Any], served: Served) -> Prepared:
     messages = work["messages"]
     args = _template_args(served, params.chat_template_kwargs)
     tok = served.tokenizer
-    rendered = _render(render_chat, tok, messages, tools, args, role_mapping)
-    _check_length(len(rendered.prompt), served)
+    rendered = _render(served, "messages", render_chat, tok, messages, tools, args,
+                       role_mapping, limit=_limit(served))
     found = breakpoint_positions(tok, messages, tools, args, rendered.prompt, marks)
     cuts = dict(rendered.cuts)
     for n, (ttl, priority) in found.items():
@@ -219,7 +232,8 @@ def prepare_chat(body: Mapping[str, Any], served: Served) -> Prepared:
         context.decode = lambda toks: str(tok.decode(list(toks)))
     job = Job(prompt=rendered.prompt, max_tokens=params.max_tokens, sampling=params.sampling,
               top_logprobs=params.top_logprobs, logprobs=params.logprobs, salt=params.salt,
-              breakpoints={n: ttl for n, (ttl, _) in found.items()}, context=context)
+              breakpoints={n: ttl for n, (ttl, _) in found.items()}, context=context,
+              cuts=cuts)
     return Prepared(job=job, kind="chat", stream=params.stream,
                     include_usage=params.include_usage, stops=params.stops, model=params.model,
                     tools=tools, initial_state=rendered.initial_state, cuts=cuts,
@@ -234,7 +248,7 @@ def prepare_text(body: Mapping[str, Any], served: Served) -> Prepared:
     prompt = body["prompt"]
     params = parse_params(body, served.defaults, served.vocab_size)
     if isinstance(prompt, str):
-        rendered = _render(render_text, served.tokenizer, prompt)
+        rendered = _render(served, "prompt", render_text, served.tokenizer, prompt)
     elif isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < served.vocab_size
             for t in prompt):
@@ -242,7 +256,7 @@ def prepare_text(body: Mapping[str, Any], served: Served) -> Prepared:
     else:
         raise invalid("prompt must be a string or a non-empty list of token ids in the "
                       "vocabulary", param="prompt")
-    _check_length(len(rendered.prompt), served)
+    _check_length(len(rendered.prompt), served, "prompt")
     tok = served.tokenizer
     context = RequestContext()
     if served.excerpts:

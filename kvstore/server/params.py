@@ -28,8 +28,8 @@ field                      what kvstore serve does
 ``stream_options``         an object or null; ``include_usage`` (default false): a last chunk
                            with ``usage`` and no choices
 ``max_tokens``,            a positive integer; ``max_completion_tokens`` wins when both are
-``max_completion_tokens``  given; absent: ``--max-tokens``, which is also the ceiling (a larger
-                           value is cut to it, with a log line)
+``max_completion_tokens``  given; absent: ``--max-tokens``, which is also the ceiling unless the
+                           server sets one apart (a larger value is cut to it, with a log line)
 ``temperature``            a finite number >= 0 (default ``--temp``)
 ``top_p``                  a finite number in [0, 1] (default ``--top-p``)
 ``top_k``                  an integer >= 0 (default ``--top-k``; 0: off; one >= the vocabulary
@@ -52,7 +52,7 @@ field                      what kvstore serve does
                            first one the text reaches; ``finish_reason`` ``stop``
 ``chat_template_kwargs``   an object or null, over ``--chat-template-args`` (``tools``,
                            ``tokenize``, ``add_generation_prompt``, ``messages``,
-                           ``conversation``, ``return_dict``: 400)
+                           ``conversation``, ``return_dict``, ``chat_template``: 400)
 ``n``                      1 or absent (one choice only; more: 400)
 ``draft_model``,           ``draft_model``: a string, ignored (the server's ``--draft-model``,
 ``num_draft_tokens``       if any, is used); ``num_draft_tokens`` an integer >= 0
@@ -87,8 +87,10 @@ logger = logging.getLogger("kvstore.serve")
 MAX_TOP_LOGPROBS = 20
 _MAX_CONTEXT_SIZE = 1 << 31
 #: chat_template_kwargs that would collide with the arguments the renderer passes itself
+#: and a template of the request's own (``chat_template``: a Jinja program the server would
+#: run; the operator's --chat-template-args may still name one)
 RESERVED_TEMPLATE_ARGS = ("tools", "tokenize", "add_generation_prompt", "messages",
-                          "conversation", "return_dict")
+                          "conversation", "return_dict", "chat_template")
 
 
 @dataclass
@@ -223,7 +225,8 @@ def parse_params(body: Mapping[str, Any], defaults: Mapping[str, Any], vocab_siz
                  ) -> Params:
     """The checked parameters of a chat or text completion ``body``. ``defaults``: the
     server's ``temp``, ``top_p``, ``top_k``, ``min_p``, ``max_tokens`` (the default and the
-    ceiling), ``num_draft_tokens``; ``vocab_size``: the model's output size."""
+    ceiling, unless ``max_tokens_ceiling`` is given apart), ``num_draft_tokens``;
+    ``vocab_size``: the model's output size."""
     model = _get(body, "model", "default_model")
     if not isinstance(model, str):
         raise invalid("requested_model must be of type str", param="model")
@@ -243,8 +246,9 @@ def parse_params(body: Mapping[str, Any], defaults: Mapping[str, Any], vocab_siz
         raise invalid("draft_model must be of type str", param="draft_model")
     _int(body, "num_draft_tokens", int(defaults.get("num_draft_tokens", 3)), lo=0)
 
-    ceiling = int(defaults.get("max_tokens", 512))
-    max_tokens, asked = _max_tokens(body, ceiling, ceiling)
+    default = int(defaults.get("max_tokens", 512))
+    ceiling = int(defaults.get("max_tokens_ceiling") or default)
+    max_tokens, asked = _max_tokens(body, default, ceiling)
     top_k = _int(body, "top_k", int(defaults.get("top_k", 0)), lo=0)
     sampling = Sampling(
         temperature=_number(body, "temperature", float(defaults.get("temp", 0.0)), lo=0),

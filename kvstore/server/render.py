@@ -21,8 +21,8 @@ from typing import Any
 from kvstore.mlx_lm.cache_control import Breakpoint
 from kvstore.serving.templates import Abilities, probe
 
-__all__ = ["Rendered", "breakpoint_positions", "convert_chat", "process_message_content",
-           "render_chat", "render_text", "template_abilities"]
+__all__ = ["PromptTooLong", "Rendered", "breakpoint_positions", "convert_chat",
+           "process_message_content", "render_chat", "render_text", "template_abilities"]
 
 logger = logging.getLogger("kvstore.serve")
 
@@ -75,6 +75,15 @@ def process_message_content(messages: list[dict[str, Any]]) -> None:
                         func["arguments"] = json.loads(args)
 
 
+class PromptTooLong(Exception):
+    """The prompt has ``tokens`` tokens, more than ``limit``: found before the renderings
+    the cache's segments need (a prompt of 4,096 tools is refused after one)."""
+
+    def __init__(self, tokens: int, limit: int) -> None:
+        super().__init__(f"the prompt is {tokens} tokens, more than {limit}")
+        self.tokens, self.limit = tokens, limit
+
+
 @dataclass
 class Rendered:
     """A prompt: its tokens, where the prompt cache's segments end (position -> mlx-lm's
@@ -100,18 +109,25 @@ def _template(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] |
     return list(out)
 
 
+def _within(prompt: list[int], limit: int | None) -> list[int]:
+    if limit is not None and len(prompt) > limit:
+        raise PromptTooLong(len(prompt), limit)
+    return prompt
+
+
 def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
                 tools: list[Any] | None, template_args: Mapping[str, Any],
-                role_mapping: Mapping[str, Any] | None = None) -> Rendered:
+                role_mapping: Mapping[str, Any] | None = None, *, limit: int | None = None
+                ) -> Rendered:
     """The chat prompt as mlx_lm.server 0.32.2's ``_tokenize`` makes it (the messages are
     copied, not changed). ValueError / TypeError / jinja's errors: what the template or the
-    content could not take."""
+    content could not take; :class:`PromptTooLong`: more tokens than ``limit``."""
     msgs = copy.deepcopy([dict(m) for m in messages])
     if not getattr(tokenizer, "has_chat_template", False):
-        return Rendered(list(tokenizer.encode(convert_chat(msgs, role_mapping))),
-                        messages=msgs)
+        return Rendered(_within(list(tokenizer.encode(convert_chat(msgs, role_mapping))),
+                                limit), messages=msgs)
     process_message_content(msgs)
-    prompt = _template(tokenizer, msgs, tools, template_args, generation=True)
+    prompt = _within(_template(tokenizer, msgs, tools, template_args, generation=True), limit)
     out = Rendered(prompt, messages=msgs)
 
     if getattr(tokenizer, "has_thinking", False):
