@@ -312,6 +312,8 @@ class App:
                 raise ApiError(400, "invalid_request_error",
                                "Request should be a JSON dictionary")
             prepared = (prepare_chat if kind == "chat" else prepare_text)(body, self.served)
+            rid = f"chatcmpl-{uuid.uuid4()}" if kind == "chat" else f"cmpl-{uuid.uuid4()}"
+            answer = Answer(prepared, self.served, rid, int(time.time()))
             handle = self._submit(prepared, request.url.path)
         except ApiError as e:
             return _mlx_error(e)
@@ -320,8 +322,6 @@ class App:
         except Exception as e:  # noqa: BLE001 - one request's failure, told to its client
             logger.exception("kvstore: %s failed", request.url.path)
             return _json(_openai_error(500, f"{type(e).__name__}: {e}"), 500)
-        rid = f"chatcmpl-{uuid.uuid4()}" if kind == "chat" else f"cmpl-{uuid.uuid4()}"
-        answer = Answer(prepared, self.served, rid, int(time.time()))
         if prepared.stream:
             return _Stream(self._openai_stream(handle, answer), handle, self)
         try:
@@ -419,6 +419,8 @@ class App:
             self._check_depth(raw)
             ex = parse(raw)
             prepared = _inner(ex.chat.body(), self.served)
+            answer = Answer(prepared, self.served, f"chatcmpl-{uuid.uuid4()}",
+                            int(time.time()))
             handle = self._submit(prepared, path)
         except ApiError as e:
             return Response(errors(e), e.status, media_type="application/json")
@@ -428,7 +430,6 @@ class App:
             logger.exception("kvstore: %s failed", path)
             return Response(errors(ApiError(500, "api_error", f"{type(e).__name__}: {e}")),
                             500, media_type="application/json")
-        answer = Answer(prepared, self.served, f"chatcmpl-{uuid.uuid4()}", int(time.time()))
         drive = _Drive(ex, answer, handle, len(prepared.job.prompt))
         if ex.stream:
             return _Stream(self._agent_stream(drive, errors), handle, self)
