@@ -47,6 +47,10 @@ logger = logging.getLogger("kvstore.serve")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 DEFAULT_DEFER_SECONDS = 300.0  # kvstore.mlx_lm.writebehind's, without importing MLX for --help
 _API_KEY_ENV = "KVSTORE_API_KEY"
+DEFAULT_MAX_TOKENS = 512  # mlx_lm.server's --max-tokens
+#: The most tokens a request may ask for when neither --max-tokens nor the model's config
+#: says (a model whose context length is unknown)
+UNBOUNDED_CEILING = 1 << 20
 #: mlx_lm.server options kvstore serve does not implement: one line each, at start
 LEFT_OUT = {
     "draft_model": ("--draft-model", "speculative decoding is not implemented by kvstore "
@@ -198,9 +202,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="Default top-k sampling (default: 0, disables top-k)")
     m.add_argument("--min-p", type=float, default=0.0,
                    help="Default min-p sampling (default: 0.0, disables min-p)")
-    m.add_argument("--max-tokens", type=int, default=512,
-                   help="Default maximum number of tokens to generate, and the most a request "
-                   "may ask for (default: 512)")
+    m.add_argument("--max-tokens", type=int, default=None,
+                   help="Default maximum number of tokens to generate (default: 512); given, "
+                   "also the most a request may ask for (not given: the model's context "
+                   "length)")
     m.add_argument("--chat-template-args", type=_json_object, default={},
                    help="A JSON object of arguments for the tokenizer's apply_chat_template, "
                    "e.g. '{\"enable_thinking\":false}'")
@@ -524,11 +529,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         a.max_concurrency = a.decode_concurrency if a.decode_concurrency is not None else 8
     for option, value, low in (("--max-concurrency", a.max_concurrency, 1),
                                ("--max-queue", a.max_queue, 0),
-                               ("--max-tokens", a.max_tokens, 1),
                                ("--prefill-step-size", a.prefill_step_size, 1),
                                ("--prompt-cache-size", a.prompt_cache_size, 0)):
         if value < low:
             raise ServeError(f"{option} must be >= {low}, got {value}")
+    if a.max_tokens is not None and a.max_tokens < 1:
+        raise ServeError(f"--max-tokens must be >= 1, got {a.max_tokens}")
     if a.max_prompt_tokens is not None and a.max_prompt_tokens < 1:
         raise ServeError(f"--max-prompt-tokens must be >= 1, got {a.max_prompt_tokens}")
     if a.api_key is None:
@@ -615,7 +621,8 @@ def serve(a: argparse.Namespace, loaded: Loaded, store: Store, cache: Any, metri
         abilities=loaded.abilities, drop_tools=a.drop_tools, rules=a.rule_set,
         excerpts=a.log_excerpts,
         defaults={"temp": a.temp, "top_p": a.top_p, "top_k": a.top_k, "min_p": a.min_p,
-                  "max_tokens": a.max_tokens,
+                  "max_tokens": a.max_tokens or DEFAULT_MAX_TOKENS,
+                  "max_tokens_ceiling": a.max_tokens or context or UNBOUNDED_CEILING,
                   "chat_template_args": dict(a.chat_template_args or {}),
                   "max_prompt_tokens": a.max_prompt_tokens, "num_draft_tokens": 0})
     port = int(sock.getsockname()[1])
