@@ -1,8 +1,9 @@
-"""``kvstore.serve``: kept as an import path; the server lives in :mod:`kvstore.mlx_lm.serve`."""
+"""``kvstore.serve``: kept as an import path (``python -m kvstore.serve``); the server lives in
+:mod:`kvstore.server.main`."""
 
 import sys
 
-from .mlx_lm.serve import exit_now, parse_size, serve_main
+from .server.main import exit_now, parse_size, serve_main
 
 __all__ = ["serve_main", "parse_size"]
 

@@ -211,7 +211,8 @@ def _raw_post(port: int, path: str, body: bytes, length: int | None = None) -> t
     the JSON answer."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         n = len(body) if length is None else length
-        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                  "Content-Type: application/json\r\n"
                   f"Content-Length: {n}\r\n\r\n".encode() + body)
         data = b""
         while chunk := s.recv(65536):

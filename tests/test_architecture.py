@@ -45,9 +45,13 @@ TIERS: dict[str, set[str]] = {
     "kvstore.mlx_lm": {"kvstore", "errors", "_crash", "_human", "schema", "codecs/",
                        "formats.errors", "models", "serving/", "store", "store.tenants",
                        "store.tiers", "store.usage"},
+    # kvstore serve: the engine, the protocol layer, HTTP and the command (issue 43)
+    "kvstore.server": {"kvstore", "_human", "mlx_lm/", "serving/", "store.tenants",
+                       "store.tiers"},
     "kvstore.cli": {"kvstore", "errors", "_human", "schema", "codecs.layout", "catalog.keys",
                     "formats.errors", "formats.v3", "remote", "store", "store.usage",
-                    "local.gc", "local.modes", "mlx_lm/", "bench/", "demo", "models"},
+                    "local.gc", "local.modes", "mlx_lm/", "server/", "bench/", "demo",
+                    "models"},
     "kvstore.bench": {"kvstore", "errors", "_vio", "schema", "blocks/", "codecs/",
                       "catalog.settings", "remote", "remote.s3", "store", "local",
                       "local.filesystem", "local.staged", "local.writer", "mlx_lm/", "demo",
@@ -57,7 +61,7 @@ TIERS: dict[str, set[str]] = {
     "kvstore.models": {"errors"},
     "kvstore.tiny": set(),
     "kvstore.demo": {"kvstore", "errors", "mlx_lm/", "tiny"},
-    "kvstore.serve": {"mlx_lm/"},
+    "kvstore.serve": {"server/"},
     "kvstore.__main__": {"cli/"},
     "kvstore": {"errors", "schema", "formats.errors", "formats.v3", "formats.v5file", "store"},
 }
@@ -225,6 +229,21 @@ def _tier_errors(name: str, target: str, table: dict[str, set[str]] | None = Non
     return f"({tier}) imports {target}, which its row of docs/ARCHITECTURE.md does not allow"
 
 
+def test_nothing_imports_mlx_lms_server() -> None:
+    """Issue 43: ``kvstore serve`` is a server of its own; mlx-lm is a library to it, and
+    nothing of ``mlx_lm.server`` (a demonstration server whose internals change in each
+    release) is imported, at module level, in a function or for typing."""
+    found = [(m, line) for m in MODULES for t, line in _imports(m)
+             if t == "mlx_lm.server" or t.startswith("mlx_lm.server.")]
+    assert found == []
+
+
+def test_the_mlx_lm_server_check_can_fail(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from mlx_lm.server import APIHandler\n")
+    assert [n for n in _import_nodes(bad) if getattr(n, "module", "") == "mlx_lm.server"]
+
+
 def test_the_tier_check_can_fail() -> None:
     assert _tier_errors("kvstore.local.blocks", "kvstore.store.store")
     assert _tier_errors("kvstore.local.root", "kvstore.store.errors")
@@ -235,7 +254,9 @@ def test_the_tier_check_can_fail() -> None:
     assert _tier_errors("kvstore.store.tiers", "kvstore.local.catalog")
     assert _tier_errors("kvstore.store.tiers", "kvstore.local") is None
     assert _tier_errors("kvstore.local.gc", "kvstore.index") is None  # its own part
-    assert _tier_errors("kvstore.mlx_lm.serve", "kvstore.cli.render")
+    assert _tier_errors("kvstore.mlx_lm.metrics", "kvstore.cli.render")
+    assert _tier_errors("kvstore.server.app", "kvstore.cli.render")
+    assert _tier_errors("kvstore.serving.chat", "kvstore.server.app")
     assert _tier_errors("kvstore.local.gc", "kvstore")
     assert _tier_errors("kvstore.local.gc", "kvstore.blocks") is None
     # above the store: a module the row names, not its siblings; a package's own names
@@ -250,8 +271,8 @@ def test_the_tier_check_can_fail() -> None:
     assert _tier_errors("kvstore.bench.limits", "kvstore.local.reader")
     # a list changed in the table is a list changed in the check
     changed = {**TIERS, "kvstore.demo": {"kvstore", "tiny"}}
-    assert _tier_errors("kvstore.demo", "kvstore.mlx_lm.serve", changed)
-    assert _tier_errors("kvstore.demo", "kvstore.mlx_lm.serve") is None
+    assert _tier_errors("kvstore.demo", "kvstore.mlx_lm.prompt_cache", changed)
+    assert _tier_errors("kvstore.demo", "kvstore.mlx_lm.prompt_cache") is None
 
 
 def _doc_table(text: str) -> dict[str, set[str]]:

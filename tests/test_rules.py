@@ -150,7 +150,7 @@ def test_cli_md_lists_exactly_the_rules() -> None:
 
 def test_serve_refuses_an_unknown_rule_in_one_line(capsys: pytest.CaptureFixture[str]
                                                    ) -> None:
-    from kvstore.mlx_lm.serve import serve_main
+    from kvstore.server.main import serve_main
 
     assert serve_main(["--no-rule", "billing", "--model", "nowhere/none"]) == 2
     err = capsys.readouterr().err

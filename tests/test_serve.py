@@ -45,16 +45,18 @@ def test_help_lists_both_option_sets_and_touches_no_root(
 
 
 def served_cache(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> Any:
-    """The prompt cache that mlx-lm's server builds (``LRUPromptCache(max_size=3)``, as its
-    ``run`` does) when ``kvstore serve ARGV`` runs it, with the server itself left out (the
-    model directory is one only by its ``config.json``: nothing loads it)."""
+    """The prompt cache that ``kvstore serve ARGV --prompt-cache-size 3`` builds, with the
+    model's load and the server itself left out (the model directory is one only by its
+    ``config.json``: nothing loads it)."""
+    import kvstore.server.main as main
+
     built: list[Any] = []
     model = Path(_root_of(argv)).parent / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text("{}")
-    monkeypatch.setattr(mlx_lm.server, "run",
-                        lambda *a: built.append(mlx_lm.server.LRUPromptCache(max_size=3)))
-    assert serve_main([*argv, "--model", str(model)]) == 0
+    monkeypatch.setattr(main, "load_model", lambda asked, path, a: None)
+    monkeypatch.setattr(main, "serve", lambda a, loaded, store, cache, *rest: built.append(cache))
+    assert serve_main([*argv, "--model", str(model), "--prompt-cache-size", "3"]) == 0
     (cache,) = built
     return cache
 
@@ -267,14 +269,14 @@ def test_a_port_out_of_range_is_one_line_and_exit_2(tmp_path: Path) -> None:
 def test_a_port_taken_after_the_check_stops_mlx_lms_thread_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The race the check cannot close: mlx-lm's generation thread is stopped and joined,
-    so the process exits instead of waiting on it."""
+    """The race the check cannot close: the model loaded meanwhile, nothing else is left
+    running, so the process exits instead of waiting on it."""
     import threading
 
-    import kvstore.mlx_lm.serve as serve
+    import kvstore.server.main as serve
 
     model = make_tiny_model(tmp_path / "model", "llama")
-    monkeypatch.setattr(serve, "check_listen", lambda argv: None)
+    monkeypatch.setattr(serve, "check_listen", lambda host, port: None)
     before = set(threading.enumerate())
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

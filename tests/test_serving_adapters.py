@@ -16,7 +16,7 @@ from mlx_lm.server import ToolCallFormatter
 from mlx_lm.tool_parsers.json_tools import parse_tool_call
 
 from kvstore.mlx_lm.cache_control import take_breakpoints
-from kvstore.mlx_lm.seam import carry_cache_control
+from kvstore.server.app import carry_cache_control
 from kvstore.serving import anthropic_messages, responses
 from kvstore.serving.chat import (
     ApiError,

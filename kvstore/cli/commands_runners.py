@@ -120,15 +120,15 @@ def model_fetch(name: str, directory: Path | None, force: bool) -> None:
 @with_remote
 @click.pass_context
 def serve(ctx: click.Context) -> int:
-    """Run mlx-lm's server with the persistent cache.
+    """Serve a model over HTTP with the persistent cache.
 
-    Every mlx_lm.server option works; see 'kvstore serve --help'.
+    OpenAI and Anthropic APIs; mlx_lm.server's options work; see 'kvstore serve --help'.
     """
-    from ..mlx_lm.serve import exit_now, serve_main
+    from ..server.main import exit_now, serve_main
 
     root, remote = opts().root, opts().remote
     argv = [*(["--root", str(root)] if root is not None else []),
             *(["--remote", remote] if remote else []), *ctx.args]
     code = int(serve_main(argv) or 0)
-    exit_now(code)  # mlx-lm's server can abort in interpreter teardown; all is flushed here
+    exit_now(code)  # MLX can abort in interpreter teardown; all is flushed here
     return code

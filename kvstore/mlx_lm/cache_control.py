@@ -7,21 +7,13 @@ default) on a message's content part (``{"type": "text", "text": ..., "cache_con
 body is the SDK's automatic caching: a breakpoint at the last block of the last message.
 At most :data:`MAX_BREAKPOINTS`, as Anthropic allows.
 
-mlx-lm's server templates a request in its generation thread, so the marks travel with the
-request, as a request's salt does (:mod:`kvstore.mlx_lm.tenants`):
-
-1. the handler reads and strips the marks from the body (``validate_model_parameters``,
-   in the handler's thread): the chat template never sees them; a malformed mark is a
-   400 answer;
-2. ``ResponseGenerator.generate``, next in that thread, hands them on with the request;
-3. ``ResponseGenerator._tokenize``, in the generation thread, finds each mark's token
-   position: the messages up to and including the marked block are rendered with the
-   same chat template (no generation prompt) and the position is where that rendering
-   parts from the whole prompt (one rendering per mark). Mlx-lm's prompt segments are
-   cut there too, so the server hands the cache at exactly that token to the prompt cache,
-   with a segment type that names the pin (:func:`pin_type`); the positions are also given
-   to the prompt cache (``set_breakpoints``), which counts a use of each one a request
-   reuses.
+The server (:mod:`kvstore.server.openai`) reads and strips the marks from the body
+(:func:`take_breakpoints`: the chat template never sees them; a malformed mark is a 400
+answer), finds each mark's token position (where the messages up to and including the
+marked block, rendered with the same template, part from the whole prompt) and hands the
+cache at exactly that token to the prompt cache, with a type that names the pin
+(:func:`pin_type`); the positions are also given to the prompt cache
+(``set_breakpoints``), which counts a use of each one a request reuses.
 
 The prompt cache keeps the entry in memory beside mlx-lm's LRU and saves it to the store
 with its TTL (``Store.save(pin_ttl=...)``): see :class:`~kvstore.mlx_lm.PersistentPromptCache`
@@ -30,15 +22,12 @@ and :mod:`kvstore.local.gc` for how long and within which share of the budgets.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import logging
-import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from .prefill import cut_segments
 from .writebehind import common_prefix
 
 __all__ = [
@@ -46,8 +35,8 @@ __all__ = [
     "MAX_BREAKPOINTS",
     "TTLS",
     "Breakpoint",
-    "breakpoint_server",
     "parse_pin_type",
+    "positions",
     "pin_type",
     "take_breakpoints",
 ]
@@ -58,7 +47,6 @@ FIELD = "cache_control"
 #: The TTLs a mark may name, in seconds (Anthropic's two).
 TTLS = {"5m": 300.0, "1h": 3600.0}
 MAX_BREAKPOINTS = 4
-_request = threading.local()  # the marks of the request the handler's thread serves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +157,11 @@ def positions(server: Any, generator: Any, tokenizer: Any, messages: Sequence[An
               tools: Sequence[Any] | None, args: Any, prompt: Sequence[int],
               marks: Sequence[Breakpoint]) -> dict[int, tuple[float, str]]:
     """Each mark's token position in ``prompt`` (the messages up to its block rendered as
-    mlx-lm's server renders the whole prompt, without a generation prompt, then the common
-    prefix with ``prompt``) -> ``(ttl, priority)``; positions that are 0 or the whole prompt
-    are left out (no cut can be made there). The longest TTL wins where two meet."""
+    mlx-lm's server module, handed in as ``server``, renders the whole prompt, without a
+    generation prompt, then the common prefix with ``prompt``) -> ``(ttl, priority)``;
+    positions that are 0 or the whole prompt are left out (no cut can be made there). The
+    longest TTL wins where two meet. The old server's placement, kept as the oracle of
+    tests/test_server_openai.py (:mod:`kvstore.server.render` places marks now)."""
     chat_args = dict(getattr(generator.model_provider.cli_args, "chat_template_args", None)
                      or {})
     if getattr(args, "chat_template_kwargs", None):
@@ -192,72 +182,3 @@ def positions(server: Any, generator: Any, tokenizer: Any, messages: Sequence[An
             ttl = max(bp.ttl, out.get(n, (0.0, ""))[0])
             out[n] = (ttl, priority)
     return out
-
-
-@contextlib.contextmanager
-def breakpoint_server(server: Any) -> Iterator[None]:
-    """mlx-lm's ``server`` module with the three hooks of this module's docstring, for the
-    duration of the block."""
-
-    @dataclasses.dataclass
-    class MarkedRequest(server.CompletionRequest):  # type: ignore[misc]
-        breakpoints: tuple[Breakpoint, ...] = ()
-        original: tuple[Any, Any] = (None, None)  # messages and tools, as sent (marks gone)
-
-    handler, generator = server.APIHandler, server.ResponseGenerator
-    validate, generate, tokenize = (handler.validate_model_parameters, generator.generate,
-                                    generator._tokenize)
-
-    def validate_model_parameters(self: Any) -> None:
-        _request.marks = ()
-        validate(self)
-        body = self.body
-        if isinstance(body, dict) and isinstance(body.get("messages"), list):
-            _request.marks = tuple(take_breakpoints(body))
-        elif isinstance(body, dict):
-            body.pop(FIELD, None)
-
-    def generate_marked(self: Any, request: Any, generation_args: Any, *args: Any,
-                        **kwargs: Any) -> Any:
-        marks = getattr(_request, "marks", ())
-        _request.marks = ()
-        if marks and getattr(request, "request_type", None) == "chat":
-            marked = MarkedRequest(**{f.name: getattr(request, f.name)
-                                      for f in dataclasses.fields(request)},
-                                   breakpoints=marks,
-                                   original=(copy.deepcopy(request.messages),
-                                             copy.deepcopy(request.tools)))
-            # what others set on the request rides on too: the agent APIs' tag, which ties
-            # it to its prompt-cache record (without it the answer waited 30 s for a record
-            # that never came), and the rules that fired, for the log line
-            fields = {f.name for f in dataclasses.fields(marked)}
-            for name, value in vars(request).items():
-                if name not in fields:
-                    setattr(marked, name, value)
-            request = marked
-        return generate(self, request, generation_args, *args, **kwargs)
-
-    def tokenize_marked(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
-        out = tokenize(self, tokenizer, request, args)
-        marks: tuple[Breakpoint, ...] = getattr(request, "breakpoints", ())
-        found: Mapping[int, tuple[float, str]] = {}
-        if marks and out[4] is None and tokenizer.has_chat_template:
-            messages, tools = request.original
-            found = positions(server, self, tokenizer, messages, tools, args, out[0], marks)
-        note = getattr(self.prompt_cache, "set_breakpoints", None)
-        if note is not None:
-            note({n: ttl for n, (ttl, _) in found.items()})
-        if not found:
-            return out
-        prompt, segments, types, state, vision = out
-        pieces, kinds = cut_segments(segments, types, {n: pin_type(ttl, priority)
-                                                       for n, (ttl, priority) in found.items()})
-        return prompt, pieces, kinds, state, vision
-
-    handler.validate_model_parameters = validate_model_parameters
-    generator.generate, generator._tokenize = generate_marked, tokenize_marked
-    try:
-        yield
-    finally:
-        handler.validate_model_parameters = validate
-        generator.generate, generator._tokenize = generate, tokenize

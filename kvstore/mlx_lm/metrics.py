@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 __all__ = ["ServeMetrics"]
 
 TIERS = ("memory", "local", "remote")
+#: How a request ended, as ``kvstore serve``'s engine says (RequestRecord.outcome); any
+#: other reason a client gave its cancel is counted as ``cancelled``.
+OUTCOMES = ("stop", "length", "cancelled", "error")
 
 
 class ServeMetrics(CacheObserver):
@@ -57,6 +60,7 @@ class ServeMetrics(CacheObserver):
         self._lock = threading.Lock()
         self.rewrites: dict[str, int] = {}  # rule name: requests it fired in
         self.partings: dict[tuple[str, str], int] = {}  # (role, block): requests
+        self.outcomes: dict[str, int] = dict.fromkeys(OUTCOMES, 0)  # requests by how they ended
         self.registry.register(_Figures(self))
 
     # --- the observer -----------------------------------------------------------------
@@ -66,6 +70,9 @@ class ServeMetrics(CacheObserver):
 
     def finished(self, rec: RequestRecord) -> None:
         with self._lock:
+            if rec.outcome is not None:
+                ended = rec.outcome if rec.outcome in self.outcomes else "cancelled"
+                self.outcomes[ended] += 1
             for rule in rec.rewrites:
                 self.rewrites[rule] = self.rewrites.get(rule, 0) + 1
             if rec.parting is not None:
@@ -82,21 +89,6 @@ class ServeMetrics(CacheObserver):
         """The body and content type of a scrape (OpenMetrics when the scraper asks)."""
         encoder, content_type = choose_encoder(accept or "")
         return encoder(self.registry), content_type
-
-    def run_http_server(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """mlx-lm's ``_run_http_server``, serving ``/metrics`` too (it takes the handler
-        class as an argument that ``run`` never passes)."""
-        from http.server import ThreadingHTTPServer
-
-        import mlx_lm.server as server
-
-        def run(host: str, port: int, response_generator: Any,
-                server_class: Any = ThreadingHTTPServer,
-                handler_class: Any = server.APIHandler) -> Any:
-            return original(host, port, response_generator, server_class,
-                            self.handler(handler_class))
-
-        return run
 
     def serve_apart(self, host: str, port: int) -> Any:
         """An HTTP server of its own answering ``GET /metrics`` at ``host:port`` (every
@@ -132,19 +124,6 @@ class ServeMetrics(CacheObserver):
         handler.send_header("Content-Length", str(len(body)))
         handler.end_headers()
         handler.wfile.write(body)
-
-    def handler(self, base: type[Any]) -> type[Any]:
-        """``base`` (mlx-lm's ``APIHandler``) answering ``GET /metrics`` too."""
-        metrics = self
-
-        class MetricsHandler(base):  # type: ignore[misc]
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                if urlsplit(self.path).path != "/metrics":
-                    super().do_GET()
-                    return
-                metrics.answer(self)
-
-        return MetricsHandler
 
 
 class _Figures(Collector):
@@ -186,6 +165,14 @@ class _Figures(Collector):
         yield why
         with self.m._lock:
             fired, parted = dict(self.m.rewrites), dict(self.m.partings)
+            ended = dict(self.m.outcomes)
+        out = CounterMetricFamily("kvstore_request_outcomes", "Requests by how they ended: "
+                                  "stop (an end of turn or a stop string), length, cancelled "
+                                  "(the client went away or cancelled), error",
+                                  labels=["outcome"])
+        for name in OUTCOMES:
+            out.add_metric([name], ended[name])
+        yield out
         rw = CounterMetricFamily("kvstore_rewrites", "Requests a prefix-stability rule "
                                  "rewrote, by rule", labels=["rule"])
         for name in rule_names():

@@ -232,6 +232,8 @@ class PersistentPromptCache:
                                    defer_seconds=defer_seconds, on_save=self._saved)
         self._requests = RequestTracker(self._finished)
         self._context: RequestContext | None = None  # of the next fetch (set_request)
+        #: The record the last fetch opened (its caller's thread is the only fetcher).
+        self.last_record: RequestRecord | None = None
         ref = weakref.ref(self)
 
         def _flush_at_exit() -> None:
@@ -335,6 +337,7 @@ class PersistentPromptCache:
         except Exception:  # noqa: BLE001 - counting never fails a request
             logger.warning("kvstore: request not counted", exc_info=True)
         self._requests.opened(rec)
+        self.last_record = rec
         self._notify("fetched", rec)
         return cache, rest
 
@@ -452,6 +455,14 @@ class PersistentPromptCache:
                     logger.warning("kvstore: breakpoint use not recorded", exc_info=True)
 
     # --- what the server knows of a request -------------------------------------------
+
+    def end_request(self, rec: RequestRecord, outcome: str) -> None:
+        """Finish the record of a request that will insert no reply (it was cancelled or
+        failed before one): its line is logged now, ``reply=none outcome=…``. A record
+        finished already is left alone."""
+        if rec.outcome is None:
+            rec.outcome = outcome
+        self._requests.close(rec)
 
     def set_request(self, context: RequestContext | None) -> None:
         """What the server knows of the request whose lookup comes next (``kvstore serve``

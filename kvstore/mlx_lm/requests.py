@@ -90,6 +90,9 @@ class RequestRecord:
     #: finished (:meth:`placed`), not before its prefill: it renders the chat template
     place: Callable[[], Parting] | None = field(repr=False, default=None)
     rewrites: dict[str, int] = field(default_factory=dict)  # rule name: places rewritten
+    #: how the request ended, when its server says (``kvstore serve``'s engine): ``stop``,
+    #: ``length``, ``cancelled``, ``error``, or the reason its client gave; None: not said
+    outcome: str | None = None
 
     def placed(self) -> None:
         """Place the parting among the request's messages (once; never raises)."""
@@ -125,6 +128,7 @@ class RequestRecord:
             ("saves_queued", self.saves_queued),
             ("saves_deferred", self.saves_deferred),
             ("reply", self.reply),
+            *([("outcome", self.outcome)] if self.outcome is not None else []),
             ("rewrites", _counts(self.rewrites)),
             ("shared", self.shared),
             *self._parting_fields(),
@@ -222,6 +226,15 @@ class RequestTracker:
                     done.append(rec)
             done += self._expire()
         self._report(done)
+
+    def close(self, rec: RequestRecord) -> None:
+        """Finish an open request that will insert no reply (cancelled, failed)."""
+        with self._lock:
+            found = any(r is rec for r in self._open)
+            if found:
+                self._open.remove(rec)
+        if found:
+            self._report([rec])
 
     def flush(self) -> None:
         """Finish every open request (at close)."""

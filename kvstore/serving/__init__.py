@@ -10,5 +10,5 @@
 
 A protocol module declares the wire types (msgspec Structs that validate and bound); a
 serving module converts to the internal request and the events back. Nothing here knows
-mlx-lm: ``kvstore.mlx_lm.seam`` runs the request through mlx-lm's chat path.
+mlx-lm: ``kvstore.server.app`` runs the request through the server's chat path.
 """

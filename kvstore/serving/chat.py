@@ -9,7 +9,7 @@ the Anthropic ``cache_control`` breakpoints carried on the content parts and the
 streams (:class:`Chunk`), the prefill's progress (:class:`Progress`) and how it ended
 (:class:`Finish`, with the request's cache figures, :class:`CacheUsage`).
 
-Knows nothing of mlx-lm: ``kvstore.mlx_lm.seam`` runs the request and produces the events.
+Knows nothing of mlx-lm: ``kvstore.server.app`` runs the request and produces the events.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class ChatRequest(Struct, omit_defaults=True):
     top_p: float | None = None
     top_k: int | None = None
     stop: list[str] | None = None
-    stream: bool = False  # the seam always streams the chat path
+    stream: bool = False  # the server always streams the chat path
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
     cache_control: dict[str, Any] | None = None
@@ -229,7 +229,7 @@ class Exchange:
     """One request of an API once its body is parsed: the chat request to run, and how the
     events that answer it are written back (each API's serving module subclasses it).
 
-    Streamed, the seam writes :meth:`start` once the prompt's cache lookup is done, then
+    Streamed, the server writes :meth:`start` once the prompt's cache lookup is done, then
     :meth:`event` for each chunk and progress report, then :meth:`finish`; not streamed,
     :meth:`event` only gathers and :meth:`finish` returns the whole body. An error before
     the first byte is written whole (:meth:`error_body`); one after it, as a stream event
