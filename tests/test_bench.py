@@ -468,3 +468,26 @@ def test_the_serve_group_drives_both_servers_on_the_tiny_model(tmp_path: Path) -
         assert e["prefix_tokens"] <= c <= e["prompt_tokens"]
     assert sub["kvstore"] == e["kvstore_computed_log"] / e["prefix_tokens"]
     assert list(tmp_path.iterdir()) == [out], "the scratch was not removed"
+
+
+def test_the_serve_targets_are_issue_43s() -> None:
+    from kvstore.bench.common import Row
+    from kvstore.bench.report import targets
+
+    rows = [Row("serve", "serve: output tokens/s, 4 concurrent session(s) (tiny)", "tok/s",
+                900.0, 1000.0, "mlx_lm.server", "throughput", extra={"target_min_ratio": 1.0}),
+            Row("serve", "serve: output tokens/s, 8 concurrent session(s) (tiny)", "tok/s",
+                1000.0, 1000.0, "mlx_lm.server", "throughput", extra={"target_min_ratio": 1.0}),
+            Row("serve", "serve: 4 subagents (tiny)", "x", 1.1, 4.0, "mlx_lm.server",
+                "fraction", extra={"target_max": 1.1}),
+            Row("serve", "serve: time to first token p50 (tiny)", "s", 0.5, 2.0,
+                "mlx_lm.server", "speedup")]
+    got = {t.name: (t.want, t.got, t.met) for t in targets(rows)
+           if t.name.startswith("serve:")}
+    assert got == {
+        "serve: output tokens/s, 4 concurrent session(s) (tiny)":
+            (">= 1.0x of mlx_lm.server", "0.90x", False),
+        "serve: output tokens/s, 8 concurrent session(s) (tiny)":
+            (">= 1.0x of mlx_lm.server", "1.00x", True),
+        "serve: 4 subagents (tiny), kvstore serve": ("<= 1.1x of the prefix", "1.10x", True),
+    }  # the time to first token is reported, not held

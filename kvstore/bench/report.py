@@ -181,6 +181,15 @@ def targets(rows: Sequence[Row]) -> list[Target]:
         low = min(r.extra[f"store_turn{i}_share"] for i in range(2, turns + 1))
         out.append(Target(f"real model: cached share of turns 2..{turns}, store", ">= 0.8",
                           f"{low:.2f} (lowest)", low >= 0.8))
+    # issue 43: kvstore serve against mlx_lm.server on the same model, in the same run
+    for r in _find(rows, lambda r: r.group == "serve" and "target_min_ratio" in r.extra):
+        want = r.extra["target_min_ratio"]
+        out.append(Target(r.name, f">= {want}x of mlx_lm.server", f"{r.ratio:.2f}x",
+                          r.ratio >= want))
+    for r in _find(rows, lambda r: r.group == "serve" and "target_max" in r.extra):
+        want = r.extra["target_max"]
+        out.append(Target(f"{r.name}, kvstore serve", f"<= {want}x of the prefix",
+                          f"{r.kvstore:.2f}x", r.kvstore <= want))
     return out
 
 
