@@ -598,8 +598,8 @@ def serve_rows(scratch: Path, log: Log, *, quick: bool = False,
         except Exception as e:  # noqa: BLE001 - the tiny model's rows stand on their own
             log(f"[serve] SmolLM2 skipped: it could not be fetched ({e})")
             return rows
-    label = "SmolLM2-135M" if "SmolLM2" in model.name else model.name
-    return rows + _guarded(Plan(label, model, size.real), scratch, log)
+    # the directory's name, as the model group's rows have it (the conversion is in it)
+    return rows + _guarded(Plan(model.name, model, size.real), scratch, log)
 
 
 def _guarded(plan: Plan, scratch: Path, log: Log) -> list[Row]:
