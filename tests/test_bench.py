@@ -467,6 +467,8 @@ def test_the_serve_group_drives_both_servers_on_the_tiny_model(tmp_path: Path) -
     for c in (e["kvstore_computed_log"], e["baseline_computed_usage"]):
         assert e["prefix_tokens"] <= c <= e["prompt_tokens"]
     assert sub["kvstore"] == e["kvstore_computed_log"] / e["prefix_tokens"]
+    assert 1 < e["floor"] < 1.1  # each subagent's own message, beyond the prefix
+    assert e["kvstore_computed_log"] >= e["floor"] * e["prefix_tokens"] - 1e-6
     assert list(tmp_path.iterdir()) == [out], "the scratch was not removed"
 
 
@@ -479,7 +481,11 @@ def test_the_serve_targets_are_issue_43s() -> None:
             Row("serve", "serve: output tokens/s, 8 concurrent session(s) (tiny)", "tok/s",
                 1000.0, 1000.0, "mlx_lm.server", "throughput", extra={"target_min_ratio": 1.0}),
             Row("serve", "serve: 4 subagents (tiny)", "x", 1.1, 4.0, "mlx_lm.server",
-                "fraction", extra={"target_max": 1.1}),
+                "fraction", extra={"target_max": 1.1, "target_prefix": 20000,
+                                   "prefix_tokens": 20016, "floor": 1.01}),
+            Row("serve", "serve: 4 subagents (SmolLM2)", "x", 1.29, 1.32, "mlx_lm.server",
+                "fraction", extra={"target_max": 1.1, "target_prefix": 20000,
+                                   "prefix_tokens": 266, "floor": 1.25}),
             Row("serve", "serve: time to first token p50 (tiny)", "s", 0.5, 2.0,
                 "mlx_lm.server", "speedup")]
     got = {t.name: (t.want, t.got, t.met) for t in targets(rows)
@@ -490,4 +496,8 @@ def test_the_serve_targets_are_issue_43s() -> None:
         "serve: output tokens/s, 8 concurrent session(s) (tiny)":
             (">= 1.0x of mlx_lm.server", "1.00x", True),
         "serve: 4 subagents (tiny), kvstore serve": ("<= 1.1x of the prefix", "1.10x", True),
+        "serve: 4 subagents (SmolLM2), kvstore serve": ("<= 1.1x of the prefix", "1.29x", None),
     }  # the time to first token is reported, not held
+    (why,) = [t.why for t in targets(rows) if t.name.startswith("serve: 4 subagents (Smol")]
+    assert why == ("held at a 20000-token prefix; this one has 266 (the least a server "
+                   "computes here: 1.25x)")

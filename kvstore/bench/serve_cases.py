@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .common import Row, median, percentile
+from .common import Row, percentile
 from .servers import server
 
 Log = Callable[[str], None]
@@ -531,7 +531,7 @@ def model_rows(plan: Plan, scratch: Path, log: Log) -> list[Row]:
         for name, port in ports.items():
             load0 = _load()
             t = ttft[name] = ttft_under_prefill(port, plan, prompts)
-            shown = (f"p50 {median(t.samples) * 1e3:.0f} ms, p95 "
+            shown = (f"p50 {percentile(t.samples, 0.5) * 1e3:.0f} ms, p95 "
                      f"{percentile(t.samples, 0.95) * 1e3:.0f} ms" if t.samples else "none")
             log(f"  short requests during a {t.long_prompt}-token prefill, {name}: "
                 f"{len(t.samples)} of {t.sent} sent during it, {shown}; the long prompt's "
@@ -575,7 +575,11 @@ def model_rows(plan: Plan, scratch: Path, log: Log) -> list[Row]:
                                                    else -1),
                    "baseline_computed_usage": float(b_s.by_usage if b_s.by_usage is not None
                                                     else -1),
-                   "prompt_tokens": float(sum(k_s.prompt_tokens)), "target_max": 1.1}))
+                   "prompt_tokens": float(sum(k_s.prompt_tokens)),
+                   # the least a server can compute: the prefix once, each one's own rest
+                   "floor": (sum(k_s.prompt_tokens) - (size.subagents - 1) * k_s.prefix)
+                   / k_s.prefix,
+                   "target_max": 1.1, "target_prefix": float(SERVE_FULL.prefix)}))
     return rows
 
 
