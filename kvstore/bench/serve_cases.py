@@ -576,7 +576,7 @@ def model_rows(plan: Plan, scratch: Path, log: Log) -> list[Row]:
                    "baseline_computed_usage": float(b_s.by_usage if b_s.by_usage is not None
                                                     else -1),
                    "prompt_tokens": float(sum(k_s.prompt_tokens)),
-                   # the least a server can compute: the prefix once, each one's own rest
+                   # about the least a server computes: the prefix once, each one's own rest
                    "floor": (sum(k_s.prompt_tokens) - (size.subagents - 1) * k_s.prefix)
                    / k_s.prefix,
                    "target_max": 1.1, "target_prefix": float(SERVE_FULL.prefix)}))
