@@ -395,3 +395,108 @@ def test_the_gpu_case_runs_on_a_tiny_shape_and_gets_the_prefills_token(tmp_path:
         "GPU time to first token, 300 tokens, after eviction"]
     assert all(r.kvstore > 0 and r.baseline > 0 for r in rows)
     assert list(tmp_path.iterdir()) == []
+
+
+# --- issue 43: kvstore serve against mlx_lm.server, over HTTP ---------------------------------
+
+
+def test_keepalives_say_how_much_of_the_long_prompt_is_done() -> None:
+    from kvstore.bench.serve_cases import _Progress
+
+    p = _Progress()
+    assert p.wait_for(0.5, 0.01)  # nothing yet: waited out, the prefill still runs
+    p.update(b": keepalive 2048/8192")
+    p.update(b": a comment of another shape")
+    assert p.fraction == 0.25
+    p.update(b": keepalive 1024/8192")  # never backwards
+    assert p.fraction == 0.25
+    p.update(None)  # the first token: the prefill has ended
+    assert not p.wait_for(0.5, 5.0)
+
+
+def test_the_subagents_computed_tokens_come_from_the_request_lines_after_the_mark(
+        tmp_path: Path) -> None:
+    from kvstore.bench.serve_cases import computed, request_log_computed
+
+    log = tmp_path / "serve.log"
+    log.write_text("kvstore request id=1 model=m prompt=900 reused=0 computed=900\n")
+    mark = log.stat().st_size
+    with log.open("a") as f:
+        f.write("INFO other line computed=5\n"
+                "kvstore request id=2 model=m prompt=910 reused=0 source=none computed=910\n"
+                "kvstore request id=3 model=m prompt=911 reused=880 computed=31 restore_ms=1\n")
+    assert request_log_computed(log, mark, 2) == [910, 31]
+    assert request_log_computed(log, mark, 3, wait=0.3) == [910, 31]  # waited, bounded
+    assert computed({"prompt_tokens": 911, "prompt_tokens_details": {"cached_tokens": 880}}) == 31
+    assert computed({"prompt_tokens": 911}) is None  # not reported is not 0 cached
+
+
+@pytest.mark.slow
+def test_the_serve_group_drives_both_servers_on_the_tiny_model(tmp_path: Path) -> None:
+    """``--only serve --quick``: both servers started, measured and stopped; each figure
+    from what the servers said (usage, the request log), nothing judged by time."""
+    from kvstore.bench.serve_cases import SERVE_QUICK
+
+    out = tmp_path / "serve.json"
+    assert main(["--quick", "--only", "serve", "--json", str(out), "--scratch",
+                 str(tmp_path)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["group"] for r in rows} == {"serve"}
+    size = SERVE_QUICK
+    tput = [r for r in rows if r["name"].startswith("serve: output tokens/s")]
+    assert [r["extra"]["clients"] for r in tput] == list(size.clients)
+    for r in tput:
+        # the tiny model's answers run to max_tokens: every turn of every session counted
+        n = r["extra"]["clients"] * size.turns * size.max_tokens
+        assert r["extra"]["kvstore_tokens"] == r["extra"]["baseline_tokens"] == n, r
+        assert r["kvstore"] > 0 and r["baseline"] > 0
+    p50, p95 = (next(r for r in rows if r["name"].startswith(f"serve: time to first token {q}"))
+                for q in ("p50", "p95"))
+    for r in (p50, p95):
+        assert 1 <= r["extra"]["kvstore_samples"] <= size.short_requests, r
+        assert 1 <= r["extra"]["baseline_samples"] <= size.short_requests, r
+        assert r["extra"]["long_prompt_tokens"] >= size.long_prompt
+    assert p95["kvstore"] >= p50["kvstore"] > 0 and p95["baseline"] >= p50["baseline"] > 0
+    (sub,) = [r for r in rows if "subagents at once" in r["name"]]
+    e = sub["extra"]
+    assert size.prefix <= e["prefix_tokens"] < size.prefix + 20  # the template's header
+    assert e["prompt_tokens"] > size.subagents * e["prefix_tokens"]
+    # kvstore's request log and its answers' usage agree on what was computed; each server
+    # computed the prefix at least once and no more than every prompt in full
+    assert e["kvstore_computed_log"] == e["kvstore_computed_usage"]
+    for c in (e["kvstore_computed_log"], e["baseline_computed_usage"]):
+        assert e["prefix_tokens"] <= c <= e["prompt_tokens"]
+    assert sub["kvstore"] == e["kvstore_computed_log"] / e["prefix_tokens"]
+    assert 1 < e["floor"] < 1.1  # each subagent's own message, beyond the prefix
+    assert list(tmp_path.iterdir()) == [out], "the scratch was not removed"
+
+
+def test_the_serve_targets_are_issue_43s() -> None:
+    from kvstore.bench.common import Row
+    from kvstore.bench.report import targets
+
+    rows = [Row("serve", "serve: output tokens/s, 4 concurrent session(s) (tiny)", "tok/s",
+                900.0, 1000.0, "mlx_lm.server", "throughput", extra={"target_min_ratio": 1.0}),
+            Row("serve", "serve: output tokens/s, 8 concurrent session(s) (tiny)", "tok/s",
+                1000.0, 1000.0, "mlx_lm.server", "throughput", extra={"target_min_ratio": 1.0}),
+            Row("serve", "serve: 4 subagents (tiny)", "x", 1.1, 4.0, "mlx_lm.server",
+                "fraction", extra={"target_max": 1.1, "target_prefix": 20000,
+                                   "prefix_tokens": 20016, "floor": 1.01}),
+            Row("serve", "serve: 4 subagents (SmolLM2)", "x", 1.29, 1.32, "mlx_lm.server",
+                "fraction", extra={"target_max": 1.1, "target_prefix": 20000,
+                                   "prefix_tokens": 266, "floor": 1.25}),
+            Row("serve", "serve: time to first token p50 (tiny)", "s", 0.5, 2.0,
+                "mlx_lm.server", "speedup")]
+    got = {t.name: (t.want, t.got, t.met) for t in targets(rows)
+           if t.name.startswith("serve:")}
+    assert got == {
+        "serve: output tokens/s, 4 concurrent session(s) (tiny)":
+            (">= 1.0x of mlx_lm.server", "0.90x", False),
+        "serve: output tokens/s, 8 concurrent session(s) (tiny)":
+            (">= 1.0x of mlx_lm.server", "1.00x", True),
+        "serve: 4 subagents (tiny), kvstore serve": ("<= 1.1x of the prefix", "1.10x", True),
+        "serve: 4 subagents (SmolLM2), kvstore serve": ("<= 1.1x of the prefix", "1.29x", None),
+    }  # the time to first token is reported, not held
+    (why,) = [t.why for t in targets(rows) if t.name.startswith("serve: 4 subagents (Smol")]
+    assert why == ("held at a 20000-token prefix; this one has 266 (about the least a server "
+                   "computes here: 1.25x)")

@@ -21,6 +21,7 @@ GROUPS = ("save", "restore", "multiturn", "shared", "lookup", "ttft", "checkpoin
           "concurrency", "startup", "remote", "gpu")
 MODEL_GROUP = "model"  # only with --model: a real model's prefill takes minutes on a CPU
 AGENTS_GROUP = "agents"  # only with --only agents: a replayed agent session, minutes on a CPU
+SERVE_GROUP = "serve"  # only with --only serve: kvstore serve vs mlx_lm.server, ~10 min on a CPU
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,7 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", choices=sorted(CONFIGS), help="a named size (overrides --quick)")
     p.add_argument("--only", metavar="GROUPS",
                    help=f"comma-separated subset of {','.join(GROUPS)}; also {AGENTS_GROUP} "
-                        "(a replayed agent session, not run by default)")
+                        f"(a replayed agent session) and {SERVE_GROUP} (kvstore serve against "
+                        "mlx_lm.server: concurrent sessions, TTFT under a long prefill, "
+                        "subagents; with --model, on it instead of SmolLM2), not run by default")
     p.add_argument("--remote", metavar="URL",
                    help="s3://BUCKET/PREFIX for the remote group (default: $KVSTORE_REMOTE; "
                         "without one, or when it does not answer, the group is skipped)")
@@ -116,6 +119,10 @@ def run(cfg: Config, scratch: Path, groups: tuple[str, ...],
         from .agent_cases import agent_rows
 
         add(agent_rows(scratch, log))
+    if SERVE_GROUP in groups:
+        from .serve_cases import serve_rows
+
+        add(serve_rows(scratch, log, quick=cfg.name != "full", model=model_dir))
 
     if "gpu" in groups:
         from .gpu_cases import gpu_rows
@@ -160,13 +167,22 @@ def main(argv: list[str] | None = None) -> int:
     groups = GROUPS + ((MODEL_GROUP,) if args.model else ())
     if args.only:
         groups = tuple(g.strip() for g in args.only.split(",") if g.strip())
-        bad = [g for g in groups if g not in (*GROUPS, MODEL_GROUP, AGENTS_GROUP)]
+        bad = [g for g in groups if g not in (*GROUPS, MODEL_GROUP, AGENTS_GROUP, SERVE_GROUP)]
         if bad:
             print(f"kvstore bench: unknown group(s) {', '.join(bad)}; choose from "
-                  f"{', '.join(GROUPS)}, {AGENTS_GROUP}, {MODEL_GROUP} (with --model)",
+                  f"{', '.join(GROUPS)}, {AGENTS_GROUP}, {SERVE_GROUP}, {MODEL_GROUP} "
+                  "(with --model)",
                   file=sys.stderr)
             return 2
     model_dir = None
+    if SERVE_GROUP in groups and args.model and MODEL_GROUP not in groups:
+        from .model_cases import resolve_model
+
+        try:
+            model_dir = resolve_model(args.model)
+        except ValueError as e:
+            print(f"kvstore bench: {e}", file=sys.stderr)
+            return 2
     if MODEL_GROUP in groups:
         from .model_cases import resolve_model
 

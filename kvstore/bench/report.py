@@ -181,6 +181,21 @@ def targets(rows: Sequence[Row]) -> list[Target]:
         low = min(r.extra[f"store_turn{i}_share"] for i in range(2, turns + 1))
         out.append(Target(f"real model: cached share of turns 2..{turns}, store", ">= 0.8",
                           f"{low:.2f} (lowest)", low >= 0.8))
+    # issue 43: kvstore serve against mlx_lm.server on the same model, in the same run
+    for r in _find(rows, lambda r: r.group == "serve" and "target_min_ratio" in r.extra):
+        want = r.extra["target_min_ratio"]
+        out.append(Target(r.name, f">= {want}x of mlx_lm.server", f"{r.ratio:.2f}x",
+                          r.ratio >= want))
+    # held at the issue's 20k-token prefix: on a shorter one (SmolLM2's, --quick) each
+    # subagent's own message weighs on the ratio (the row's floor says how much)
+    for r in _find(rows, lambda r: r.group == "serve" and "target_max" in r.extra):
+        want, size = r.extra["target_max"], r.extra.get("target_prefix", 0)
+        at_size = r.extra.get("prefix_tokens", 0) >= size
+        out.append(Target(f"{r.name}, kvstore serve", f"<= {want}x of the prefix",
+                          f"{r.kvstore:.2f}x", (r.kvstore <= want) if at_size else None,
+                          "" if at_size else f"held at a {size:.0f}-token prefix; this one "
+                          f"has {r.extra.get('prefix_tokens', 0):.0f} (about the least a server "
+                          f"computes here: {r.extra.get('floor', 0):.2f}x)"))
     return out
 
 

@@ -42,14 +42,16 @@ def kept(log_file: Path) -> Path:
 
 @contextlib.contextmanager
 def server(module: str, args: Sequence[str], log_file: Path, *, timeout: float = 300,
-           append: bool = False) -> Iterator[int]:
+           append: bool = False, stop_timeout: float | None = None) -> Iterator[int]:
     """``python -P -m MODULE ARGS --host 127.0.0.1 --port P``, its output in ``log_file``
     (appended to with ``append``); yields P once ``/health`` answers, then stops it with
-    SIGTERM (SIGKILL after ``timeout``). RuntimeError when it does not start."""
+    SIGTERM (SIGKILL after ``stop_timeout``, default ``timeout``). RuntimeError when it does
+    not start."""
     port = free_port()
     argv = [sys.executable, "-P", "-m", module, *args, "--host", "127.0.0.1",
             "--port", str(port)]
-    name = "kvstore serve" if module == "kvstore.serve" else module
+    name = ("kvstore serve" if module == "kvstore.serve"
+            or (module == "kvstore" and args[:1] == ["serve"]) else module)
     with log_file.open("a" if append else "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
         try:
@@ -69,7 +71,7 @@ def server(module: str, args: Sequence[str], log_file: Path, *, timeout: float =
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout)
+                proc.wait(timeout if stop_timeout is None else stop_timeout)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
