@@ -293,17 +293,18 @@ class BlockStream(TensorStream):
 @dataclass
 class _Read:
     """One ``preadv``: consecutive bytes of block ``slot`` from ``offset`` into ``views``
-    (``fd``: the block's file, set once its window is open)."""
+    (``fd``: the block's file, set once its window is open). ``nbytes`` is summed once:
+    a restore's planning asks for it several times a read, thousands of reads a restore."""
 
     offset: int
     views: list[memoryview]
     slot: int
     check: BlockCheck = field(repr=False)
     fd: int = -1
+    nbytes: int = field(init=False, repr=False)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(len(v) for v in self.views)
+    def __post_init__(self) -> None:
+        self.nbytes = sum(len(v) for v in self.views)
 
     def run(self) -> None:
         """Read, then hand the bytes to the check while they are in this core's cache.
@@ -324,7 +325,7 @@ class _Read:
                 self.check.fail(self.slot, f"a read error ({e.strerror})")
                 return
             self.check.feed(self.slot, pos, batch)
-            pos += sum(len(v) for v in batch)
+            pos += self.nbytes if len(batch) == len(self.views) else sum(len(v) for v in batch)
 
 
 def _zero(views: list[memoryview]) -> None:
