@@ -395,3 +395,27 @@ def test_the_gpu_case_runs_on_a_tiny_shape_and_gets_the_prefills_token(tmp_path:
         "GPU time to first token, 300 tokens, after eviction"]
     assert all(r.kvstore > 0 and r.baseline > 0 for r in rows)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_kvstore_side_after_mlx_lms_finds_its_memory_warm(tmp_path: Path) -> None:
+    """mlx-lm's side gives kvstore's warm memory back (as in a process of its own); the
+    kvstore side timed next must find it again, as every other kvstore side does, or the
+    one that always follows mlx-lm's (``verify_reads=False``) alone pays fresh pages."""
+    import mlx.core as mx
+
+    from kvstore.bench.common import QUICK, make_cache
+    from kvstore.bench.io_cases import SavedPair
+    from kvstore.codecs import warm
+
+    # 64 MiB: more than MLX's own cache limit (32 MiB), which kvstore raises only above it
+    pair = SavedPair(tmp_path, 1024, make_cache(QUICK, 1024))
+    try:
+        pair.kv_restore()
+        pair.kv_restore()
+        assert warm.POLICY.state.raised_to > 0
+        pair.mlx_restore()
+        assert warm.POLICY.state.raised_to > 0
+        assert mx.get_cache_memory() >= pair.bytes
+    finally:
+        pair.remove()
+        warm.POLICY.give_back()
