@@ -9,8 +9,8 @@ two warm-up rounds:
 - ``restore``: ``Store.restore`` (verified) of the same entry again and again in this
   process, each cache dropped after it (the bench's ``repeated in one process`` row);
   with ``--threads 2,6``, also ``restore, N threads``: the same with its read split
-  over N threads instead of ``READ_WORKERS`` (``kvstore.local.reader.READ_WORKERS``
-  patched for that side alone);
+  over N threads instead of the ones ``kvstore.local.reader.read_threads`` picks (its
+  ``READ_WORKERS`` and ``CACHED_THREADS`` patched for that side alone);
 - ``raw``: ``preadv`` + BLAKE3 of its block files, in each of the ways a limit could be
   taken: one thread a core or the restore's read threads; into arrays allocated once
   (``reused``) or new ones each time (``fresh``: NumPy's, their pages faulted in); each
@@ -112,12 +112,12 @@ def main() -> None:
         from kvstore.local import reader
 
         def restore_on(n: int) -> float:
-            keep = reader.READ_WORKERS
-            reader.READ_WORKERS = n
+            keep = reader.READ_WORKERS, reader.CACHED_THREADS
+            reader.READ_WORKERS = reader.CACHED_THREADS = n
             try:
                 return restore()
             finally:
-                reader.READ_WORKERS = keep
+                reader.READ_WORKERS, reader.CACHED_THREADS = keep
 
         for n in [int(x) for x in args.threads.split(",") if x.strip()]:
             sides[f"restore, {n} threads"] = functools.partial(restore_on, n)
