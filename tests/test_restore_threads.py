@@ -10,6 +10,7 @@ import pytest
 from helpers.kv import open_store
 from test_restore_gc import TOKENS, _cache
 
+from kvstore import _vio
 from kvstore.local import reader
 from kvstore.local.reader import _by_block, _Read, _RowsRead, read_threads
 
@@ -49,7 +50,8 @@ def test_blocks_in_the_page_cache_read_on_a_thread_a_core_and_evicted_ones_on_mo
     # this machine's 2 cores and 6 read threads, whatever the machine running the test
     monkeypatch.setattr(reader, "CACHED_THREADS", 2)
     monkeypatch.setattr(reader, "READ_WORKERS", 6)
-    cached = 2 if reader._NOWAIT is not None else 6  # where the system cannot tell: 6
+    # where the system cannot tell (no RWF_NOWAIT): READ_WORKERS
+    cached = 2 if _vio._NOWAIT is not None else 6
     toks = list(range(TOKENS))
     with open_store(tmp_path / "r") as s:
         s.save(toks, _cache())

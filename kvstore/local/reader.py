@@ -17,7 +17,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from .._vio import ShortReadError, preadv_all
+from .._vio import ShortReadError, cached, preadv_all
 from ..blocks import BlockCheck
 from ..blocks.pools import READ_WORKERS, balanced, read_pool
 from ..codecs.layout import (
@@ -396,26 +396,20 @@ def _by_block(reads: list[_Read]) -> list[list[_Read]]:
 #: ms of CPU, tools/probe_restore_limit.py --threads 2,6). A read that waits on the disk
 #: keeps READ_WORKERS in flight.
 CACHED_THREADS = min(READ_WORKERS, max(2, os.cpu_count() or 2))
-_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 
 
 def read_threads(blocks: Sequence[Sequence[_Read]]) -> int:
     """How many threads read ``blocks`` (each a block's reads in file order, their files
     open): :data:`CACHED_THREADS` when the first and the last byte each block's reads want
-    are in the page cache (a one-byte ``preadv`` with ``RWF_NOWAIT``, which fails rather
-    than wait for the disk: a few microseconds a block), else ``READ_WORKERS`` (also
-    where the system cannot tell)."""
-    if _NOWAIT is None or CACHED_THREADS >= READ_WORKERS:
+    are in the page cache (:func:`kvstore._vio.cached`: a few microseconds a block), else
+    ``READ_WORKERS`` (also where the system cannot tell)."""
+    if CACHED_THREADS >= READ_WORKERS:
         return READ_WORKERS
-    probe = [memoryview(bytearray(1))]
     for b in blocks:
         first, last = b[0], b[-1]
-        for fd, pos in ((first.fd, first.offset), (last.fd, last.offset + last.nbytes - 1)):
-            try:
-                if os.preadv(fd, probe, pos, _NOWAIT) != 1:
-                    return READ_WORKERS
-            except OSError:  # EAGAIN: not in the page cache; or the flag is not supported
-                return READ_WORKERS
+        if first.fd != last.fd or not cached(first.fd, (first.offset,
+                                                         last.offset + last.nbytes - 1)):
+            return READ_WORKERS
     return CACHED_THREADS
 
 
