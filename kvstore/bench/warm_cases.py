@@ -150,8 +150,8 @@ def warm_rows(lab: str, pair: SavedPair, raw: RawRead, reps: int) -> list[Row]:
     extra = {"minflt_per_restore": median([float(n) for n in faults]),
              # CPU seconds of this process (every thread) per run, each side's median: on
              # a machine shared with other work the wall times say how the two sides'
-             # threads fared against the neighbours' (six restore threads win more turns
-             # on the cores than the limit's two); these say what each side costs
+             # threads fared against the neighbours' (a side with more threads wins more
+             # turns on the cores); these say what each side costs
              "cpu_s": median(cpu["kv"]), "limit_cpu_s": median(cpu["raw"]),
              "load_avg_1m": os.getloadavg()[0],
              "fresh_process_s": fresh_s, "fresh_process_minflt": fresh_faults,
