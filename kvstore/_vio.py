@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from .errors import KVStoreError
 
-__all__ = ["IOV_MAX", "ShortReadError", "full_fsync", "preadv_all", "pwritev_all"]
+__all__ = ["IOV_MAX", "ShortReadError", "cached", "full_fsync", "preadv_all", "pwritev_all"]
 
 class ShortReadError(KVStoreError, EOFError):
     """A positioned read ended at the end of the file before filling its buffers.
@@ -36,6 +36,28 @@ class ShortReadError(KVStoreError, EOFError):
 
 #: Buffers handed to one system call (Linux and macOS allow 1024).
 IOV_MAX = 1024
+_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
+
+
+def cached(fd: int, offsets: Sequence[int]) -> bool | None:
+    """Whether the byte at each of ``offsets`` of ``fd`` is in the page cache: a one-byte
+    ``preadv`` with ``RWF_NOWAIT`` each, which fails rather than wait for the disk (a few
+    microseconds). False at the end of the file; None where the system cannot tell (no
+    ``RWF_NOWAIT``: not Linux, or a filesystem that refuses it)."""
+    if _NOWAIT is None:
+        return None
+    probe = [memoryview(bytearray(1))]
+    for pos in offsets:
+        try:
+            if os.preadv(fd, probe, pos, _NOWAIT) != 1:
+                return False
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                return None
+            return False
+    return True
 
 
 def preadv_all(fd: int, views: Sequence[memoryview], offset: int) -> None:

@@ -500,3 +500,27 @@ def test_the_serve_targets_are_issue_43s() -> None:
     (why,) = [t.why for t in targets(rows) if t.name.startswith("serve: 4 subagents (Smol")]
     assert why == ("held at a 20000-token prefix; this one has 266 (about the least a server "
                    "computes here: 1.25x)")
+
+
+def test_the_kvstore_side_after_mlx_lms_finds_its_memory_warm(tmp_path: Path) -> None:
+    """mlx-lm's side gives kvstore's warm memory back (as in a process of its own); the
+    kvstore side timed next must find it again, as every other kvstore side does, or the
+    one that always follows mlx-lm's (``verify_reads=False``) alone pays fresh pages."""
+    import mlx.core as mx
+
+    from kvstore.bench.common import QUICK, make_cache
+    from kvstore.bench.io_cases import SavedPair
+    from kvstore.codecs import warm
+
+    # 64 MiB: more than MLX's own cache limit (32 MiB), which kvstore raises only above it
+    pair = SavedPair(tmp_path, 1024, make_cache(QUICK, 1024))
+    try:
+        pair.kv_restore()
+        pair.kv_restore()
+        assert warm.POLICY.state.raised_to > 0
+        pair.mlx_restore()
+        assert warm.POLICY.state.raised_to > 0
+        assert mx.get_cache_memory() >= pair.bytes
+    finally:
+        pair.remove()
+        warm.POLICY.give_back()

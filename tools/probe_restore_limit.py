@@ -8,6 +8,9 @@ two warm-up rounds:
 
 - ``restore``: ``Store.restore`` (verified) of the same entry again and again in this
   process, each cache dropped after it (the bench's ``repeated in one process`` row);
+  with ``--threads 2,6``, also ``restore, N threads``: the same with its read split
+  over N threads instead of the ones ``kvstore.local.reader.read_threads`` picks (its
+  ``READ_WORKERS`` and ``CACHED_THREADS`` patched for that side alone);
 - ``raw``: ``preadv`` + BLAKE3 of its block files, in each of the ways a limit could be
   taken: one thread a core or the restore's read threads; into arrays allocated once
   (``reused``) or new ones each time (``fresh``: NumPy's, their pages faulted in); each
@@ -15,12 +18,16 @@ two warm-up rounds:
   (``chunk``, while the chunk is in the core's cache).
 
 The limit a restore is held to is the fastest of these the machine can do with the
-memory a restore gets. Nothing here changes kvstore.
+memory a restore gets. Each side's CPU time (this process's, every thread's, median) is
+printed beside its wall time: on a machine shared with other work the wall times say how
+each side's threads fared against the neighbours', the CPU times what each side costs.
+Nothing here changes kvstore.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -80,6 +87,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=11)
+    ap.add_argument("--threads", default="", metavar="N,N",
+                    help="also restore with its read split over each of these thread counts")
     args = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="probe-limit-"))
     try:
@@ -100,6 +109,18 @@ def main() -> None:
             return dt
 
         sides: dict[str, Callable[[], float]] = {"restore": restore}
+        from kvstore.local import reader
+
+        def restore_on(n: int) -> float:
+            keep = reader.READ_WORKERS, reader.CACHED_THREADS
+            reader.READ_WORKERS = reader.CACHED_THREADS = n
+            try:
+                return restore()
+            finally:
+                reader.READ_WORKERS, reader.CACHED_THREADS = keep
+
+        for n in [int(x) for x in args.threads.split(",") if x.strip()]:
+            sides[f"restore, {n} threads"] = functools.partial(restore_on, n)
         for threads in sorted({cores, READ_WORKERS}):
             for fresh in (False, True):
                 for chunk in (False, True):
@@ -107,20 +128,24 @@ def main() -> None:
                             f"{'chunk' if chunk else 'whole'}")
                     sides[name] = raw_read(paths, threads, fresh=fresh, chunk=chunk)
         res: dict[str, list[float]] = {k: [] for k in sides}
+        cpu: dict[str, list[float]] = {k: [] for k in sides}
         for rnd in range(args.reps + 2):
             order = list(sides.items())
             for name, fn in order if rnd % 2 else order[::-1]:
+                c0 = time.process_time()
                 dt = fn()
                 if rnd >= 2:
                     res[name].append(dt)
+                    cpu[name].append(time.process_time() - c0)
         store.close()
         kv = statistics.median(res["restore"])
         print(f"load average {os.getloadavg()[0]:.2f}, {cores} cores, read threads "
               f"{READ_WORKERS}, {args.tokens} tokens")
         for name, xs in res.items():
             m = statistics.median(xs)
-            print(f"{name:40s} {m * 1e3:8.1f} ms  (min {min(xs) * 1e3:7.1f})  "
-                  f"restore at {m / kv:.2f}x of it")
+            c = statistics.median(cpu[name])
+            print(f"{name:40s} {m * 1e3:8.1f} ms  (min {min(xs) * 1e3:7.1f}, CPU "
+                  f"{c * 1e3:6.1f} ms)  restore at {m / kv:.2f}x of it")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -13,7 +13,10 @@ Three limit rows beside the restore rows, from the page cache, verified (the def
 - ``first touch of its pages alone``: the part of that which is page faults: mapping as
   many fresh bytes and writing one byte a page, on the restore's threads, no copy.
 
-Each row carries the minor page faults counted (``getrusage``) around its restores.
+Each row carries the minor page faults counted (``getrusage``) around its restores; the
+first also the CPU time of each side (``cpu_s``, ``limit_cpu_s``: this process's, every
+thread's, per run, medians), which a loaded machine does not skew as it skews the wall
+times, and the load average when the rounds ended.
 """
 
 from __future__ import annotations
@@ -112,26 +115,31 @@ def warm_rows(lab: str, pair: SavedPair, raw: RawRead, reps: int) -> list[Row]:
     strict = RawRead(pair.root, threads=os.cpu_count() or 1, fresh=True)
     kv: list[float] = []
     lim: list[float] = []
+    cpu: dict[str, list[float]] = {"kv": [], "raw": []}
     faults: list[int] = []
     pair.warm()
     for rnd in range(2 * reps + 2):  # two warm-ups: the policy raises MLX's limit at the 2nd
         order = ("kv", "raw") if rnd % 2 else ("raw", "kv")
         for side in order:
+            c0 = time.process_time()
             if side == "raw":
                 dt = strict(hash=True)
                 if rnd >= 2:
                     lim.append(dt)
+                    cpu["raw"].append(time.process_time() - c0)
                 continue
             f0 = _minflt()
             t = time.perf_counter()
             cache, length = pair.store.restore(pair.tokens, verify=True)
             dt = time.perf_counter() - t
             f1 = _minflt()
+            c1 = time.process_time()
             assert cache is not None and length == pair.n, "the benchmark entry went missing"
             del cache
             if rnd >= 2:
                 kv.append(dt)
                 faults.append(f1 - f0)
+                cpu["kv"].append(c1 - c0)
     fresh = [fresh_process_restore(pair) for _ in range(max(2, reps // 2 + 1))]
     fresh_s = median([s for s, _ in fresh])
     fresh_faults = median([float(n) for _, n in fresh])
@@ -140,6 +148,12 @@ def warm_rows(lab: str, pair: SavedPair, raw: RawRead, reps: int) -> list[Row]:
     th = f"{strict.threads} threads, one a core"
     label = f"preadv + BLAKE3 of its block files into fresh arrays, {th}"
     extra = {"minflt_per_restore": median([float(n) for n in faults]),
+             # CPU seconds of this process (every thread) per run, each side's median: on
+             # a machine shared with other work the wall times say how the two sides'
+             # threads fared against the neighbours' (a side with more threads wins more
+             # turns on the cores); these say what each side costs
+             "cpu_s": median(cpu["kv"]), "limit_cpu_s": median(cpu["raw"]),
+             "load_avg_1m": os.getloadavg()[0],
              "fresh_process_s": fresh_s, "fresh_process_minflt": fresh_faults,
              "first_touch_s": touch, "gb": pair.bytes / 1e9}
     base = f"restore {lab} page cache"

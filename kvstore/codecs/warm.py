@@ -16,7 +16,7 @@ the next one. A limit someone set higher is left as it is.
 The memory is given back:
 
 - when the process has not restored for :data:`IDLE_SECONDS`: the limit returns to
-  what it was and ``mx.clear_cache()`` frees what the cache holds (a timer thread);
+  what it was and ``mx.clear_cache()`` frees what the cache holds (a watcher thread);
 - under pressure: a restore that finds less than :data:`LOW_MEMORY` of the machine's
   memory available (``MemAvailable``) does the same instead of raising the limit.
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -84,8 +85,11 @@ class WarmMemory:
         self.state = WarmState()
         self._recent: list[int] = []
         self._lock = threading.Lock()
-        self._timer: threading.Timer | None = None
-        self._generation = 0
+        # one watcher thread while memory is kept warm, sleeping until the idle deadline
+        # (pushed on by each restore): a thread started a restore cost about 0.5 ms of the
+        # restore's own time, before its first read
+        self._watcher: threading.Thread | None = None
+        self._deadline = 0.0
 
     def restoring(self, nbytes: int) -> None:
         """A restore of ``nbytes`` is about to allocate its arrays."""
@@ -120,9 +124,7 @@ class WarmMemory:
 
     def _give_back_locked(self) -> None:
         st = self.state
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._watcher = None  # a watcher still asleep finds it is not the one and leaves
         if not st.raised_to:
             return
         mx.set_cache_limit(st.original if st.original is not None else 0)
@@ -131,26 +133,28 @@ class WarmMemory:
         st.given_back += 1
 
     def _arm_locked(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._generation += 1
-        gen = self._generation
-        t = threading.Timer(self.idle_seconds, self._idle, args=(gen,))
-        t.daemon = True
-        t.name = "kvstore-warm-memory"
-        self._timer = t
-        t.start()
+        self._deadline = time.monotonic() + self.idle_seconds
+        if self._watcher is None:
+            t = threading.Thread(target=self._watch, name="kvstore-warm-memory", daemon=True)
+            self._watcher = t
+            t.start()
 
-    def _idle(self, gen: int) -> None:
-        with self._lock:
-            if gen == self._generation:  # no restore since this timer was armed
-                self._timer = None
-                self._give_back_locked()
+    def _watch(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._lock:
+                if self._watcher is not me:  # given back meanwhile (and maybe re-armed)
+                    return
+                left = self._deadline - time.monotonic()
+                if left <= 0:  # no restore for idle_seconds
+                    self._give_back_locked()
+                    return
+            time.sleep(left)
 
     def _after_fork(self) -> None:
-        # the child has no timer thread; its copy of MLX's limit is the parent's
+        # the child has no watcher thread; its copy of MLX's limit is the parent's
         self._lock = threading.Lock()
-        self._timer = None
+        self._watcher = None
 
 
 POLICY = WarmMemory()

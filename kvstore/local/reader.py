@@ -9,6 +9,7 @@ allocated with spare rows (a KVCache's step capacity); those are zeroed.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from .._vio import ShortReadError, preadv_all
+from .._vio import ShortReadError, cached, preadv_all
 from ..blocks import BlockCheck
 from ..blocks.pools import READ_WORKERS, balanced, read_pool
 from ..codecs.layout import (
@@ -41,7 +42,7 @@ _PARALLEL_BYTES = 1 << 20  # smaller tensors are read on the caller's thread
 FD_WINDOW = 256
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Run:
     """``count`` pieces of ``length`` bytes of the stream, the i-th at ``dst + i*stride``.
 
@@ -53,6 +54,10 @@ class Run:
     ``skip`` is how many bytes after each piece the file holds that the
     restore does not need (the rows of a partly restored last block); a
     verified read reads them too, into scratch memory, to hash the whole block.
+
+    Never changed once planned. Not frozen: a restore of 16 layers and 16 blocks plans
+    512 runs on its caller's thread before any read starts, and a frozen dataclass takes
+    3.5x as long to make (0.93 against 0.27 ms for 512).
     """
 
     dst: int
@@ -258,19 +263,17 @@ class BlockStream(TensorStream):
             if r.end <= a or r.dst >= b or r.length == 0:
                 continue
             if a <= r.dst and r.end <= b:  # the common case: the whole run
+                if r.slot >= 0 and (r.src_stride == r.length or r.count == 1
+                                    or (whole and r.skip)):
+                    # one preadv; its views are made by the thread that reads it
+                    reads.append(_RowsRead(r.src, r.slot, check, out, r.dst - a, r.length,
+                                           r.count, r.stride, r.skip if whole else 0))
+                    continue
                 starts = (range(r.dst, r.dst + r.count * r.stride, r.stride)
                           if r.count > 1 else (r.dst,))
                 views = [out[d - a : d - a + r.length] for d in starts]
                 if r.slot < 0:
                     zeros.extend(views)
-                elif whole and r.skip:
-                    scratch = memoryview(bytearray(r.skip * len(views)))
-                    iov: list[memoryview] = []
-                    for i, v in enumerate(views):
-                        iov += (v, scratch[i * r.skip : (i + 1) * r.skip])
-                    reads.append(_Read(r.src, iov, r.slot, check))
-                elif r.src_stride == r.length or r.count == 1:
-                    reads.append(_Read(r.src, views, r.slot, check))
                 else:
                     reads.extend(_Read(r.src + i * r.src_stride, [v], r.slot, check)
                                  for i, v in enumerate(views))
@@ -290,20 +293,25 @@ class BlockStream(TensorStream):
                 reads.append(_Read(r.src + i * r.src_stride + (lo - d0), iov, r.slot, check))
 
 
-@dataclass
+@dataclass(slots=True)
 class _Read:
     """One ``preadv``: consecutive bytes of block ``slot`` from ``offset`` into ``views``
-    (``fd``: the block's file, set once its window is open)."""
+    (``fd``: the block's file, set once its window is open). ``nbytes`` is summed once:
+    a restore's planning asks for it several times a read, thousands of reads a restore."""
 
     offset: int
     views: list[memoryview]
     slot: int
     check: BlockCheck = field(repr=False)
     fd: int = -1
+    nbytes: int = field(init=False, repr=False)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(len(v) for v in self.views)
+    def __post_init__(self) -> None:
+        self.nbytes = sum(len(v) for v in self.views)
+
+    def iovecs(self) -> list[memoryview]:
+        """The buffers to read into, in file order."""
+        return self.views
 
     def run(self) -> None:
         """Read, then hand the bytes to the check while they are in this core's cache.
@@ -313,8 +321,9 @@ class _Read:
         the restore finishes and the caller decides what a bad block means.
         """
         pos = self.offset
-        for i in range(0, len(self.views), _IOV_MAX):
-            batch = self.views[i : i + _IOV_MAX]
+        views = self.iovecs()
+        for i in range(0, len(views), _IOV_MAX):
+            batch = views[i : i + _IOV_MAX]
             try:
                 preadv_all(self.fd, batch, pos)
             except ShortReadError as e:
@@ -324,7 +333,37 @@ class _Read:
                 self.check.fail(self.slot, f"a read error ({e.strerror})")
                 return
             self.check.feed(self.slot, pos, batch)
-            pos += sum(len(v) for v in batch)
+            pos += self.nbytes if len(batch) == len(views) else sum(len(v) for v in batch)
+
+
+class _RowsRead(_Read):
+    """The read of a whole run: ``count`` pieces of ``length`` bytes, the i-th at
+    ``first + i*stride`` of ``out``, back to back in the block file from ``offset``, each
+    followed there by ``skip`` bytes read into scratch memory (a verified read of a partly
+    restored block). Its views are made when it runs, on the read thread: a restore of 16
+    layers and 16 blocks has 4,096 of them, which made on the thread that plans the reads
+    (under the GIL, before any read starts) cost about 2 ms of every restore."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, offset: int, slot: int, check: BlockCheck, out: memoryview, first: int,
+                 length: int, count: int, stride: int, skip: int) -> None:
+        self.offset, self.slot, self.check, self.fd = offset, slot, check, -1
+        self.views = []
+        self.nbytes = count * (length + skip)
+        self._rows = (out, first, length, count, stride, skip)
+
+    def iovecs(self) -> list[memoryview]:
+        out, first, length, count, stride, skip = self._rows
+        views = ([out[d : d + length] for d in range(first, first + count * stride, stride)]
+                 if count > 1 else [out[first : first + length]])
+        if not skip:
+            return views
+        scratch = memoryview(bytearray(skip * count))
+        iov: list[memoryview] = []
+        for i, v in enumerate(views):
+            iov += (v, scratch[i * skip : (i + 1) * skip])
+        return iov
 
 
 def _zero(views: list[memoryview]) -> None:
@@ -351,20 +390,45 @@ def _by_block(reads: list[_Read]) -> list[list[_Read]]:
     return [sorted(b, key=lambda r: r.offset) for b in blocks.values()]
 
 
+#: Threads for a read whose blocks are in the page cache: each copies and hashes, which
+#: keeps a core busy, so one a core (more only take turns on the cores, and cost more: on 2
+#: cores the 256 MiB restore took 54.5 ms on 2 threads against 63.4 on 6, and 89 against 100
+#: ms of CPU, tools/probe_restore_limit.py --threads 2,6). A read that waits on the disk
+#: keeps READ_WORKERS in flight.
+CACHED_THREADS = min(READ_WORKERS, max(2, os.cpu_count() or 2))
+
+
+def read_threads(blocks: Sequence[Sequence[_Read]]) -> int:
+    """How many threads read ``blocks`` (each a block's reads in file order, their files
+    open): :data:`CACHED_THREADS` when the first and the last byte each block's reads want
+    are in the page cache (:func:`kvstore._vio.cached`: a few microseconds a block), else
+    ``READ_WORKERS`` (also where the system cannot tell)."""
+    if CACHED_THREADS >= READ_WORKERS:
+        return READ_WORKERS
+    for b in blocks:
+        first, last = b[0], b[-1]
+        if first.fd != last.fd or not cached(first.fd, (first.offset,
+                                                         last.offset + last.nbytes - 1)):
+            return READ_WORKERS
+    return CACHED_THREADS
+
+
 def _run_reads(reads: list[_Read], zeros: list[memoryview]) -> None:
     """Run the reads over the read threads and this one (whole blocks to a thread where there
-    are blocks enough); each thread zeroes its share of the spare rows first."""
+    are blocks enough; as many threads as :func:`read_threads` says); each thread zeroes its
+    share of the spare rows first."""
     total = sum(r.nbytes for r in reads)
     if len(reads) <= 1 or total < _PARALLEL_BYTES:
         _run_group(reads, zeros)
         return
     blocks = _by_block(reads)
-    if len(blocks) >= READ_WORKERS:
+    threads = read_threads(blocks)
+    if len(blocks) >= threads:
         groups = [[r for i in g for r in blocks[i]] for g in
-                  balanced([sum(r.nbytes for r in b) for b in blocks], READ_WORKERS)]
+                  balanced([sum(r.nbytes for r in b) for b in blocks], threads)]
     else:  # too few blocks to keep every thread busy: their pieces spread over them
         groups = [[reads[i] for i in g]
-                  for g in balanced([r.nbytes for r in reads], READ_WORKERS)]
+                  for g in balanced([r.nbytes for r in reads], threads)]
     shares: list[list[memoryview]] = [[] for _ in groups]
     for i, z in enumerate(zeros):
         shares[i % len(groups)].append(z)

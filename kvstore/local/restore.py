@@ -28,7 +28,7 @@ from ..errors import (
     ManifestError,
 )
 from ..schema import Layer, ListLayer, Manifest, iter_tensor_specs
-from . import reader
+from . import gcpause, reader
 from .reader import Want, load_arrays, plan_runs
 from .repair import plan_for_blocks
 from .root import Root
@@ -93,7 +93,8 @@ def _read_once(
             files.open_window(0, reader.FD_WINDOW)
             files.raise_failure()
         check = BlockCheck(root.settings.hash, needed, hashing=verify, tail=m.block_salt)
-        cache, atts = _materialize(m, length, n_read, files, check)
+        with gcpause.paused():  # thousands of short-lived views and reads: kvstore.local.gcpause
+            cache, atts = _materialize(m, length, n_read, files, check)
         files.raise_failure()
         bad = check.bad()
         if bad:

@@ -4,6 +4,7 @@ bounded, and gives it back when idle or short of memory; one restore changes not
 from __future__ import annotations
 
 import resource
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,3 +116,21 @@ def test_repeated_restores_reuse_their_memory(policy: WarmMemory, tmp_path: Path
     pages = (64 * MiB) // 4096
     assert policy.state.restores == 4 and policy.state.raised_to >= 64 * MiB
     assert max(faults[2:]) < pages // 10, faults
+
+
+def test_restores_share_one_watcher_thread_and_push_its_deadline(policy: WarmMemory) -> None:
+    """A restore starts no thread of its own (that cost each restore about 0.5 ms before its
+    first read): one watcher sleeps until the last restore's idle deadline."""
+    policy.idle_seconds = 0.3
+    policy.restoring(64 * MiB)
+    policy.restoring(64 * MiB)
+    watcher = policy._watcher
+    assert watcher is not None and watcher.is_alive()
+    started = threading.active_count()
+    for _ in range(6):  # 0.6 s of restores, each within the idle time of the one before
+        time.sleep(0.1)
+        policy.restoring(64 * MiB)
+        assert threading.active_count() <= started
+    assert policy._watcher is watcher and policy.state.given_back == 0
+    watcher.join(5)
+    assert not watcher.is_alive() and policy.state.given_back == 1
