@@ -206,5 +206,12 @@ def test_same_text_as_plain_mlx_lm_server(smollm2_dir: Path, tmp_path: Path) -> 
     with _server(smollm2_dir, tmp_path / "root", tmp_path / "ours2.log") as ours:
         results["ours-disk"] = [_text(ours, messages, c) for c in CASES]  # from disk
     print(json.dumps(results, indent=1))
-    assert results["ours"] == results["plain"] == results["ours-disk"]
+    assert results["ours"] == results["ours-disk"]
+    assert results["ours"][:4] == results["plain"][:4]
     assert "Paris" in results["plain"][0] and "Paris" not in results["plain"][4]
+    # A stop string ends the answer there (OpenAI's rule). mlx_lm.server 0.32.2 stops only
+    # where the stop string's own tokens come out; generated as other tokens (" Paris" is
+    # not "Paris") it cuts the string out of the text and generates on. So ours is the
+    # unstopped answer up to the stop string, and mlx-lm's answer starts with it.
+    before = results["ours"][0].split("Paris")[0]
+    assert results["ours"][4] == before and results["plain"][4].startswith(before)
