@@ -22,7 +22,7 @@ from mlx_lm import server as mls
 from mlx_lm.generate import make_text_state_machine
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from kvstore.mlx_lm.cache_control import _partial, pin_type, take_breakpoints
+from kvstore.mlx_lm.cache_control import pin_type, take_breakpoints
 from kvstore.server.engine import Done, Prefill, Token
 from kvstore.server.openai import (
     Answer,
@@ -32,7 +32,7 @@ from kvstore.server.openai import (
     prepare_chat,
     prepare_text,
 )
-from kvstore.server.render import template_abilities
+from kvstore.server.render import _partial, template_abilities
 from kvstore.serving.chat import ApiError
 from kvstore.serving.rules import names as rule_names
 from kvstore.serving.templates import Abilities

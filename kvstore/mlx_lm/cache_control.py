@@ -22,13 +22,9 @@ and :mod:`kvstore.local.gc` for how long and within which share of the budgets.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
-from collections.abc import Sequence
 from typing import Any
-
-from .writebehind import common_prefix
 
 __all__ = [
     "FIELD",
@@ -36,7 +32,6 @@ __all__ = [
     "TTLS",
     "Breakpoint",
     "parse_pin_type",
-    "positions",
     "pin_type",
     "take_breakpoints",
 ]
@@ -127,58 +122,3 @@ def parse_pin_type(cache_type: str) -> tuple[float, str] | None:
     if priority not in ("system", "user", "assistant") or not seconds > 0:
         return None
     return seconds, priority
-
-
-# --- positions ----------------------------------------------------------------------------
-
-
-def _partial(messages: Sequence[Any], tools: Sequence[Any] | None,
-             bp: Breakpoint) -> tuple[list[Any], list[Any] | None, str]:
-    """The messages and tools that end with ``bp``'s block, and its priority."""
-    if bp.tool is not None:  # tools are rendered in the system part: the leading system
-        lead = []               # messages and the tools up to the marked one
-        for m in messages:
-            if not isinstance(m, dict) or m.get("role") not in ("system", "developer"):
-                break
-            lead.append(dict(m))
-        return lead, list(tools or [])[: bp.tool + 1], "system"
-    i = bp.message if bp.message is not None else len(messages) - 1
-    msgs = [dict(m) for m in messages[: i + 1]]
-    last = msgs[-1]
-    content = last.get("content")
-    if bp.part is not None and isinstance(content, list):
-        last["content"] = content[: bp.part + 1]
-    role = last.get("role")
-    return msgs, list(tools) if tools else None, "system" if role in ("system", "developer") \
-        else "user"
-
-
-def positions(server: Any, generator: Any, tokenizer: Any, messages: Sequence[Any],
-              tools: Sequence[Any] | None, args: Any, prompt: Sequence[int],
-              marks: Sequence[Breakpoint]) -> dict[int, tuple[float, str]]:
-    """Each mark's token position in ``prompt`` (the messages up to its block rendered as
-    mlx-lm's server module, handed in as ``server``, renders the whole prompt, without a
-    generation prompt, then the common prefix with ``prompt``) -> ``(ttl, priority)``;
-    positions that are 0 or the whole prompt are left out (no cut can be made there). The
-    longest TTL wins where two meet. The old server's placement, kept as the oracle of
-    tests/test_server_openai.py (:mod:`kvstore.server.render` places marks now)."""
-    chat_args = dict(getattr(generator.model_provider.cli_args, "chat_template_args", None)
-                     or {})
-    if getattr(args, "chat_template_kwargs", None):
-        chat_args.update(args.chat_template_kwargs)
-    out: dict[int, tuple[float, str]] = {}
-    for bp in marks:
-        msgs, tl, priority = _partial(messages, tools, bp)
-        msgs = copy.deepcopy(msgs)
-        try:
-            server.process_message_content(msgs)
-            rendered = tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=False, **{**chat_args, "tools": tl, "tokenize": True})
-            n = common_prefix(list(rendered), list(prompt))
-        except Exception:  # noqa: BLE001 - a template that cannot render a part: no pin
-            logger.warning("kvstore: cache breakpoint %s not placed", bp, exc_info=True)
-            continue
-        if 0 < n < len(prompt):
-            ttl = max(bp.ttl, out.get(n, (0.0, ""))[0])
-            out[n] = (ttl, priority)
-    return out

@@ -35,7 +35,7 @@ from typing import Any
 
 from kvstore import KVStoreError, Store, _human, default_root
 from kvstore.serving.rules import UnknownRuleError, select
-from kvstore.serving.templates import FALLBACK, Abilities, probe
+from kvstore.serving.templates import FALLBACK, Abilities
 from kvstore.store.tiers import DEFAULT_DEADLINE
 
 __all__ = ["ServeError", "build_cache", "check_listen", "check_model", "exit_now", "load_model",
@@ -391,20 +391,6 @@ def aliases(asked: str, path: str, listed: str) -> set[str]:
     return {a for a in names if a}
 
 
-def template_abilities(tokenizer: Any, chat_template_args: dict[str, Any] | None) -> Abilities:
-    """What the loaded model's chat template renders; without a template, each message is
-    written as ``role: content``: no tools."""
-    if not getattr(tokenizer, "has_chat_template", False):
-        return Abilities(tools=False, mid_system=True)
-    args = dict(chat_template_args or {})
-
-    def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-        return str(tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                 add_generation_prompt=True, **args))
-
-    return probe(render)
-
-
 @dataclass
 class Loaded:
     """The model as loaded, and what the start line says of it."""
@@ -428,6 +414,8 @@ def load_model(asked: str, path: str, a: argparse.Namespace) -> Loaded:
     tokenizer config: ``--trust-remote-code``, ``--chat-template``,
     ``--use-default-chat-template``); a failure is one `ServeError` line."""
     from mlx_lm.utils import load
+
+    from .render import template_abilities
 
     tokenizer_config: dict[str, Any] = {"trust_remote_code": a.trust_remote_code}
     if a.chat_template:
