@@ -133,6 +133,7 @@ def test_a_streamed_request_whose_client_leaves_is_cancelled_within_a_second(
 
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/chat/completions", {"messages": USER, "max_tokens": 1_000_000}),
+    ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 1_000_000}),
     ("/v1/messages", {"model": "local", "messages": USER, "max_tokens": 1_000_000}),
     ("/v1/responses", {"model": "local", "input": "Go on.", "max_output_tokens": 1_000_000}),
 ])
