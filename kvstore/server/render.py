@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.mlx_lm.cache_control import Breakpoint
+from kvstore.mlx_lm.writebehind import common_prefix
 from kvstore.serving.templates import Abilities, probe
 
 __all__ = ["PromptTooLong", "Rendered", "breakpoint_positions", "convert_chat",
@@ -191,15 +192,6 @@ def _partial(messages: Sequence[Any], tools: Sequence[Any] | None,
         "system" if role in ("system", "developer") else "user"
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def breakpoint_positions(tokenizer: Any, messages: Sequence[Any], tools: Sequence[Any] | None,
                          template_args: Mapping[str, Any], prompt: Sequence[int],
                          marks: Sequence[Breakpoint]) -> dict[int, tuple[float, str]]:
@@ -215,7 +207,7 @@ def breakpoint_positions(tokenizer: Any, messages: Sequence[Any], tools: Sequenc
         msgs = copy.deepcopy(msgs)
         try:
             process_message_content(msgs)
-            n = _common(_template(tokenizer, msgs, tl, template_args, generation=False),
+            n = common_prefix(_template(tokenizer, msgs, tl, template_args, generation=False),
                         prompt)
         except Exception:  # noqa: BLE001 - a template that cannot render a part: no pin
             logger.warning("kvstore: cache breakpoint %s not placed", bp, exc_info=True)
