@@ -5,6 +5,7 @@ batching, a shared prefix computed once, checkpoints, and stop()."""
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from collections.abc import Iterator
@@ -337,15 +338,21 @@ def test_busy_when_the_queue_is_full(tiny: Any, make: Any) -> None:
         assert drain(h)[2].finish in ("length", "stop")
 
 
-def test_a_queued_job_cancelled_never_runs(tiny: Any, make: Any) -> None:
+def test_a_queued_job_cancelled_never_runs(tiny: Any, make: Any,
+                                          caplog: pytest.LogCaptureFixture) -> None:
     eng = make(max_concurrency=1)
     a = eng.submit(Job(prompt=tokens(50, 20), max_tokens=2))
     b = eng.submit(Job(prompt=tokens(51, 20), max_tokens=2))
-    b.cancel()
-    eng.start()
-    assert drain(b)[2].finish == "cancelled"
-    assert drain(a)[2].generated == 2
+    b.cancel("disconnected")
+    with caplog.at_level(logging.INFO, logger="kvstore.server"):
+        eng.start()
+        assert drain(b)[2].finish == "disconnected"
+        assert drain(a)[2].generated == 2
     assert eng.counts()["prefill_tokens"] == 19
+    assert eng.counts()["cancelled"] == 1
+    # it never reached the cache's lookup, so no request line: the engine says it left
+    assert [r.getMessage() for r in caplog.records if "queued" in r.getMessage()] == [
+        "kvstore: a request left while queued: prompt=20 outcome=disconnected"]
 
 
 # --- a shared prefix ---------------------------------------------------------------------

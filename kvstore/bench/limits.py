@@ -63,27 +63,39 @@ class RawRead:
 
     The files are opened and read inside the timed call, spread over the threads (the
     caller's among them), each file into its own uint8 array: arrays allocated once and
-    reused (the default), or, with ``fresh``, new ones each call (NumPy's, whose pages the
-    kernel faults in on first touch, as a restore's new arrays). ``hash`` adds BLAKE3 of
-    each file, a chunk at a time as it is read, on the thread that read it, as a verified
-    restore must.
+    reused (the default), or, with ``fresh``, new ones each call (NumPy's). ``hash`` adds
+    BLAKE3 of each file, a chunk at a time as it is read, on the thread that read it, as a
+    verified restore must.
+
+    A fresh array is freed as soon as its file is hashed, unless ``hold``. Freed, it is not
+    fresh memory for the next file: after the first free of a block-sized array glibc
+    raises its mmap threshold and serves every later one from its heap, at the same
+    address, so each thread reads every file into the same block of memory, faulted in
+    once and warm in the caches (two threads of 16 MiB blocks: 32 MiB, this machine's
+    whole L3). ``hold`` keeps every array until the call ends, as a restore must deliver
+    all of its arrays at once.
     """
 
-    def __init__(self, root: Path, *, threads: int = READ_WORKERS, fresh: bool = False) -> None:
+    def __init__(self, root: Path, *, threads: int = READ_WORKERS, fresh: bool = False,
+                 hold: bool = False) -> None:
         self.paths = [str(p) for p in block_files(root)]
         self.sizes = [os.stat(p).st_size for p in self.paths]
         self.fresh = fresh
+        self.hold = hold
         self.arrays = [] if fresh else [mx.zeros((s,), dtype=mx.uint8) for s in self.sizes]
         mx.eval(self.arrays)
         self.views = [memoryview(a).cast("B") for a in self.arrays]  # type: ignore[arg-type]
         self.threads = threads
 
-    def _job(self, idx: list[int], hash: bool) -> None:
+    def _job(self, idx: list[int], hash: bool) -> list[memoryview]:
         import numpy as np
 
+        held = []
         for i in idx:
             view = (memoryview(np.empty(self.sizes[i], np.uint8))  # type: ignore[arg-type]
                     if self.fresh else self.views[i])
+            if self.hold:
+                held.append(view)
             h = new_hasher("blake3") if hash else None
             fd = os.open(self.paths[i], os.O_RDONLY)
             try:
@@ -98,15 +110,17 @@ class RawRead:
                 os.close(fd)
             if h is not None:
                 h.digest()
+        return held
 
     def __call__(self, *, hash: bool = False) -> float:
         groups = balanced(self.sizes, self.threads)
         t = _clock()
         futures = [io_pool().submit(self._job, g, hash) for g in groups[1:]]
-        self._job(groups[0], hash)
-        for f in futures:
-            f.result()
-        return _clock() - t
+        held = [self._job(groups[0], hash)]
+        held += [f.result() for f in futures]
+        dt = _clock() - t
+        del held  # freed outside the timing, as a restore's arrays are by its caller
+        return dt
 
 
 def raw_durable_write(scratch: Path, blocks: Sequence[Sequence[memoryview]],

@@ -1,12 +1,18 @@
 """Restores in a process that restores again and again, and in a fresh one (issue 37).
 
-Three limit rows beside the restore rows, from the page cache, verified (the default):
+Four limit rows beside the restore rows, from the page cache, verified (the default):
 
 - ``repeated in one process``: ``Store.restore`` of the same entry again and again in
   this process (its cache dropped after each, as a server drops a request's), in rounds
   with the machine's limit: ``preadv`` + BLAKE3 of the same block files into fresh arrays,
   one thread a core, each hashing what it has just read. Held to 0.8x. This is where
   :mod:`kvstore.codecs.warm` keeps MLX's freed buffers for the next restore;
+- ``..., against arrays all held``: the same restores against the same reads whose arrays
+  are all kept until the call ends, in the same rounds; not held. A fresh array freed
+  after its file is not fresh memory for the next file (glibc serves it again from its
+  heap, at the same address: :class:`~kvstore.bench.limits.RawRead`), so the row above
+  reads every file into one block of memory a thread, which stays in the L3 cache; a
+  restore must deliver every array at once, whose bytes go out to memory;
 - ``in a fresh process``: one ``Store.restore`` in a new process (timed inside it, after
   ``Store.open``, mlx-lm's import and MLX's first evaluation), which must fault in every
   page it fills; not held;
@@ -106,27 +112,30 @@ def first_touch(nbytes: int) -> float:
 
 
 def warm_rows(lab: str, pair: SavedPair, raw: RawRead, reps: int) -> list[Row]:
-    """The three rows of the module docstring for the entry of ``pair``."""
+    """The four rows of the module docstring for the entry of ``pair``."""
     from .limits import RawRead
 
     # the stricter limit: new arrays each time (their pages faulted in, as a restore's
     # are unless memory is kept warm) and one thread a core, each hashing what it has just
     # read; more threads than cores only take turns on them
     strict = RawRead(pair.root, threads=os.cpu_count() or 1, fresh=True)
+    # the same, each call's arrays all held until it ends, as a restore's are
+    held = RawRead(pair.root, threads=os.cpu_count() or 1, fresh=True, hold=True)
     kv: list[float] = []
     lim: list[float] = []
-    cpu: dict[str, list[float]] = {"kv": [], "raw": []}
+    lim_held: list[float] = []
+    cpu: dict[str, list[float]] = {"kv": [], "raw": [], "held": []}
     faults: list[int] = []
     pair.warm()
+    sides = ("raw", "kv", "held")
     for rnd in range(2 * reps + 2):  # two warm-ups: the policy raises MLX's limit at the 2nd
-        order = ("kv", "raw") if rnd % 2 else ("raw", "kv")
-        for side in order:
+        for side in sides[rnd % 3:] + sides[:rnd % 3]:  # each side first in turn
             c0 = time.process_time()
-            if side == "raw":
-                dt = strict(hash=True)
+            if side != "kv":
+                dt = (strict if side == "raw" else held)(hash=True)
                 if rnd >= 2:
-                    lim.append(dt)
-                    cpu["raw"].append(time.process_time() - c0)
+                    (lim if side == "raw" else lim_held).append(dt)
+                    cpu[side].append(time.process_time() - c0)
                 continue
             f0 = _minflt()
             t = time.perf_counter()
@@ -153,6 +162,7 @@ def warm_rows(lab: str, pair: SavedPair, raw: RawRead, reps: int) -> list[Row]:
              # threads fared against the neighbours' (a side with more threads wins more
              # turns on the cores); these say what each side costs
              "cpu_s": median(cpu["kv"]), "limit_cpu_s": median(cpu["raw"]),
+             "held_limit_s": median(lim_held), "held_limit_cpu_s": median(cpu["held"]),
              "load_avg_1m": os.getloadavg()[0],
              "fresh_process_s": fresh_s, "fresh_process_minflt": fresh_faults,
              "first_touch_s": touch, "gb": pair.bytes / 1e9}
@@ -160,6 +170,10 @@ def warm_rows(lab: str, pair: SavedPair, raw: RawRead, reps: int) -> list[Row]:
     return [
         limit_row(f"limit: {base}, repeated in one process", median(kv), limit, label,
                   extra=extra),
+        limit_row(f"limit: {base}, repeated in one process, against arrays all held",
+                  median(kv), median(lim_held),
+                  "the same, each call's arrays held until it ends (as a restore's)",
+                  target=None),
         limit_row(f"limit: {base}, in a fresh process", fresh_s, limit, label, target=None,
                   extra={"minflt_per_restore": fresh_faults, "gb": pair.bytes / 1e9}),
         limit_row(f"limit: {base}, in a fresh process: first touch of its pages alone",

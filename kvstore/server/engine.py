@@ -523,7 +523,11 @@ class Engine:
             for w in gone:
                 self._queue.remove(w)
         for w in gone:
-            self._finish(w, w.handle.cancelled or "cancelled")
+            why = w.handle.cancelled or "cancelled"
+            # no request line will come (it never reached the cache's lookup): say it here
+            logger.info("kvstore: a request left while queued: prompt=%d outcome=%s",
+                        len(w.job.prompt), why)
+            self._finish(w, why)
         for w in list(self._active):
             reason = w.handle.cancelled
             if reason is not None:
