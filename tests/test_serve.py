@@ -101,6 +101,18 @@ def test_a_negative_defer_seconds_is_one_error_line(
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize(("bad", "why"), [("-1", "must be >= 0, got -1.0"),
+                                          ("nan", "must be >= 0, got nan"),
+                                          ("inf", "must be finite, got inf")])
+def test_a_bad_prefill_step_time_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: str, why: str
+) -> None:
+    assert serve_main(["--root", str(tmp_path / "r"), "--prefill-step-time", bad]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kvstore: error: --prefill-step-time {why}"]
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize(("flag", "want"), [([], 1.5), (["--remote-deadline", "0.25"], 0.25)])
 def test_remote_deadline_reaches_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: list[str], want: float

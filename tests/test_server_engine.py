@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,19 @@ from mlx_lm.generate import generate_step
 import kvstore
 from kvstore.mlx_lm import PersistentPromptCache
 from kvstore.mlx_lm.requests import CacheObserver, RequestRecord
-from kvstore.server.engine import Busy, Done, Engine, Handle, Job, Prefill, Sampling, Token
+from kvstore.server.engine import (
+    FIRST_CHUNK,
+    MIN_CHUNK,
+    Busy,
+    Done,
+    Engine,
+    Handle,
+    Job,
+    Prefill,
+    Sampling,
+    Token,
+    chunk_tokens,
+)
 from kvstore.tiny import make_tiny_model
 
 T = 16  # block_tokens of the roots here
@@ -679,3 +692,63 @@ def test_cuts_and_breakpoints_keep_the_cache_where_they_say(
     finally:
         assert eng.stop(30) == 0
         eng.cache.close()
+
+
+# --- chunks bounded in time ----------------------------------------------------------------
+
+
+def test_chunk_tokens_is_about_the_time_asked_within_its_bounds() -> None:
+    assert chunk_tokens(None, 1.0, 2048) == FIRST_CHUNK == 256  # nothing timed yet
+    assert chunk_tokens(None, 1.0, 100) == 100
+    assert chunk_tokens(700.0, 1.0, 2048) == 700
+    assert chunk_tokens(700.0, 0.5, 2048) == 350
+    assert chunk_tokens(15.0, 1.0, 2048) == MIN_CHUNK == 64  # a slow machine: no fewer
+    assert chunk_tokens(15.0, 1.0, 32) == 32  # ... unless the step size says fewer
+    assert chunk_tokens(1e6, 1.0, 2048) == 2048
+    assert chunk_tokens(700.0, 0.0, 2048) == chunk_tokens(None, 0.0, 2048) == 2048  # off
+
+
+def test_a_slow_prefill_is_cut_into_chunks_of_about_the_time_asked(
+        tiny: Any, make: Any) -> None:
+    """A model that prefills 500 tokens a second at best (2 ms a token, slept) and
+    ``prefill_seconds`` 0.2: after the first chunk (256 tokens, nothing timed yet), each
+    chunk is at most 100 tokens (0.2 s at 500 a second) and at least 64, where
+    ``prefill_chunk`` alone would make it 2,048; the tokens are still mlx-lm's."""
+    sizes: list[int] = []
+
+    def then(calls: int, shape: Any) -> None:
+        if int(shape[1]) > 1:  # a prefill chunk, not a decode step
+            sizes.append(int(shape[1]))
+            time.sleep(0.002 * int(shape[1]))
+
+    eng = make(prefill_chunk=2048, prefill_seconds=0.2, model=Gate(tiny[0], then))
+    prompt = tokens(7, 900)
+    h = eng.submit(Job(prompt=prompt, max_tokens=3))
+    eng.start()
+    assert ids(drain(h)[0]) == greedy(tiny, prompt, 3)
+    assert sum(sizes) == 899 and sizes[0] == 256
+    assert all(64 <= n <= 100 for n in sizes[1:-1]), sizes
+    assert sizes[-1] <= 100
+    assert eng.counts()["prefill_chunks"] == len(sizes)
+
+
+def test_prefill_seconds_zero_keeps_chunks_of_prefill_chunk_tokens(tiny: Any, make: Any) -> None:
+    sizes: list[int] = []
+
+    def then(calls: int, shape: Any) -> None:
+        if int(shape[1]) > 1:
+            sizes.append(int(shape[1]))
+            time.sleep(0.002 * int(shape[1]))
+
+    eng = make(prefill_chunk=300, prefill_seconds=0, model=Gate(tiny[0], then))
+    h = eng.submit(Job(prompt=tokens(8, 700), max_tokens=2))
+    eng.start()
+    assert drain(h)[2].generated == 2
+    assert sizes == [300, 300, 99]
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_prefill_seconds_must_be_a_finite_number_at_least_0(tiny: Any, make: Any,
+                                                             bad: float) -> None:
+    with pytest.raises(ValueError, match="prefill_seconds must be >= 0 and finite"):
+        make(prefill_seconds=bad)

@@ -7,9 +7,12 @@ A :class:`Job` (a prompt's tokens, how many to generate, how to sample) is hande
 1. fetches the longest cached prefix of its prompt from the
    :class:`~kvstore.mlx_lm.prompt_cache.PersistentPromptCache` (``set_tenant``,
    ``set_request``, ``set_breakpoints``, ``fetch_nearest_cache``: as mlx-lm's server did);
-2. prefills the rest itself, at most ``prefill_chunk`` tokens between two decode steps
-   (one chunk of one job, or the chunks of several short ones, each job once a step and
-   in turn), so that a long prompt holds the others up by at most one chunk a step. A
+2. prefills the rest itself, a chunk between two decode steps (one chunk of one job, or
+   the chunks of several short ones, each job once a step and in turn), so that a long
+   prompt holds the others up by at most one chunk a step. A chunk is at most
+   ``prefill_chunk`` tokens and about ``prefill_seconds`` of prefill, at the rate the last
+   chunks ran (:func:`chunk_tokens`): on a machine that prefills 15 tokens a second, 2,048
+   tokens would hold every other request up for two minutes. A
    chunk also ends at each *cut*: a cache breakpoint, a segment end the protocol asked
    for (:attr:`Job.cuts`), a checkpoint (every ``checkpoint_every`` tokens, for a model
    whose cache cannot be trimmed) and a prefix another job is waiting for; the cache
@@ -62,12 +65,30 @@ from kvstore.mlx_lm.prompt_cache import PersistentPromptCache
 from kvstore.mlx_lm.requests import RequestContext, RequestRecord
 from kvstore.mlx_lm.writebehind import common_prefix
 
-__all__ = ["Busy", "Done", "Engine", "Handle", "Job", "Prefill", "Sampling", "Token"]
+__all__ = ["Busy", "Done", "Engine", "Handle", "Job", "Prefill", "Sampling", "Token",
+           "chunk_tokens"]
 
 logger = logging.getLogger("kvstore.server")
 
 #: Shortest shared prefix (tokens) worth a job's waiting for another job's prefill.
 SHARE_MIN = 256
+#: The fewest prompt tokens a time-bounded chunk holds (a forward pass reads every weight
+#: once, whatever its length: shorter chunks spend more on that than on the tokens).
+MIN_CHUNK = 64
+#: The chunk before the engine has timed any: ``prefill_chunk`` or this, the fewer.
+FIRST_CHUNK = 256
+
+
+def chunk_tokens(rate: float | None, seconds: float, most: int) -> int:
+    """How many prompt tokens go between two decode steps: about ``seconds`` of prefill at
+    ``rate`` (prompt tokens a second, as the last chunks ran), at least :data:`MIN_CHUNK`
+    and at most ``most`` (``prefill_chunk``). ``seconds`` 0: ``most`` always; no rate yet:
+    :data:`FIRST_CHUNK`."""
+    if seconds <= 0:
+        return most
+    if rate is None:
+        return min(most, FIRST_CHUNK)
+    return min(most, max(MIN_CHUNK, int(rate * seconds)))
 
 
 class Busy(Exception):
@@ -295,11 +316,12 @@ _entropy = random.SystemRandom()
 class Engine:
     """The scheduler: see the module's docstring. ``checkpoint_every``: a checkpoint every
     that many prompt tokens for a model whose cache cannot be trimmed (0: none; None:
-    :func:`kvstore.mlx_lm.prefill.default_every` for the model). ``prompt_cache_bytes``
-    (mlx-lm's ``--prompt-cache-bytes``): the prompt cache's memory tier is trimmed at each
-    fetch to that less what the running jobs' caches hold. ``share_min``: the shortest
-    prefix shared with another job's prefill that a job waits for (or is given a copy
-    of)."""
+    :func:`kvstore.mlx_lm.prefill.default_every` for the model). ``prefill_seconds``: the
+    time a chunk of prefill aims at (0: every chunk ``prefill_chunk`` tokens).
+    ``prompt_cache_bytes`` (mlx-lm's ``--prompt-cache-bytes``): the prompt cache's memory
+    tier is trimmed at each fetch to that less what the running jobs' caches hold.
+    ``share_min``: the shortest prefix shared with another job's prefill that a job waits
+    for (or is given a copy of)."""
 
     def __init__(
         self,
@@ -311,6 +333,7 @@ class Engine:
         max_concurrency: int = 8,
         max_queue: int = 64,
         prefill_chunk: int = 2048,
+        prefill_seconds: float = 1.0,
         checkpoint_every: int | None = 0,
         retry_after: float = 1.0,
         share_min: int = SHARE_MIN,
@@ -322,6 +345,8 @@ class Engine:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if not 0 <= prefill_seconds < float("inf"):
+            raise ValueError(f"prefill_seconds must be >= 0 and finite, got {prefill_seconds}")
         if checkpoint_every is not None and checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
         self.model = model
@@ -331,6 +356,8 @@ class Engine:
         self.max_concurrency = max_concurrency
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
+        self.prefill_seconds = prefill_seconds
+        self._rate: float | None = None  # prompt tokens a second of the last chunks
         self.retry_after = retry_after
         self.share_min = share_min
         self.prompt_cache_bytes = prompt_cache_bytes
@@ -501,9 +528,11 @@ class Engine:
     def _tick(self) -> None:
         self._take_cancels()
         self._admit()
-        # at most prefill_chunk prompt tokens between two decode steps: one chunk of one
-        # job, or several short ones (each job once a step, in turn)
-        budget, served = self.prefill_chunk, set[int]()
+        # at most a chunk of prompt tokens between two decode steps (prefill_chunk, or
+        # about prefill_seconds of them): one chunk of one job, or several short ones
+        # (each job once a step, in turn)
+        budget = chunk_tokens(self._rate, self.prefill_seconds, self.prefill_chunk)
+        served = set[int]()
         while budget > 0:
             w = self._next_prefill(served)
             if w is None:
@@ -656,9 +685,11 @@ class Engine:
         start = w.pos
         stop = min([w.pos + most, end, *(p for p in w.cuts if p > w.pos)])
         if stop > w.pos:
+            t0 = time.perf_counter()
             self.model(mx.array(prompt[w.pos:stop])[None], cache=w.cache)
             mx.eval([c.state for c in w.cache])
             mx.clear_cache()
+            self._timed(stop - w.pos, time.perf_counter() - t0)
             self._count("prefill_tokens", stop - w.pos)
             self._count("prefill_chunks")
             w.pos = stop
@@ -671,6 +702,15 @@ class Engine:
         else:
             w.handle._put(Prefill(w.pos - w.start, len(prompt) - w.start))
         return w.pos - start
+
+    def _timed(self, n: int, seconds: float) -> None:
+        """A chunk of ``n`` tokens took ``seconds``: the rate the next chunks are sized by
+        (half the last chunk's, half what it was: a new model or a longer context shows
+        within a few chunks)."""
+        if seconds <= 0:
+            return
+        rate = n / seconds
+        self._rate = rate if self._rate is None else (self._rate + rate) / 2
 
     def _insert(self, w: _Work, tokens: Sequence[int], cache: list[Any], kind: str) -> None:
         try:

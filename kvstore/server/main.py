@@ -217,6 +217,10 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--prefill-step-size", type=int, default=2048,
                    help="Step size for prefill processing: a long prompt holds the others' "
                    "decoding up by at most one step (default: 2048)")
+    m.add_argument("--prefill-step-time", type=float, default=1.0, metavar="SECONDS",
+                   help="a prefill step is also cut to about this long, at the rate the "
+                   "last steps ran, and never below 64 tokens (default: 1.0; 0: steps of "
+                   "--prefill-step-size tokens)")
     m.add_argument("--prompt-cache-size", type=int, default=10,
                    help="Maximum number of distinct KV caches to hold in the prompt cache's "
                    "memory (default: 10)")
@@ -518,9 +522,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     for option, value, low in (("--max-concurrency", a.max_concurrency, 1),
                                ("--max-queue", a.max_queue, 0),
                                ("--prefill-step-size", a.prefill_step_size, 1),
+                               ("--prefill-step-time", a.prefill_step_time, 0),
                                ("--prompt-cache-size", a.prompt_cache_size, 0)):
-        if value < low:
+        if not value >= low:  # NaN too
             raise ServeError(f"{option} must be >= {low}, got {value}")
+        if value == float("inf"):
+            raise ServeError(f"{option} must be finite, got {value}")
     if a.max_tokens is not None and a.max_tokens < 1:
         raise ServeError(f"--max-tokens must be >= 1, got {a.max_tokens}")
     if a.max_prompt_tokens is not None and a.max_prompt_tokens < 1:
@@ -601,7 +608,8 @@ def serve(a: argparse.Namespace, loaded: Loaded, store: Store, cache: Any, metri
     engine = Engine(loaded.model, loaded.tokenizer, cache,
                     model_key=(loaded.path, a.adapter_path, None),
                     max_concurrency=a.max_concurrency, max_queue=a.max_queue,
-                    prefill_chunk=a.prefill_step_size, checkpoint_every=a.checkpoint_every)
+                    prefill_chunk=a.prefill_step_size, prefill_seconds=a.prefill_step_time,
+                    checkpoint_every=a.checkpoint_every)
     vocab, context = model_limits(loaded.config)
     served = Served(
         model_id=loaded.listed, aliases=loaded.names, tokenizer=loaded.tokenizer,
