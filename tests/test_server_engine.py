@@ -752,3 +752,34 @@ def test_prefill_seconds_must_be_a_finite_number_at_least_0(tiny: Any, make: Any
                                                              bad: float) -> None:
     with pytest.raises(ValueError, match="prefill_seconds must be >= 0 and finite"):
         make(prefill_seconds=bad)
+
+
+def test_each_job_s_chunk_is_sized_by_its_own_rate_not_a_quick_neighbour_s(
+        tiny: Any, make: Any) -> None:
+    """A long prompt that prefills at 500 tokens a second at best (2 ms a token, slept) and
+    short prompts that prefill at the tiny model's own speed, arriving while it runs: the
+    long prompt's chunks stay within 0.2 s of its own rate (at most 100 tokens), although
+    the short ones' chunks, thousands of tokens a second, are timed in between."""
+    long_p = tokens(9, 1200)
+    long_sizes: list[int] = []
+    shorts: list[Handle] = []
+    engines: list[Engine] = []
+
+    def then(calls: int, shape: Any) -> None:
+        n = int(shape[1])
+        if n > 1 and n != 20 - 1:  # a chunk of the long prompt (each short one is 19)
+            long_sizes.append(n)
+            time.sleep(0.002 * n)
+            if len(shorts) < 6:
+                shorts.append(engines[0].submit(Job(prompt=tokens(300 + len(shorts), 20),
+                                                    max_tokens=2)))
+
+    eng = make(prefill_chunk=2048, prefill_seconds=0.2, model=Gate(tiny[0], then))
+    engines.append(eng)
+    h = eng.submit(Job(prompt=long_p, max_tokens=2))
+    eng.start()
+    assert ids(drain(h)[0]) == greedy(tiny, long_p, 2)
+    for s in shorts:
+        assert drain(s)[2].generated == 2
+    assert len(shorts) == 6 and sum(long_sizes) == 1199 and long_sizes[0] == 256
+    assert all(n <= 100 for n in long_sizes[1:]), long_sizes

@@ -264,6 +264,7 @@ class _Work:
         self.wait_at = 0
         self.failed: BaseException | None = None  # its sampler or a logits processor raised
         self.shared: set[int] = set()  # prefixes of its cache inserted for others
+        self.rate: float | None = None  # prompt tokens a second of its last chunk
 
     def guarded(self, sampler: Any, processors: list[Any]) -> tuple[Any, list[Any]]:
         """The job's sampler and logits processors, each failure of theirs kept in
@@ -528,21 +529,28 @@ class Engine:
     def _tick(self) -> None:
         self._take_cancels()
         self._admit()
-        # at most a chunk of prompt tokens between two decode steps (prefill_chunk, or
-        # about prefill_seconds of them): one chunk of one job, or several short ones
-        # (each job once a step, in turn)
-        budget = chunk_tokens(self._rate, self.prefill_seconds, self.prefill_chunk)
-        served = set[int]()
+        # at most a chunk of prompt tokens between two decode steps (prefill_chunk, and
+        # about prefill_seconds): one chunk of one job, or several short ones (each job
+        # once a step, in turn). Each job's share is sized by its own last chunk's rate
+        # (a job's context sets it: 20k tokens in, a chunk runs several times slower
+        # than a short prompt's), a job's first by the engine's.
+        budget, left, served = self.prefill_chunk, self.prefill_seconds, set[int]()
         while budget > 0:
             w = self._next_prefill(served)
             if w is None:
                 break
             served.add(id(w))
+            rate = w.rate if w.rate is not None else self._rate
+            t0 = time.perf_counter()
             try:
-                budget -= self._prefill_chunk(w, budget)
+                budget -= self._prefill_chunk(w, chunk_tokens(rate, left, budget))
             except Exception as e:  # noqa: BLE001 - one job's failure ends that job
                 self._fail(w, e)
                 break
+            if self.prefill_seconds:
+                left -= time.perf_counter() - t0
+                if left <= 0:
+                    break
         if self._decoding:
             self._decode_step()
 
@@ -689,7 +697,7 @@ class Engine:
             self.model(mx.array(prompt[w.pos:stop])[None], cache=w.cache)
             mx.eval([c.state for c in w.cache])
             mx.clear_cache()
-            self._timed(stop - w.pos, time.perf_counter() - t0)
+            self._timed(w, stop - w.pos, time.perf_counter() - t0)
             self._count("prefill_tokens", stop - w.pos)
             self._count("prefill_chunks")
             w.pos = stop
@@ -703,13 +711,13 @@ class Engine:
             w.handle._put(Prefill(w.pos - w.start, len(prompt) - w.start))
         return w.pos - start
 
-    def _timed(self, n: int, seconds: float) -> None:
-        """A chunk of ``n`` tokens took ``seconds``: the rate the next chunks are sized by
-        (half the last chunk's, half what it was: a new model or a longer context shows
-        within a few chunks)."""
+    def _timed(self, w: _Work, n: int, seconds: float) -> None:
+        """A chunk of ``n`` tokens of ``w`` took ``seconds``: the rate its next chunk is
+        sized by, and the engine's, for a job's first (half this chunk's, half what it
+        was: a new model shows within a few chunks)."""
         if seconds <= 0:
             return
-        rate = n / seconds
+        w.rate = rate = n / seconds
         self._rate = rate if self._rate is None else (self._rate + rate) / 2
 
     def _insert(self, w: _Work, tokens: Sequence[int], cache: list[Any], kind: str) -> None:
