@@ -713,7 +713,8 @@ def test_a_slow_prefill_is_cut_into_chunks_of_about_the_time_asked(
     """A model that prefills 500 tokens a second at best (2 ms a token, slept) and
     ``prefill_seconds`` 0.2: after the first chunk (256 tokens, nothing timed yet), each
     chunk is at most 100 tokens (0.2 s at 500 a second) and at least 64, where
-    ``prefill_chunk`` alone would make it 2,048; the tokens are still mlx-lm's."""
+    ``prefill_chunk`` alone would make it 2,048, until at most 256 are left: those go in
+    one chunk. The tokens are still mlx-lm's."""
     sizes: list[int] = []
 
     def then(calls: int, shape: Any) -> None:
@@ -728,7 +729,8 @@ def test_a_slow_prefill_is_cut_into_chunks_of_about_the_time_asked(
     assert ids(drain(h)[0]) == greedy(tiny, prompt, 3)
     assert sum(sizes) == 899 and sizes[0] == 256
     assert all(64 <= n <= 100 for n in sizes[1:-1]), sizes
-    assert sizes[-1] <= 100
+    # the rest, once at most FIRST_CHUNK tokens, in one chunk: not cut by time
+    assert sum(sizes[1:-1]) > 899 - 256 - 256 and sizes[-1] == 899 - sum(sizes[:-1]) <= 256
     assert eng.counts()["prefill_chunks"] == len(sizes)
 
 
@@ -782,4 +784,77 @@ def test_each_job_s_chunk_is_sized_by_its_own_rate_not_a_quick_neighbour_s(
     for s in shorts:
         assert drain(s)[2].generated == 2
     assert len(shorts) == 6 and sum(long_sizes) == 1199 and long_sizes[0] == 256
-    assert all(n <= 100 for n in long_sizes[1:]), long_sizes
+    assert all(n <= 100 for n in long_sizes[1:-1]), long_sizes
+    assert long_sizes[-1] <= 256
+
+
+def test_a_reader_that_fell_behind_takes_the_ready_events_at_once_after_one_wake_up() -> None:
+    """``Handle.batches``: what was put before the reader looked comes as one batch; the
+    engine's thread wakes the reader's loop once for events put while it waits, not once
+    an event; an idle interval gives an empty batch; Done ends it."""
+    import asyncio
+
+    h = Handle(lambda: None)
+    wakes = 0
+
+    async def run() -> list[list[Any]]:
+        nonlocal wakes
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            nonlocal wakes
+            wakes += 1
+            return real(*a, **kw)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        got: list[list[Any]] = []
+        it = h.batches(0.2)
+        h._put(Prefill(1, 3))  # before the reader registered: no wake-up to send
+        h._put(Prefill(3, 3))
+        got.append(await it.__anext__())
+
+        def engine() -> None:  # three tokens while the reader waits, then a pause
+            for i in range(3):
+                h._put(Token(i, str(i)))
+
+        thread = threading.Thread(target=engine)
+        thread.start()
+        thread.join()
+        got.append(await it.__anext__())
+        got.append(await it.__anext__())  # nothing for 0.2 s
+        h._put(Done("length", 3, 0, 3))
+        got.append(await it.__anext__())
+        with pytest.raises(StopAsyncIteration):
+            await it.__anext__()
+        return got
+
+    got = asyncio.run(asyncio.wait_for(run(), 10))
+    assert [[type(e).__name__ for e in b] for b in got] == [
+        ["Prefill", "Prefill"], ["Token", "Token", "Token"], [], ["Done"]]
+    assert [e.id for e in got[1]] == [0, 1, 2]
+    assert wakes == 2  # the three tokens, then the Done
+
+
+def test_short_prompts_that_arrive_together_are_prefilled_in_the_same_step(
+        tiny: Any, make: Any) -> None:
+    """Four prompts of 200 tokens on a model that prefills 500 tokens a second (slept) and
+    ``prefill_seconds`` 0.1: none is cut by time (each has at most 256 tokens left), so
+    all four are prefilled before the first decode step and decoded together."""
+    calls: list[int] = []
+
+    def then(n: int, shape: Any) -> None:
+        calls.append(int(shape[0]) if int(shape[1]) == 1 else -int(shape[1]))
+        if int(shape[1]) > 1:
+            time.sleep(0.002 * int(shape[1]))
+
+    eng = make(max_concurrency=4, prefill_chunk=2048, prefill_seconds=0.1,
+               model=Gate(tiny[0], then))
+    prompts = [tokens(400 + i, 200) for i in range(4)]
+    hs = [eng.submit(Job(prompt=p, max_tokens=3)) for p in prompts]
+    eng.start()
+    for p, h in zip(prompts, hs, strict=True):
+        assert ids(drain(h)[0]) == greedy(tiny, p, 3)
+    first_decode = next(i for i, c in enumerate(calls) if c > 0)
+    assert calls[:first_decode] == [-199] * 4
+    assert calls[first_decode] == 4  # the four decoded together from their first token

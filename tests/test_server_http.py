@@ -217,6 +217,10 @@ class _Failing:
                 yield Done(finish="length", prompt_tokens=len(job.prompt), cached_tokens=0,
                            generated=1)
 
+            async def batches(self, idle: float | None) -> Any:  # what the app reads
+                async for ev in self.events():
+                    yield [ev]
+
         return Handle()
 
 

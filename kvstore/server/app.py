@@ -239,27 +239,11 @@ class App:
 
     async def _events(self, handle: Handle) -> AsyncIterator[Token | Prefill | Done | None]:
         """The job's events; None each :data:`PING_SECONDS` without one."""
-        it = handle.events().__aiter__()
-        pending: asyncio.Future[Any] | None = None
-        try:
-            while True:
-                if pending is None:
-                    pending = asyncio.ensure_future(it.__anext__())
-                done, _ = await asyncio.wait({pending}, timeout=PING_SECONDS)
-                if not done:
-                    yield None
-                    continue
-                try:
-                    ev = pending.result()
-                except StopAsyncIteration:
-                    return
-                pending = None
+        async for batch in handle.batches(PING_SECONDS):
+            if not batch:
+                yield None
+            for ev in batch:
                 yield ev
-                if isinstance(ev, Done):
-                    return
-        finally:
-            if pending is not None and not pending.done():
-                pending.cancel()
 
     @staticmethod
     async def _watch_disconnect(request: Request, handle: Handle) -> None:

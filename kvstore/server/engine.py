@@ -183,6 +183,7 @@ class Handle:
         self._cond = threading.Condition(threading.Lock())
         self._events: deque[Event] = deque()
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self._signaled = False  # a wake-up is on its way to the waiter
         self._reason: str | None = None
         self._done = False
 
@@ -210,20 +211,38 @@ class Handle:
 
     async def events(self) -> AsyncIterator[Event]:
         """The events as they come; ends after :class:`Done`."""
+        async for batch in self.batches(None):
+            for ev in batch:
+                yield ev
+
+    async def batches(self, idle: float | None) -> AsyncIterator[list[Event]]:
+        """The events in order, all those that are ready at a time (a reader that fell
+        behind a decode step or two takes them in one go, not one wake-up each); an empty
+        list after ``idle`` seconds without one (None: never). Ends after :class:`Done`.
+
+        The engine wakes the reader's event loop once for the events it puts before the
+        reader takes them, not once an event: on a busy loop each wake-up costs the
+        engine's thread a turn at the GIL."""
         wake = asyncio.Event()
         with self._cond:
             self._waiter = (asyncio.get_running_loop(), wake)
         try:
             while True:
                 with self._cond:
-                    ev = self._events.popleft() if self._events else None
-                    if ev is None:
+                    got = list(self._events)
+                    self._events.clear()
+                    if not got:
                         wake.clear()
-                if ev is None:
-                    await wake.wait()
+                        self._signaled = False
+                if not got:
+                    try:
+                        async with asyncio.timeout(idle):
+                            await wake.wait()
+                    except TimeoutError:
+                        yield []
                     continue
-                yield ev
-                if isinstance(ev, Done):
+                yield got
+                if isinstance(got[-1], Done):  # nothing is put after it
                     return
         finally:
             with self._cond:
@@ -236,7 +255,9 @@ class Handle:
             self._done = isinstance(ev, Done)
             self._events.append(ev)
             self._cond.notify_all()
-            waiter = self._waiter
+            waiter = None if self._signaled else self._waiter
+            if waiter is not None:
+                self._signaled = True
         if waiter is not None:
             loop, wake = waiter
             try:
@@ -265,6 +286,11 @@ class _Work:
         self.failed: BaseException | None = None  # its sampler or a logits processor raised
         self.shared: set[int] = set()  # prefixes of its cache inserted for others
         self.rate: float | None = None  # prompt tokens a second of its last chunk
+
+    @property
+    def left(self) -> int:
+        """The prompt tokens it has still to prefill (the last goes to the decoder)."""
+        return len(self.job.prompt) - 1 - self.pos
 
     def guarded(self, sampler: Any, processors: list[Any]) -> tuple[Any, list[Any]]:
         """The job's sampler and logits processors, each failure of theirs kept in
@@ -533,24 +559,25 @@ class Engine:
         # about prefill_seconds): one chunk of one job, or several short ones (each job
         # once a step, in turn). Each job's share is sized by its own last chunk's rate
         # (a job's context sets it: 20k tokens in, a chunk runs several times slower
-        # than a short prompt's), a job's first by the engine's.
+        # than a short prompt's), a job's first by the engine's. A prompt with at most
+        # FIRST_CHUNK tokens left is not cut by time: prompts that arrive together are
+        # prefilled in the same steps and decoded together from their first token.
         budget, left, served = self.prefill_chunk, self.prefill_seconds, set[int]()
         while budget > 0:
-            w = self._next_prefill(served)
+            w = self._next_prefill(served, short=bool(self.prefill_seconds) and left <= 0)
             if w is None:
                 break
             served.add(id(w))
-            rate = w.rate if w.rate is not None else self._rate
+            most = budget
+            if self.prefill_seconds and w.left > FIRST_CHUNK:
+                most = chunk_tokens(w.rate if w.rate is not None else self._rate, left, budget)
             t0 = time.perf_counter()
             try:
-                budget -= self._prefill_chunk(w, chunk_tokens(rate, left, budget))
+                budget -= self._prefill_chunk(w, most)
             except Exception as e:  # noqa: BLE001 - one job's failure ends that job
                 self._fail(w, e)
                 break
-            if self.prefill_seconds:
-                left -= time.perf_counter() - t0
-                if left <= 0:
-                    break
+            left -= time.perf_counter() - t0
         if self._decoding:
             self._decode_step()
 
@@ -677,9 +704,11 @@ class Engine:
                 cuts.setdefault(p, kind)
         return cuts
 
-    def _next_prefill(self, served: set[int]) -> _Work | None:
-        """The next job to prefill, in turn, among those not ``served`` this step."""
-        ready = [w for w in self._active if w.state == "prefill" and id(w) not in served]
+    def _next_prefill(self, served: set[int], short: bool = False) -> _Work | None:
+        """The next job to prefill, in turn, among those not ``served`` this step (``short``:
+        among those with at most :data:`FIRST_CHUNK` prompt tokens left)."""
+        ready = [w for w in self._active if w.state == "prefill" and id(w) not in served
+                 and (not short or w.left <= FIRST_CHUNK)]
         if not ready:
             return None
         self._turn = (self._turn + 1) % len(ready)
