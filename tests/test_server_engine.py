@@ -858,3 +858,54 @@ def test_short_prompts_that_arrive_together_are_prefilled_in_the_same_step(
     first_decode = next(i for i, c in enumerate(calls) if c > 0)
     assert calls[:first_decode] == [-199] * 4
     assert calls[first_decode] == 4  # the four decoded together from their first token
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_reader_not_streamed_is_woken_for_its_tokens_at_most_every_bulk_wake(
+        streamed: bool) -> None:
+    """A request not streamed answers once, at the end: the engine wakes its loop for a
+    token at most every BULK_WAKE seconds (a Prefill or Done at once); a stream's reader
+    is woken for each token it waits for. Every event arrives, in order."""
+    import asyncio
+
+    from kvstore.server.engine import BULK_WAKE
+
+    h = Handle(lambda: None, streamed=streamed)
+    wakes: list[str] = []
+
+    async def run() -> list[Any]:
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            wakes.append("wake")
+            return real(*a, **kw)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        got: list[Any] = []
+        it = h.batches(None)
+        first = asyncio.ensure_future(it.__anext__())
+        await asyncio.sleep(0)  # the reader waits
+
+        def engine() -> None:
+            h._put(Prefill(3, 3))
+            for i in range(40):  # a token every 2 ms: 80 ms, four BULK_WAKEs
+                time.sleep(0.002)
+                h._put(Token(i, str(i)))
+            h._put(Done("length", 3, 0, 40))
+
+        thread = threading.Thread(target=engine)
+        thread.start()
+        got += await first
+        while not got or not isinstance(got[-1], Done):
+            got += await it.__anext__()
+        thread.join()
+        return got
+
+    got = asyncio.run(asyncio.wait_for(run(), 10))
+    assert [e.id for e in got if isinstance(e, Token)] == list(range(40))
+    assert isinstance(got[0], Prefill) and isinstance(got[-1], Done)
+    if streamed:
+        assert len(wakes) >= 20  # about one a token
+    else:
+        assert 2 <= len(wakes) <= 2 + 0.08 / BULK_WAKE + 2  # Prefill, Done, one a 20 ms

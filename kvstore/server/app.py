@@ -216,8 +216,9 @@ class App:
                            f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
         return value
 
-    def _submit(self, prepared: Any, path: str) -> Handle:
+    def _submit(self, prepared: Any, path: str, *, streamed: bool) -> Handle:
         job = prepared.job
+        job.streamed = streamed
         cuts = getattr(prepared, "cuts", None)
         if cuts and not job.cuts:  # the prompt cache's snapshots on the way (segment ends)
             job.cuts = dict(cuts)
@@ -298,7 +299,7 @@ class App:
             prepared = (prepare_chat if kind == "chat" else prepare_text)(body, self.served)
             rid = f"chatcmpl-{uuid.uuid4()}" if kind == "chat" else f"cmpl-{uuid.uuid4()}"
             answer = Answer(prepared, self.served, rid, int(time.time()))
-            handle = self._submit(prepared, request.url.path)
+            handle = self._submit(prepared, request.url.path, streamed=prepared.stream)
         except ApiError as e:
             return _mlx_error(e)
         except _Refused as r:
@@ -405,7 +406,7 @@ class App:
             prepared = _inner(ex.chat.body(), self.served)
             answer = Answer(prepared, self.served, f"chatcmpl-{uuid.uuid4()}",
                             int(time.time()))
-            handle = self._submit(prepared, path)
+            handle = self._submit(prepared, path, streamed=ex.stream)
         except ApiError as e:
             return Response(errors(e), e.status, media_type="application/json")
         except _Refused as r:

@@ -10,9 +10,10 @@ A :class:`Job` (a prompt's tokens, how many to generate, how to sample) is hande
 2. prefills the rest itself, a chunk between two decode steps (one chunk of one job, or
    the chunks of several short ones, each job once a step and in turn), so that a long
    prompt holds the others up by at most one chunk a step. A chunk is at most
-   ``prefill_chunk`` tokens and about ``prefill_seconds`` of prefill, at the rate the last
-   chunks ran (:func:`chunk_tokens`): on a machine that prefills 15 tokens a second, 2,048
-   tokens would hold every other request up for two minutes. A
+   ``prefill_chunk`` tokens and about ``prefill_seconds`` of prefill, at the rate the job's
+   last chunk ran (:func:`chunk_tokens`): on a machine that prefills 15 tokens a second,
+   2,048 tokens would hold every other request up for two minutes (a prompt with at most
+   :data:`FIRST_CHUNK` tokens left is not cut by time). A
    chunk also ends at each *cut*: a cache breakpoint, a segment end the protocol asked
    for (:attr:`Job.cuts`), a checkpoint (every ``checkpoint_every`` tokens, for a model
    whose cache cannot be trimmed) and a prefix another job is waiting for; the cache
@@ -77,6 +78,9 @@ SHARE_MIN = 256
 MIN_CHUNK = 64
 #: The chunk before the engine has timed any: ``prefill_chunk`` or this, the fewer.
 FIRST_CHUNK = 256
+#: Seconds between two wake-ups of a reader not streamed for its tokens (its stop strings
+#: are looked for when it wakes: a stop ends its job at most this much later).
+BULK_WAKE = 0.02
 
 
 def chunk_tokens(rate: float | None, seconds: float, most: int) -> int:
@@ -138,6 +142,10 @@ class Job:
     #: "system"}``; a breakpoint's pinned type, ``cache_control.pin_type(ttl,
     #: priority)``). A breakpoint without one is inserted as ``pin_type(ttl, "user")``.
     cuts: dict[int, str] = field(default_factory=dict)
+    #: Whether its reader shows each token as it comes (a stream). A reader that answers
+    #: once at the end (a request not streamed) is woken for a token at most every
+    #: :data:`BULK_WAKE` seconds; for every other event at once.
+    streamed: bool = True
 
 
 @dataclass(slots=True)
@@ -178,8 +186,10 @@ Event = Token | Prefill | Done
 class Handle:
     """A submitted job's events and its cancel; thread-safe."""
 
-    def __init__(self, poke: Callable[[], None]) -> None:
+    def __init__(self, poke: Callable[[], None], *, streamed: bool = True) -> None:
         self._poke = poke
+        self._streamed = streamed
+        self._woke = 0.0  # when a token last woke the reader (monotonic)
         self._cond = threading.Condition(threading.Lock())
         self._events: deque[Event] = deque()
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
@@ -256,6 +266,12 @@ class Handle:
             self._events.append(ev)
             self._cond.notify_all()
             waiter = None if self._signaled else self._waiter
+            if waiter is not None and not self._streamed and isinstance(ev, Token):
+                now = time.monotonic()
+                if now - self._woke < BULK_WAKE:
+                    waiter = None  # the next event wakes it, Done at the latest
+                else:
+                    self._woke = now
             if waiter is not None:
                 self._signaled = True
         if waiter is not None:
@@ -429,7 +445,7 @@ class Engine:
             raise ValueError("a job needs at least one prompt token")
         if job.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {job.max_tokens}")
-        handle = Handle(self._poke)
+        handle = Handle(self._poke, streamed=job.streamed)
         work = _Work(job, handle)
         with self._cond:
             if self._stopping:

@@ -219,7 +219,8 @@ def _parser() -> argparse.ArgumentParser:
                    "decoding up by at most one step (default: 2048)")
     m.add_argument("--prefill-step-time", type=float, default=1.0, metavar="SECONDS",
                    help="a prefill step is also cut to about this long, at the rate the "
-                   "last steps ran, and never below 64 tokens (default: 1.0; 0: steps of "
+                   "request's last step ran, never below 64 tokens; a prompt with at most "
+                   "256 tokens left is not cut (default: 1.0; 0: steps of "
                    "--prefill-step-size tokens)")
     m.add_argument("--prompt-cache-size", type=int, default=10,
                    help="Maximum number of distinct KV caches to hold in the prompt cache's "
