@@ -123,9 +123,13 @@ def test_ctrl_c_stops_both_processes_with_one_line(tmp_path: Path, when: str) ->
 
     root = tmp_path / "root"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # a terminal's Ctrl-C: SIGINT at its default in the demo, even when this test runs under
+    # a shell that started it in the background (which ignores SIGINT, and an ignored
+    # signal stays ignored across exec: Python would then install no handler for it)
     proc = subprocess.Popen([sys.executable, "-P", "-m", "kvstore", "demo", "--root", str(root)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout is not None
         wanted = "session 1 turn 1" if when == "first process" else "starting a second"
