@@ -519,10 +519,12 @@ def test_events_in_asyncio_and_outcomes_in_the_metrics(tiny: Any, make: Any,
 
         async def take(h: Handle, cancel_after: int | None) -> list[Any]:
             got = []
-            async for ev in h.events():
-                got.append(ev)
-                if cancel_after is not None and sum(isinstance(e, Token) for e in got) == 2:
-                    h.cancel()
+            async for batch in h.batches(None):
+                for ev in batch:
+                    got.append(ev)
+                    if cancel_after is not None and sum(isinstance(e, Token)
+                                                        for e in got) == 2:
+                        h.cancel()
             return got
 
         return await asyncio.wait_for(asyncio.gather(take(a, None), take(b, 2)), 60)

@@ -210,16 +210,12 @@ class _Failing:
             def cancel(self, reason: str = "cancelled") -> None:
                 pass
 
-            async def events(self) -> Any:
-                yield Token(id=5, text="hi")
+            async def batches(self, idle: float | None) -> Any:
+                yield [Token(id=5, text="hi")]
                 if how == "events":
                     raise RuntimeError("boom in events")
-                yield Done(finish="length", prompt_tokens=len(job.prompt), cached_tokens=0,
-                           generated=1)
-
-            async def batches(self, idle: float | None) -> Any:  # what the app reads
-                async for ev in self.events():
-                    yield [ev]
+                yield [Done(finish="length", prompt_tokens=len(job.prompt), cached_tokens=0,
+                            generated=1)]
 
         return Handle()
 

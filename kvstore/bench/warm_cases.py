@@ -115,9 +115,9 @@ def warm_rows(lab: str, pair: SavedPair, raw: RawRead, reps: int) -> list[Row]:
     """The four rows of the module docstring for the entry of ``pair``."""
     from .limits import RawRead
 
-    # the stricter limit: new arrays each time (their pages faulted in, as a restore's
-    # are unless memory is kept warm) and one thread a core, each hashing what it has just
-    # read; more threads than cores only take turns on them
+    # the stricter limit: a new array for each file, freed after it (so, in fact, one
+    # block of heap a thread: RawRead) and one thread a core, each hashing what it has
+    # just read; more threads than cores only take turns on them
     strict = RawRead(pair.root, threads=os.cpu_count() or 1, fresh=True)
     # the same, each call's arrays all held until it ends, as a restore's are
     held = RawRead(pair.root, threads=os.cpu_count() or 1, fresh=True, hold=True)
@@ -127,14 +127,16 @@ def warm_rows(lab: str, pair: SavedPair, raw: RawRead, reps: int) -> list[Row]:
     cpu: dict[str, list[float]] = {"kv": [], "raw": [], "held": []}
     faults: list[int] = []
     pair.warm()
+    limits = {"raw": (strict, lim), "held": (held, lim_held)}
     sides = ("raw", "kv", "held")
     for rnd in range(2 * reps + 2):  # two warm-ups: the policy raises MLX's limit at the 2nd
         for side in sides[rnd % 3:] + sides[:rnd % 3]:  # each side first in turn
             c0 = time.process_time()
             if side != "kv":
-                dt = (strict if side == "raw" else held)(hash=True)
+                read, times = limits[side]
+                dt = read(hash=True)
                 if rnd >= 2:
-                    (lim if side == "raw" else lim_held).append(dt)
+                    times.append(dt)
                     cpu[side].append(time.process_time() - c0)
                 continue
             f0 = _minflt()

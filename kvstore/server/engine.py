@@ -219,12 +219,6 @@ class Handle:
                 raise TimeoutError("no event from the engine")
             return self._events.popleft()
 
-    async def events(self) -> AsyncIterator[Event]:
-        """The events as they come; ends after :class:`Done`."""
-        async for batch in self.batches(None):
-            for ev in batch:
-                yield ev
-
     async def batches(self, idle: float | None) -> AsyncIterator[list[Event]]:
         """The events in order, all those that are ready at a time (a reader that fell
         behind a decode step or two takes them in one go, not one wake-up each); an empty
