@@ -51,6 +51,7 @@ EXPECTED = (
 )
 
 
+@pytest.mark.slow  # 45 s: every case of the bench at its smoke sizes
 def test_smoke_run_writes_every_row_with_both_figures(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVSTORE_REMOTE", raising=False)
@@ -229,6 +230,7 @@ def _normal(name: str) -> str:
     return re.sub(r"\d+(\.\d+)?k?", "N", name)
 
 
+@pytest.mark.slow  # 45 s: it runs the bench to learn its row names
 def test_benchmarks_md_tables_use_the_benchs_own_row_names(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -6,7 +6,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm
 import pytest
+from helpers.stores import SlowStore
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, LRUPromptCache, make_prompt_cache
 
@@ -257,25 +257,10 @@ def test_short_prompts_are_not_persisted(models: dict[str, Path], store: kvstore
     ppc.close()
 
 
-class _SlowStore:
-    """A real store whose saves wait for a gate, to hold snapshots in the queue."""
-
-    def __init__(self, store: kvstore.Store) -> None:
-        self._store = store
-        self.gate = threading.Event()
-
-    def save(self, *args: Any, **kw: Any) -> Any:
-        self.gate.wait(30)
-        return self._store.save(*args, **kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-
 def test_queue_sheds_oldest_over_its_byte_cap(
     models: dict[str, Path], store: kvstore.Store
 ) -> None:
-    slow = _SlowStore(store)
+    slow = SlowStore(store)
     one = sum(c.nbytes for c in _kv(list(range(100))))
     # every snapshot queued at once (100 tokens hold no whole block of this root: by
     # default they would wait in memory, see test_prompt_cache_requests.py)
@@ -284,6 +269,8 @@ def test_queue_sheds_oldest_over_its_byte_cap(
     for i in range(5):
         toks = [i] + list(range(99))
         ppc.insert_cache(_key(models), toks, _kv(toks))
+        if i == 0:  # the worker holds the first before the others come
+            assert slow.entered.wait(30)
     # One snapshot is in the worker's hands, two fit the queue; the oldest are shed.
     assert ppc.dropped == 2 and ppc.pending == 3
     slow.gate.set()

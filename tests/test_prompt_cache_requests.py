@@ -4,7 +4,6 @@ cost of a conversation's snapshots (deferred partial blocks)."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 from factories import arrays_cache
 from helpers.kv import two_layer_kv
 from helpers.observers import Seen
+from helpers.stores import SlowStore
 
 import kvstore
 from kvstore.mlx_lm import PersistentPromptCache
@@ -199,29 +199,15 @@ def test_a_deferred_snapshot_is_written_after_defer_seconds(
     ppc.close()
 
 
-class _SlowStore:
-    """A real store whose saves wait for a gate, to hold snapshots in the queue."""
-
-    def __init__(self, store: kvstore.Store) -> None:
-        self._store = store
-        self.gate = threading.Event()
-
-    def save(self, *args: Any, **kw: Any) -> Any:
-        self.gate.wait(30)
-        return self._store.save(*args, **kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-
 def test_deferred_snapshots_count_against_the_queue_bytes_and_go_first(
     store: kvstore.Store, key: Any
 ) -> None:
     one = sum(c.nbytes for c in two_layer_kv(list(range(45))))
-    slow = _SlowStore(store)
+    slow = SlowStore(store)
     ppc = PersistentPromptCache(slow, min_tokens=16, queue_bytes=int(2.5 * one))  # type: ignore[arg-type]
     a, b = list(range(1000, 1045)), list(range(3000, 3045))
     ppc.insert_cache(key, a[:40], two_layer_kv(a[:40]))  # the worker holds it, at the gate
+    assert slow.entered.wait(30)
     ppc.insert_cache(key, a, two_layer_kv(a))  # deferred
     ppc.insert_cache(key, b[:40], two_layer_kv(b[:40]))  # queued
     ppc.insert_cache(key, b, two_layer_kv(b))  # deferred: over the cap, so a's deferred one goes
