@@ -17,10 +17,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import mlx_lm.server
 import pytest
 
 from kvstore.serve import parse_size, serve_main
+from kvstore.server.main import AUTO_LANES, prefill_threads
 from kvstore.tiny import make_tiny_model, sample_text
 
 
@@ -99,6 +101,22 @@ def test_a_negative_defer_seconds_is_one_error_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"kvstore: error: --defer-seconds must be >= 0, got {float(bad):g}"]
     assert not (tmp_path / "r").exists()
+
+
+def test_a_bad_prefill_threads_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert serve_main(["--root", str(tmp_path / "r"), "--prefill-threads", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["kvstore: error: --prefill-threads must be >= 1, got 0"]
+    assert not (tmp_path / "r").exists()
+
+
+def test_prefill_threads_default_to_the_cpus_cores_up_to_4() -> None:
+    assert mx.default_device() == mx.cpu  # these tests run MLX on the CPU
+    assert prefill_threads(None) == min(AUTO_LANES, len(os.sched_getaffinity(0))) == min(
+        4, len(os.sched_getaffinity(0)))
+    assert prefill_threads(3) == 3
 
 
 @pytest.mark.parametrize(("bad", "why"), [("-1", "must be >= 0, got -1.0"),

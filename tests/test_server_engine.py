@@ -444,11 +444,12 @@ def _engine(kind: Any, store: kvstore.Store, **kw: Any) -> Engine:
     return Engine(model, tok, pc, model_key=key, **kw)
 
 
+@pytest.mark.parametrize("lanes", [1, 2])
 @pytest.mark.parametrize("name", ["gemma3_text", "lfm2", "qwen3_5"])
 def test_windowed_and_hybrid_models_give_their_own_tokens_batched(
-        kinds: Any, store: kvstore.Store, name: str) -> None:
+        kinds: Any, store: kvstore.Store, name: str, lanes: int) -> None:
     kind = kinds(name)
-    eng = _engine(kind, store, max_concurrency=3, prefill_chunk=48)
+    eng = _engine(kind, store, max_concurrency=3, prefill_chunk=48, prefill_threads=lanes)
     prompts = [tokens(100 + i, n) for i, n in enumerate((150, 40, 90))]
     hs = [eng.submit(Job(prompt=p, max_tokens=12)) for p in prompts]
     eng.start()
@@ -911,3 +912,66 @@ def test_a_reader_not_streamed_is_woken_for_its_tokens_at_most_every_bulk_wake(
         assert len(wakes) >= 20  # about one a token
     else:
         assert 2 <= len(wakes) <= 2 + 0.08 / BULK_WAKE + 2  # Prefill, Done, one a 20 ms
+
+
+# --- prefill lanes -----------------------------------------------------------------------
+
+
+def test_two_lanes_prefill_two_jobs_side_by_side_and_each_gets_its_own_tokens(
+        tiny: Any, make: Any) -> None:
+    """With ``prefill_threads=2`` two jobs' chunks run at the same time, on the engine's
+    thread and a lane; the tokens are mlx-lm's own for each prompt, and the lane's thread
+    is gone once the engine stops."""
+    spans: list[tuple[int, float, float]] = []  # (thread, start, end) of each prefill call
+    lock = threading.Lock()
+
+    class Timed:
+        def __init__(self, model: Any) -> None:
+            self.model = model
+
+        def __call__(self, *args: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            out = self.model(*args, **kw)
+            if args[0].shape[1] > 1:
+                mx.eval(out)
+                time.sleep(0.05)  # long enough to overlap, whatever the machine
+                with lock:
+                    spans.append((threading.get_ident(), t0, time.perf_counter()))
+            return out
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.model, name)
+
+    eng = make(max_concurrency=4, prefill_chunk=64, prefill_threads=2, model=Timed(tiny[0]))
+    prompts = [tokens(500 + i, n) for i, n in enumerate((300, 90, 200, 33))]
+    hs = [eng.submit(Job(prompt=p, max_tokens=8)) for p in prompts]
+    eng.start()
+    for p, h in zip(prompts, hs, strict=True):
+        assert ids(drain(h)[0]) == greedy(tiny, p, 8)
+    assert len({t for t, _, _ in spans}) == 2
+    overlapped = sum(1 for a in spans for b in spans
+                     if a[0] < b[0] and a[1] < b[2] and b[1] < a[2])
+    assert overlapped >= 3
+    assert eng.counts()["prefill_tokens"] == sum(len(p) - 1 for p in prompts)
+    assert eng.stop(30) == 0
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvstore-prefill")]
+
+
+def test_a_chunk_that_fails_on_a_lane_ends_its_job_alone(tiny: Any, make: Any) -> None:
+    def then(calls: int, shape: Any) -> None:
+        if shape[1] == 77:
+            raise ValueError("bad chunk")
+
+    eng = make(model=Gate(tiny[0], then), max_concurrency=2, prefill_threads=2)
+    good_p = tokens(9, 30)
+    good = eng.submit(Job(prompt=good_p, max_tokens=3))  # the engine's thread
+    bad = eng.submit(Job(prompt=tokens(8, 78), max_tokens=3))  # the lane
+    eng.start()
+    assert drain(bad)[2].error == "ValueError: bad chunk"
+    assert ids(drain(good)[0]) == greedy(tiny, good_p, 3)
+    assert eng.healthy()
+
+
+def test_prefill_threads_must_be_at_least_1(tiny: Any, make: Any) -> None:
+    with pytest.raises(ValueError, match="prefill_threads must be >= 1, got 0"):
+        make(prefill_threads=0)

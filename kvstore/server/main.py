@@ -77,6 +77,27 @@ class _Parser(argparse.ArgumentParser):
         raise ServeError(f"{message} (see 'kvstore serve --help')")
 
 
+#: The most prefill threads ``--prefill-threads`` takes by itself on a CPU.
+AUTO_LANES = 4
+
+
+def prefill_threads(asked: int | None) -> int:
+    """``--prefill-threads``, or its default: on MLX's CPU device, the cores this process
+    may run on (up to :data:`AUTO_LANES`), where MLX runs a forward pass on one core; on a
+    GPU, 1."""
+    if asked is not None:
+        return asked
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(AUTO_LANES, cores))
+
+
 def parse_size(text: str) -> int:
     """``--queue-bytes``: the CLI's size syntax (``10G``, ``500MiB``, plain bytes)."""
     try:
@@ -212,8 +233,13 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--decode-concurrency", type=int, default=None,
                    help="the same as --max-concurrency (mlx-lm's name)")
     m.add_argument("--prompt-concurrency", type=int, default=8,
-                   help="accepted for mlx-lm's command lines; kvstore serve prefills one "
-                   "chunk of one request between two decode steps")
+                   help="accepted for mlx-lm's command lines, without effect: kvstore "
+                   "serve prefills the requests' chunks in turn, --prefill-threads at a time")
+    m.add_argument("--prefill-threads", type=int, default=None, metavar="N",
+                   help="how many requests' prompts are prefilled side by side, each on a "
+                   "thread of its own (default: on a CPU, its cores up to "
+                   f"{AUTO_LANES}, since MLX runs a forward pass there on one core; on a "
+                   "GPU, 1)")
     m.add_argument("--prefill-step-size", type=int, default=2048,
                    help="Step size for prefill processing: a long prompt holds the others' "
                    "decoding up by at most one step (default: 2048)")
@@ -524,8 +550,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                                ("--max-queue", a.max_queue, 0),
                                ("--prefill-step-size", a.prefill_step_size, 1),
                                ("--prefill-step-time", a.prefill_step_time, 0),
-                               ("--prompt-cache-size", a.prompt_cache_size, 0)):
-        if not value >= low:  # NaN too
+                               ("--prompt-cache-size", a.prompt_cache_size, 0),
+                               ("--prefill-threads", a.prefill_threads, 1)):
+        if value is not None and not value >= low:  # NaN too
             raise ServeError(f"{option} must be >= {low}, got {value}")
         if value == float("inf"):
             raise ServeError(f"{option} must be finite, got {value}")
@@ -610,7 +637,8 @@ def serve(a: argparse.Namespace, loaded: Loaded, store: Store, cache: Any, metri
                     model_key=(loaded.path, a.adapter_path, None),
                     max_concurrency=a.max_concurrency, max_queue=a.max_queue,
                     prefill_chunk=a.prefill_step_size, prefill_seconds=a.prefill_step_time,
-                    checkpoint_every=a.checkpoint_every)
+                    checkpoint_every=a.checkpoint_every,
+                    prefill_threads=prefill_threads(a.prefill_threads))
     vocab, context = model_limits(loaded.config)
     served = Served(
         model_id=loaded.listed, aliases=loaded.names, tokenizer=loaded.tokenizer,
