@@ -972,6 +972,25 @@ def test_a_chunk_that_fails_on_a_lane_ends_its_job_alone(tiny: Any, make: Any) -
     assert eng.healthy()
 
 
+def test_a_lane_without_a_stream_fails_the_chunks_sent_to_it_and_nothing_hangs(
+        tiny: Any, make: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(device: Any) -> Any:
+        raise RuntimeError("no stream here")
+
+    monkeypatch.setattr(mx, "new_stream", refused)
+    eng = make(max_concurrency=2, prefill_threads=2)
+    prompts = [tokens(20, 40), tokens(21, 40)]
+    hs = [eng.submit(Job(prompt=p, max_tokens=3)) for p in prompts]
+    eng.start()
+    got = [drain(h, timeout=30) for h in hs]
+    assert sorted(str(done.error) for _, _, done in got) == [
+        "None", "RuntimeError: no stream here"]
+    for p, (toks, _, done) in zip(prompts, got, strict=True):
+        if done.error is None:
+            assert ids(toks) == greedy(tiny, p, 3)
+    assert eng.healthy()
+
+
 def test_prefill_threads_must_be_at_least_1(tiny: Any, make: Any) -> None:
     with pytest.raises(ValueError, match="prefill_threads must be >= 1, got 0"):
         make(prefill_threads=0)

@@ -376,7 +376,14 @@ class _Lanes:
     @staticmethod
     def _serve(inbox: queue.SimpleQueue[Any], device: Any) -> None:
         try:
-            with mx.stream(mx.new_stream(device)):
+            stream = mx.new_stream(device)
+        except Exception as e:  # noqa: BLE001 - every chunk sent here fails with it
+            logger.warning("kvstore serve: a prefill thread has no stream", exc_info=True)
+            while (item := inbox.get()) is not None:
+                item[1].set_exception(e)
+            return
+        try:
+            with mx.stream(stream):
                 while (item := inbox.get()) is not None:
                     fn, done = item
                     try:
