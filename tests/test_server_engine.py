@@ -958,16 +958,22 @@ def test_two_lanes_prefill_two_jobs_side_by_side_and_each_gets_its_own_tokens(
 
 
 def test_a_chunk_that_fails_on_a_lane_ends_its_job_alone(tiny: Any, make: Any) -> None:
+    raised_on: list[str] = []
+
     def then(calls: int, shape: Any) -> None:
         if shape[1] == 77:
+            raised_on.append(threading.current_thread().name)
             raise ValueError("bad chunk")
 
     eng = make(model=Gate(tiny[0], then), max_concurrency=2, prefill_threads=2)
     good_p = tokens(9, 30)
-    good = eng.submit(Job(prompt=good_p, max_tokens=3))  # the engine's thread
-    bad = eng.submit(Job(prompt=tokens(8, 78), max_tokens=3))  # the lane
+    # a new engine's turn takes the second ready job first, onto its own thread: the
+    # first one submitted goes to the lane
+    bad = eng.submit(Job(prompt=tokens(8, 78), max_tokens=3))
+    good = eng.submit(Job(prompt=good_p, max_tokens=3))
     eng.start()
     assert drain(bad)[2].error == "ValueError: bad chunk"
+    assert raised_on == ["kvstore-prefill-1"]
     assert ids(drain(good)[0]) == greedy(tiny, good_p, 3)
     assert eng.healthy()
 

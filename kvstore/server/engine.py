@@ -355,6 +355,14 @@ def _seeded(sampler: Callable[[mx.array], mx.array], seed: int
 _entropy = random.SystemRandom()
 
 
+def _outcome(fn: Callable[[], Any]) -> Any:
+    """``fn()``, or the exception it raised."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - handed to the caller
+        return e
+
+
 class _Lanes:
     """Threads that run prefill chunks beside the engine's thread, each on a stream of its
     own: on a CPU, MLX runs a forward pass on one core (SmolLM2-135M here: 6.0 s of wall
@@ -402,11 +410,7 @@ class _Lanes:
             done: Future[Any] = Future()
             inbox.put((fn, done))
             futures.append(done)
-        out: list[Any] = []
-        try:
-            out.append(fns[0]())
-        except Exception as e:  # noqa: BLE001
-            out.append(e)
+        out = [_outcome(fns[0])]
         for f in futures:
             err = f.exception()
             out.append(f.result() if err is None else err)
@@ -816,19 +820,14 @@ class Engine:
         """Prefill each job's next chunk (at most its ``most`` tokens, up to its next cut),
         side by side on the lanes when there are several; the most tokens one of them
         computed, or None when one failed (that one is ended)."""
-        outs: list[Any] = []
-        if len(wave) == 1 or self._lanes is None:
-            for w, most in wave:
-                try:
-                    outs.append(self._compute(w, most))
-                except Exception as e:  # noqa: BLE001
-                    outs.append(e)
+        fns = [functools.partial(self._compute, w, most) for w, most in wave]
+        if self._lanes is None:
+            outs = [_outcome(fn) for fn in fns]
         else:
-            for w, _ in wave:  # what the fetch left lazy is evaluated on this thread's stream
+            for w, _ in wave[1:]:  # what the fetch left lazy: evaluated on this thread's stream
                 assert w.cache is not None
                 mx.eval([c.state for c in w.cache])
-            outs = self._lanes.run([functools.partial(self._compute, w, most)
-                                    for w, most in wave])
+            outs = self._lanes.run(fns)
         most, failed = 0, False
         for (w, _), out in zip(wave, outs, strict=True):
             try:
