@@ -461,6 +461,38 @@ def test_windowed_and_hybrid_models_give_their_own_tokens_batched(
         eng.cache.close()
 
 
+
+@pytest.mark.parametrize("name", ["gemma3_text", "lfm2", "qwen3_5"])
+def test_windowed_and_hybrid_models_decoded_alone_then_batched(
+        kinds: Any, store: kvstore.Store, name: str, solo_calls: dict[str, int]) -> None:
+    """A job decoded alone on its own caches past the 64-token window, then handed to the
+    batch when a second one is ready: both give mlx-lm's own tokens."""
+    kind = kinds(name)
+    eng = _engine(kind, store, max_concurrency=2)
+    handles: list[Handle] = []
+    first, second = tokens(105, 50), tokens(106, 30)
+    seen = [0]
+
+    def hook(job: Job, sampler: Any, processors: list[Any]) -> tuple[Any, list[Any]]:
+        def counting(logprobs: mx.array) -> mx.array:
+            if job.max_tokens == 60:
+                seen[0] += 1
+                if seen[0] == 40:  # 50 + 39 tokens in its window-sized cache by now
+                    handles.append(eng.submit(Job(prompt=second, max_tokens=10)))
+            return sampler(logprobs)
+        return counting, processors
+
+    eng.sampling_hook = hook
+    handles.append(eng.submit(Job(prompt=first, max_tokens=60)))
+    eng.start()
+    try:
+        assert ids(drain(handles[0])[0]) == greedy(kind, first, 60)
+        assert ids(drain(handles[1])[0]) == greedy(kind, second, 10)
+        assert solo_calls["handover"] == solo_calls["started"] == 1
+    finally:
+        assert eng.stop(30) == 0
+        eng.cache.close()
+
 def test_checkpoints_of_a_model_whose_cache_cannot_be_trimmed(
         kinds: Any, store: kvstore.Store) -> None:
     """Every 128 prompt tokens the cache goes to the store as a checkpoint (not into
@@ -1000,3 +1032,124 @@ def test_a_lane_without_a_stream_fails_the_chunks_sent_to_it_and_nothing_hangs(
 def test_prefill_threads_must_be_at_least_1(tiny: Any, make: Any) -> None:
     with pytest.raises(ValueError, match="prefill_threads must be >= 1, got 0"):
         make(prefill_threads=0)
+
+
+# --- a job decoded alone -------------------------------------------------------------------
+
+
+@pytest.fixture
+def solo_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How often the engines stepped a job decoded alone and handed one to the batch."""
+    from kvstore.server import engine as engine_mod
+
+    seen = {"next": 0, "handover": 0, "started": 0}
+    step, hand = engine_mod._Solo.next, engine_mod._Solo.handover
+
+    def counted_next(self: Any) -> Any:
+        seen["next"] += 1
+        return step(self)
+
+    def counted_handover(self: Any) -> Any:
+        seen["handover"] += 1
+        seen["started"] += self._next is not None
+        return hand(self)
+
+    monkeypatch.setattr(engine_mod._Solo, "next", counted_next)
+    monkeypatch.setattr(engine_mod._Solo, "handover", counted_handover)
+    return seen
+
+
+@pytest.mark.parametrize("sampling,logprobs", [
+    (Sampling(), True),
+    (Sampling(repetition_penalty=1.3, repetition_context_size=8), False),
+    (Sampling(temperature=5.0, seed=11), True),
+])
+def test_a_job_decoded_alone_gives_what_the_batch_gives(
+        tiny: Any, make: Any, solo_calls: dict[str, int], sampling: Sampling,
+        logprobs: bool) -> None:
+    prompt = tokens(40, 90)
+    got = []
+    for solo in (True, False):
+        eng = make(solo=solo)
+        eng.start()
+        job = Job(prompt=prompt, max_tokens=24, sampling=sampling, logprobs=logprobs,
+                  top_logprobs=3 if logprobs else 0)
+        toks, _, done = drain(eng.submit(job))
+        # what it leaves in the prompt cache: the prompt and its whole reply
+        _, _, again = drain(eng.submit(Job(prompt=prompt + ids(toks) + tokens(41, 5),
+                                           max_tokens=1)))
+        got.append(([(t.id, t.text, t.logprob, t.top) for t in toks],
+                    (done.finish, done.generated), again.cached_tokens))
+        assert solo_calls["next"] == 24 + 1  # its 24 and the next job's one: none batched
+    assert got[0] == got[1]
+    assert got[0][2] == len(prompt) + 24
+    if sampling.temperature == 0 and sampling.repetition_penalty is None:
+        assert [t for t, *_ in got[0][0]] == greedy(tiny, prompt, 24)
+
+
+def test_a_job_decoded_alone_goes_into_the_batch_when_another_is_ready(
+        tiny: Any, make: Any, solo_calls: dict[str, int]) -> None:
+    eng = make(max_concurrency=4)
+    handles: list[Handle] = []
+    first, second = tokens(42, 120), tokens(43, 50)
+    seen = [0]
+
+    def hook(job: Job, sampler: Any, processors: list[Any]) -> tuple[Any, list[Any]]:
+        def counting(logprobs: mx.array) -> mx.array:
+            if job.max_tokens == 40:
+                seen[0] += 1
+                if seen[0] == 10:  # the first job alone for 9 tokens, then another one
+                    handles.append(eng.submit(Job(prompt=second, max_tokens=12)))
+            return sampler(logprobs)
+        return counting, processors
+
+    eng.sampling_hook = hook
+    handles.append(eng.submit(Job(prompt=first, max_tokens=40)))
+    eng.start()
+    a_toks, _, a_done = drain(handles[0])
+    b_toks, _, b_done = drain(handles[1])
+    assert ids(a_toks) == greedy(tiny, first, 40) and a_done.generated == 40
+    assert ids(b_toks) == greedy(tiny, second, 12)
+    assert solo_calls["handover"] == solo_calls["started"] == 1
+    assert 9 <= solo_calls["next"] <= 11  # then the batch stepped both
+    # the whole reply is in the cache, across the handover
+    _, _, again = drain(eng.submit(Job(prompt=first + ids(a_toks) + tokens(44, 5),
+                                       max_tokens=1)))
+    assert again.cached_tokens == len(first) + 40
+    assert (eng.counts()["completed"], eng.counts()["errors"]) == (3, 0)
+
+
+def test_a_job_decoded_alone_that_fails_ends_alone_and_the_engine_goes_on(
+        tiny: Any, make: Any, solo_calls: dict[str, int]) -> None:
+    steps = [0]
+
+    def then(calls: int, shape: Any) -> None:
+        if tuple(shape) == (1, 1):
+            steps[0] += 1
+            if steps[0] == 5:
+                raise RuntimeError("the decode step broke")
+
+    eng = make(model=Gate(tiny[0], then))
+
+    def hook(job: Job, sampler: Any, processors: list[Any]) -> tuple[Any, list[Any]]:
+        if job.max_tokens == 13:
+            def boom(tokens: mx.array, logits: mx.array) -> mx.array:
+                if tokens.size > 63:
+                    raise ValueError("the processor broke")
+                return logits
+            return sampler, [boom]
+        return sampler, processors
+
+    eng.sampling_hook = hook
+    eng.start()
+    prompt = tokens(45, 60)
+    toks, _, done = drain(eng.submit(Job(prompt=prompt, max_tokens=8)))
+    assert (done.finish, done.error) == ("error", "RuntimeError: the decode step broke")
+    assert ids(toks) == greedy(tiny, prompt, 3)  # 5th call: the step after the 3rd token
+    toks, _, done = drain(eng.submit(Job(prompt=tokens(46, 60), max_tokens=13)))
+    assert (done.finish, done.error) == ("error", "ValueError: the processor broke")
+    assert ids(toks) == greedy(tiny, tokens(46, 60), 3)
+    toks, _, done = drain(eng.submit(Job(prompt=prompt, max_tokens=6)))
+    assert done.finish == "length" and ids(toks) == greedy(tiny, prompt, 6)
+    assert eng.counts()["errors"] == 2 and eng.healthy() and eng._solo is None
+    assert solo_calls["next"] >= 3 + 3 + 6

@@ -63,7 +63,10 @@ class ServeSize:
     clients: tuple[int, ...] = (1, 4, 8)
     turns: int = 4
     max_tokens: int = 256  # per turn
-    reps: int = 3  # rounds per server and concurrency (alternating): the median is reported
+    #: rounds per server and concurrency (alternating): the median is reported. The tiny
+    #: model's round is 2-7 s, and one is up to ±20% from the next on the same server on a
+    #: shared 2-core host: 3 rounds could not tell a 5% difference.
+    reps: int = 7
     system_tokens: int = 200  # each session's system prompt
     long_prompt: int = 30_000  # the long prefill of (2)
     short_requests: int = 10

@@ -22,7 +22,9 @@ A :class:`Job` (a prompt's tokens, how many to generate, how to sample) is hande
    own (on a CPU, MLX runs a forward pass on one core);
 3. decodes it together with the other running jobs in one
    :class:`mlx_lm.generate.BatchGenerator` (continuous batching, up to
-   ``max_concurrency`` jobs), streaming a :class:`Token` per token;
+   ``max_concurrency`` jobs), streaming a :class:`Token` per token. A job that is decoded
+   while no other is runs alone on its own caches (:class:`_Solo`: a batch of one costs
+   more a step) until another job is ready to decode, and then joins the batch;
 4. inserts the prompt and the reply into the prompt cache (as mlx-lm's server did) and
    ends with :class:`Done`.
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import itertools
 import logging
 import queue
 import random
@@ -423,6 +426,119 @@ class _Lanes:
             t.join(timeout=10.0)
 
 
+@dataclass(slots=True)
+class _Out:
+    """A decode step's result for one job: the fields of mlx-lm's
+    ``GenerationBatch.Response`` that the engine reads. ``prompt_cache`` and ``all_tokens``
+    (the tokens that cache holds) only with a ``finish_reason``."""
+
+    uid: int
+    token: int
+    logprobs: mx.array
+    finish_reason: str | None
+    prompt_cache: list[Any] | None
+    all_tokens: list[int] | None
+
+
+def _int(a: mx.array) -> int:
+    """The value of a one-element integer array (evaluated now)."""
+    v: Any = a.item()
+    return int(v)
+
+
+class _Solo:
+    """One job decoded alone on its own caches, the way mlx-lm's ``generate_step`` does:
+    each step runs the model on the last token and starts the next step's before it waits
+    for this one's token. A batch of one pays on every step for what a batch needs (its
+    padded cache's masks and offsets, a row split off the logits, the batch's
+    bookkeeping); where a step costs about a millisecond (a small model on a CPU), that
+    is a tenth of it. Its tokens, logprobs, end (``length``, a stop sequence of
+    ``stop``) and final cache are those of the batch: the same sampler and logits
+    processors on the same logits, and the cache holds every token it returned.
+
+    The engine decodes a job this way while no other job is being decoded, and moves it
+    into the batch (:meth:`handover`) when another one is ready to decode. Its first step
+    runs at the first :meth:`next`: jobs whose prefills end in the same engine step go into
+    the batch together, as they did before any step."""
+
+    def __init__(self, model: Any, uid: int, last: int, cache: list[Any],
+                 tokens: Sequence[int], sampler: Any, processors: list[Any], stop: Any,
+                 max_tokens: int) -> None:
+        self.model = model
+        self.uid = uid
+        self.cache = cache
+        self.tokens = list(tokens)  # the tokens the cache holds, once the queued step ran
+        self.sampler = sampler
+        self.processors = processors
+        self.context: Any = (_cache.TokenBuffer(self.tokens)  # type: ignore[no-untyped-call]
+                             if processors else None)
+        self.matcher = stop.matcher()
+        self.stop = stop
+        self.max_tokens = max_tokens
+        self.generated = 0
+        self._last = last
+        self._next: tuple[mx.array, mx.array] | None = None  # the step queued: none yet
+
+    def _forward(self, y: mx.array) -> tuple[mx.array, mx.array]:
+        """Queue the step on ``y`` (shape [1], maybe not evaluated yet): the token it
+        samples and its logprobs, being evaluated."""
+        logits = self.model(y[None], cache=self.cache)[:, -1, :]
+        if self.context is not None:
+            ctx = self.context.update_and_fetch(y)
+            for p in self.processors:
+                logits = p(ctx, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampled = self.sampler(logprobs)
+        row = logprobs[0]
+        mx.async_eval(sampled, row)  # type: ignore[no-untyped-call]
+        return sampled, row
+
+    def _out(self, token: int, logprobs: mx.array) -> _Out:
+        self.generated += 1
+        finish = "length" if self.generated >= self.max_tokens else None
+        if self.matcher.advance(token):
+            finish = "stop"
+        if finish is None:
+            return _Out(self.uid, token, logprobs, None, None, None)
+        return _Out(self.uid, token, logprobs, finish, self.cache, self.tokens)
+
+    def next(self) -> _Out:
+        """The next token; the step after it is queued first (so it runs while the caller
+        handles this one), and its input is then in the cache."""
+        if self._next is None:  # the first step: on the prompt's last token
+            self.tokens.append(self._last)
+            self._next = self._forward(mx.array([self._last]))
+        y, logprobs = self._next
+        self._next = self._forward(y)
+        token = _int(y)
+        self.tokens.append(token)
+        if self.generated % 256 == 255:
+            mx.clear_cache()
+        return self._out(token, logprobs)
+
+    def handover(self) -> tuple[_Out | None, dict[str, Any] | None]:
+        """Stop here: the token already computed, if a step ran (it is not in the cache
+        yet), and, unless it ends the job, the arguments of ``BatchGenerator.insert`` that
+        go on from it (before the first step: from the prompt's last token)."""
+        out = None
+        if self._next is None:
+            last = self._last
+        else:
+            y, logprobs = self._next
+            out = self._out(_int(y), logprobs)
+            if out.finish_reason is not None:
+                return out, None
+            last = out.token
+        return out, {"prompts": [[last]], "max_tokens": [self.max_tokens - self.generated],
+                     "caches": [self.cache], "all_tokens": [self.tokens],
+                     "samplers": [self.sampler], "logits_processors": [self.processors],
+                     "stop_sequences": [self.stop]}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(c.nbytes) for c in self.cache)
+
+
 class Engine:
     """The scheduler: see the module's docstring. ``checkpoint_every``: a checkpoint every
     that many prompt tokens for a model whose cache cannot be trimmed (0: none; None:
@@ -434,7 +550,8 @@ class Engine:
     for (or is given a copy of). ``prefill_threads``: how many jobs' chunks are prefilled
     side by side, each on a thread and a stream of its own (:class:`_Lanes`; 1: one after
     the other on the engine's thread); each of them gets ``prefill_chunk`` tokens and
-    ``prefill_seconds`` a step."""
+    ``prefill_seconds`` a step. ``solo``: a job that is decoded while no other is runs on its
+    own caches (:class:`_Solo`), not as a batch of one."""
 
     def __init__(
         self,
@@ -452,6 +569,7 @@ class Engine:
         share_min: int = SHARE_MIN,
         prompt_cache_bytes: int | None = None,
         prefill_threads: int = 1,
+        solo: bool = True,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
@@ -491,6 +609,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._crashed = False
         self._bg: Any = None  # a BatchGenerator (untyped)
+        self.solo = solo
+        self._solo: _Solo | None = None  # the job decoded alone (then the batch is empty)
+        self._solo_uids = itertools.count(-1, -1)  # its uids: the batch's are >= 0
         self._stream: Any = None
         self._turn = 0  # round robin over the prefills
         self._counts: dict[str, int] = dict.fromkeys(
@@ -791,6 +912,8 @@ class Engine:
                        for c in x.cache)
             if self._bg is not None:
                 held += int(self._bg.prompt_cache_nbytes)
+            if self._solo is not None:
+                held += self._solo.nbytes
             pc.trim_to(n_bytes=max(0, self.prompt_cache_bytes - held))
 
     def _cuts(self, w: _Work) -> dict[int, str]:
@@ -914,16 +1037,60 @@ class Engine:
         w.detok = self.tokenizer.detokenizer
         assert self._bg is not None
         assert w.cache is not None
-        (uid,) = self._bg.insert([[prompt[-1]]], max_tokens=[w.job.max_tokens],
-                                 caches=[w.cache], all_tokens=[list(prompt[:-1])],
-                                 samplers=[sampler], logits_processors=[processors],
-                                 stop_sequences=[self._eos])
+        if self._solo is not None:
+            self._handover()
+        if self.solo and not self._decoding:
+            uid = next(self._solo_uids)
+            self._solo = _Solo(self.model, uid, prompt[-1], w.cache, prompt[:-1], sampler,
+                               processors, self._eos, w.job.max_tokens)
+        else:
+            (uid,) = self._bg.insert([[prompt[-1]]], max_tokens=[w.job.max_tokens],
+                                     caches=[w.cache], all_tokens=[list(prompt[:-1])],
+                                     samplers=[sampler], logits_processors=[processors],
+                                     stop_sequences=[self._eos])
         w.cache, w.uid, w.state = None, uid, "decode"
         self._decoding[uid] = w
         self._release(w, ended=True)
         w.handle._put(Prefill(total, total))
 
+    def _handover(self) -> None:
+        """Another job is ready to decode: the one decoded alone goes into the batch, after
+        the token its last step computed (which may end it)."""
+        solo = self._solo
+        assert solo is not None and self._bg is not None
+        self._solo = None
+        w = self._decoding[solo.uid]
+        try:
+            out, more = solo.handover()
+            if out is not None and w.failed is None:
+                self._emit(w, out)
+            if w.failed is not None:
+                raise w.failed
+            if more is not None:
+                del self._decoding[solo.uid]
+                (w.uid,) = self._bg.insert(**more)
+                self._decoding[w.uid] = w
+        except Exception as e:  # noqa: BLE001 - that job ends, the other goes on
+            self._fail(w, e, in_batch=w.uid != solo.uid)
+
+    def _solo_step(self, solo: _Solo) -> None:
+        w = self._decoding[solo.uid]
+        try:
+            r = solo.next()
+            self._count("decode_steps")
+            if w.failed is None:
+                self._emit(w, r)
+            if w.failed is not None:
+                raise w.failed
+        except Exception as e:  # noqa: BLE001 - its job ends, the loop goes on
+            self._fail(w, e)
+        if w.state == "done":
+            self._solo = None
+
     def _decode_step(self) -> None:
+        if self._solo is not None:
+            self._solo_step(self._solo)
+            return
         assert self._bg is not None
         try:
             _, responses = self._bg.next()
@@ -980,7 +1147,14 @@ class Engine:
         """End an admitted job, keeping what its cache holds. Its record's outcome is the
         reason when that is ``stop`` (a stop string) or ``error``, else ``cancelled``."""
         outcome = reason if reason in ("stop", "error") else "cancelled"
-        if w.state == "decode" and w.uid is not None and self._bg is not None:
+        solo = self._solo
+        if w.state == "decode" and solo is not None and w.uid == solo.uid:
+            self._solo = None
+            self._decoding.pop(w.uid, None)
+            if w.record is not None:
+                w.record.outcome = outcome
+            self._insert(w, solo.tokens[:], solo.cache, "assistant")
+        elif w.state == "decode" and w.uid is not None and self._bg is not None:
             self._decoding.pop(w.uid, None)
             caches = self._bg.remove([w.uid], return_prompt_caches=True)
             if w.record is not None:
@@ -1012,7 +1186,9 @@ class Engine:
         try:
             if w.uid is not None and w.uid in self._decoding:
                 self._decoding.pop(w.uid, None)
-                if in_batch and self._bg is not None:
+                if self._solo is not None and self._solo.uid == w.uid:
+                    self._solo = None
+                elif in_batch and self._bg is not None:
                     self._bg.remove([w.uid])
             w.cache = None
             if w.state == "prefill":
@@ -1045,6 +1221,7 @@ class Engine:
             except Exception:  # noqa: BLE001
                 logger.warning("kvstore serve: closing a batch", exc_info=True)
         self._bg = None
+        self._solo = None
         self._decoding.clear()
         self._bg = self._new_batch()
 
