@@ -118,6 +118,24 @@ def ids(toks: list[Token]) -> list[int]:
     return [t.id for t in toks]
 
 
+def submit_during(eng: Engine, handles: list[Handle], max_tokens: int, at: int,
+                  later: Job) -> Any:
+    """A sampling hook: the ``at``-th sampler call of the job of ``max_tokens`` submits
+    ``later`` (its handle appended to ``handles``)."""
+    seen = [0]
+
+    def hook(job: Job, sampler: Any, processors: list[Any]) -> tuple[Any, list[Any]]:
+        def counting(logprobs: mx.array) -> mx.array:
+            if job.max_tokens == max_tokens:
+                seen[0] += 1
+                if seen[0] == at:
+                    handles.append(eng.submit(later))
+            return sampler(logprobs)
+        return counting, processors
+
+    return hook
+
+
 def records(eng: Engine) -> list[RequestRecord]:
     return next(o for o in eng.cache.observers if isinstance(o, Finished)).records
 
@@ -471,18 +489,8 @@ def test_windowed_and_hybrid_models_decoded_alone_then_batched(
     eng = _engine(kind, store, max_concurrency=2)
     handles: list[Handle] = []
     first, second = tokens(105, 50), tokens(106, 30)
-    seen = [0]
-
-    def hook(job: Job, sampler: Any, processors: list[Any]) -> tuple[Any, list[Any]]:
-        def counting(logprobs: mx.array) -> mx.array:
-            if job.max_tokens == 60:
-                seen[0] += 1
-                if seen[0] == 40:  # 50 + 39 tokens in its window-sized cache by now
-                    handles.append(eng.submit(Job(prompt=second, max_tokens=10)))
-            return sampler(logprobs)
-        return counting, processors
-
-    eng.sampling_hook = hook
+    # at its 40th token: 50 + 39 tokens in its window-sized cache by then
+    eng.sampling_hook = submit_during(eng, handles, 60, 40, Job(prompt=second, max_tokens=10))
     handles.append(eng.submit(Job(prompt=first, max_tokens=60)))
     eng.start()
     try:
@@ -1092,18 +1100,8 @@ def test_a_job_decoded_alone_goes_into_the_batch_when_another_is_ready(
     eng = make(max_concurrency=4)
     handles: list[Handle] = []
     first, second = tokens(42, 120), tokens(43, 50)
-    seen = [0]
-
-    def hook(job: Job, sampler: Any, processors: list[Any]) -> tuple[Any, list[Any]]:
-        def counting(logprobs: mx.array) -> mx.array:
-            if job.max_tokens == 40:
-                seen[0] += 1
-                if seen[0] == 10:  # the first job alone for 9 tokens, then another one
-                    handles.append(eng.submit(Job(prompt=second, max_tokens=12)))
-            return sampler(logprobs)
-        return counting, processors
-
-    eng.sampling_hook = hook
+    # the first job alone for 9 tokens, then another one
+    eng.sampling_hook = submit_during(eng, handles, 40, 10, Job(prompt=second, max_tokens=12))
     handles.append(eng.submit(Job(prompt=first, max_tokens=40)))
     eng.start()
     a_toks, _, a_done = drain(handles[0])
