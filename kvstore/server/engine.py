@@ -456,10 +456,11 @@ class _Solo:
     ``stop``) and final cache are those of the batch: the same sampler and logits
     processors on the same logits, and the cache holds every token it returned.
 
-    The engine decodes a job this way while no other job is being decoded, and moves it
-    into the batch (:meth:`handover`) when another one is ready to decode. Its first step
-    runs at the first :meth:`next`: jobs whose prefills end in the same engine step go into
-    the batch together, as they did before any step."""
+    The engine makes one for each job that goes on to decode. While no other job is being
+    decoded, it steps the job this way; otherwise, or when another job is ready to decode
+    (:meth:`handover`), the job goes into the batch with :meth:`insert_args`. Its first
+    step runs at the first :meth:`next`: jobs whose prefills end in the same engine step go
+    into the batch together, as they did before any step."""
 
     def __init__(self, model: Any, uid: int, last: int, cache: list[Any],
                  tokens: Sequence[int], sampler: Any, processors: list[Any], stop: Any,
@@ -470,13 +471,12 @@ class _Solo:
         self.tokens = list(tokens)  # the tokens the cache holds, once the queued step ran
         self.sampler = sampler
         self.processors = processors
-        self.context: Any = (_cache.TokenBuffer(self.tokens)  # type: ignore[no-untyped-call]
-                             if processors else None)
+        self.context: Any = None  # the processors' tokens, from the first step
         self.matcher = stop.matcher()
         self.stop = stop
         self.max_tokens = max_tokens
         self.generated = 0
-        self._last = last
+        self._last = last  # the input the next step (or the batch) goes on from
         self._next: tuple[mx.array, mx.array] | None = None  # the step queued: none yet
 
     def _forward(self, y: mx.array) -> tuple[mx.array, mx.array]:
@@ -506,6 +506,8 @@ class _Solo:
         """The next token; the step after it is queued first (so it runs while the caller
         handles this one), and its input is then in the cache."""
         if self._next is None:  # the first step: on the prompt's last token
+            if self.processors:
+                self.context = _cache.TokenBuffer(self.tokens)  # type: ignore[no-untyped-call]
             self.tokens.append(self._last)
             self._next = self._forward(mx.array([self._last]))
         y, logprobs = self._next
@@ -516,23 +518,24 @@ class _Solo:
             mx.clear_cache()
         return self._out(token, logprobs)
 
-    def handover(self) -> tuple[_Out | None, dict[str, Any] | None]:
-        """Stop here: the token already computed, if a step ran (it is not in the cache
-        yet), and, unless it ends the job, the arguments of ``BatchGenerator.insert`` that
-        go on from it (before the first step: from the prompt's last token)."""
-        out = None
+    def handover(self) -> _Out | None:
+        """Stop stepping: the token the queued step computed (None before the first step),
+        which is not in the cache yet: the batch goes on from it, unless it ends the job."""
         if self._next is None:
-            last = self._last
-        else:
-            y, logprobs = self._next
-            out = self._out(_int(y), logprobs)
-            if out.finish_reason is not None:
-                return out, None
-            last = out.token
-        return out, {"prompts": [[last]], "max_tokens": [self.max_tokens - self.generated],
-                     "caches": [self.cache], "all_tokens": [self.tokens],
-                     "samplers": [self.sampler], "logits_processors": [self.processors],
-                     "stop_sequences": [self.stop]}
+            return None
+        y, logprobs = self._next
+        self._next = None
+        out = self._out(_int(y), logprobs)
+        self._last = out.token
+        return out
+
+    def insert_args(self) -> dict[str, Any]:
+        """The arguments of ``BatchGenerator.insert`` that decode the rest of the job in
+        the batch, from the input :meth:`next` would have gone on from."""
+        return {"prompts": [[self._last]], "max_tokens": [self.max_tokens - self.generated],
+                "caches": [self.cache], "all_tokens": [self.tokens],
+                "samplers": [self.sampler], "logits_processors": [self.processors],
+                "stop_sequences": [self.stop]}
 
     @property
     def nbytes(self) -> int:
@@ -1039,15 +1042,12 @@ class Engine:
         assert w.cache is not None
         if self._solo is not None:
             self._handover()
+        alone = _Solo(self.model, next(self._solo_uids), prompt[-1], w.cache, prompt[:-1],
+                      sampler, processors, self._eos, w.job.max_tokens)
         if self.solo and not self._decoding:
-            uid = next(self._solo_uids)
-            self._solo = _Solo(self.model, uid, prompt[-1], w.cache, prompt[:-1], sampler,
-                               processors, self._eos, w.job.max_tokens)
+            self._solo, uid = alone, alone.uid
         else:
-            (uid,) = self._bg.insert([[prompt[-1]]], max_tokens=[w.job.max_tokens],
-                                     caches=[w.cache], all_tokens=[list(prompt[:-1])],
-                                     samplers=[sampler], logits_processors=[processors],
-                                     stop_sequences=[self._eos])
+            (uid,) = self._bg.insert(**alone.insert_args())
         w.cache, w.uid, w.state = None, uid, "decode"
         self._decoding[uid] = w
         self._release(w, ended=True)
@@ -1061,17 +1061,17 @@ class Engine:
         self._solo = None
         w = self._decoding[solo.uid]
         try:
-            out, more = solo.handover()
+            out = solo.handover()
             if out is not None and w.failed is None:
                 self._emit(w, out)
             if w.failed is not None:
                 raise w.failed
-            if more is not None:
+            if out is None or out.finish_reason is None:
                 del self._decoding[solo.uid]
-                (w.uid,) = self._bg.insert(**more)
+                (w.uid,) = self._bg.insert(**solo.insert_args())
                 self._decoding[w.uid] = w
         except Exception as e:  # noqa: BLE001 - that job ends, the other goes on
-            self._fail(w, e, in_batch=w.uid != solo.uid)
+            self._fail(w, e, in_batch=False)  # not in the batch: insert is the last step
 
     def _solo_step(self, solo: _Solo) -> None:
         w = self._decoding[solo.uid]
